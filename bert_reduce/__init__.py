@@ -1,0 +1,67 @@
+"""bert_reduce: exact, NaN-free, sync-free loss reduction for BERT masked-language models.
+
+Public names are imported on first use, so ``import bert_reduce`` stays quick and loads
+neither NeMo nor Megatron-Core nor Lightning until something needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "BERTMLMLossWithReduction": "bert_reduce.reduction",
+    "DataParallelGroupLossAndIO": "bert_reduce.reduction",
+    "MegatronLossReduction": "bert_reduce.reduction",
+    "PerTokenLossDict": "bert_reduce.reduction",
+    "SameSizeLossDict": "bert_reduce.reduction",
+    "reduce_loss_reports": "bert_reduce.reduction",
+    "masked_token_loss": "bert_reduce.functional",
+    "unreduced_token_loss_fn": "bert_reduce.functional",
+    "validate_masked_labels": "bert_reduce.functional",
+    "get_batch_on_this_cp_rank": "bert_reduce.distributed",
+}
+
+__all__ = [
+    "BERTMLMLossWithReduction",
+    "DataParallelGroupLossAndIO",
+    "MegatronLossReduction",
+    "PerTokenLossDict",
+    "SameSizeLossDict",
+    "get_batch_on_this_cp_rank",
+    "masked_token_loss",
+    "reduce_loss_reports",
+    "unreduced_token_loss_fn",
+    "validate_masked_labels",
+]
+
+if TYPE_CHECKING:
+    from bert_reduce.distributed import get_batch_on_this_cp_rank
+    from bert_reduce.functional import (
+        masked_token_loss,
+        unreduced_token_loss_fn,
+        validate_masked_labels,
+    )
+    from bert_reduce.reduction import (
+        BERTMLMLossWithReduction,
+        DataParallelGroupLossAndIO,
+        MegatronLossReduction,
+        PerTokenLossDict,
+        SameSizeLossDict,
+        reduce_loss_reports,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bert_reduce' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

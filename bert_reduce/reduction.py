@@ -1,0 +1,275 @@
+"""NeMo 2 / Megatron-Core loss reduction for BERT masked-language modelling.
+
+Each micro-batch reports ``(loss_sum, num_tokens)``; nothing is averaged until the whole step
+is in. The schedule (Megatron-Core's ``forward_backward_*`` with
+``calculate_per_token_loss=True``) sums the token counts over micro-batches and data x context
+ranks and divides the summed gradients once, in ``finalize_model_grads``; ``reduce`` does the
+same for the logged value with a single all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypedDict, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from bert_reduce import distributed
+from bert_reduce.functional import (
+    masked_token_loss,
+    safe_divide,
+    unreduced_token_loss_fn,
+    validate_masked_labels,
+)
+
+__all__ = [
+    "BERTMLMLossWithReduction",
+    "DataParallelGroupLossAndIO",
+    "MegatronLossReduction",
+    "PerTokenLossDict",
+    "SameSizeLossDict",
+    "reduce_loss_reports",
+]
+
+
+class PerTokenLossDict(TypedDict):
+    """What one micro-batch reports on one rank, before any reduction.
+
+    Attributes:
+        loss_sum_and_microbatch_size: ``[2]`` fp64 tensor ``(sum of masked-token losses,
+            number of masked tokens)``, detached. fp64 holds token counts exactly up to 2**53.
+    """
+
+    loss_sum_and_microbatch_size: Tensor
+
+
+class DataParallelGroupLossAndIO(PerTokenLossDict):
+    """A :class:`PerTokenLossDict` that also carries the micro-batch and the model's outputs.
+
+    Produced when ``send_train_output`` / ``send_val_output`` ask for it, for downstream
+    metrics. Tensors are detached (not copied: the loss never writes to them).
+
+    Attributes:
+        batch: The micro-batch, e.g. ``labels`` and ``loss_mask`` of shape ``[b, s]``.
+        forward_out: The model's outputs, e.g. ``token_logits`` of shape ``[s, b, v]``.
+    """
+
+    batch: dict[str, Any]
+    forward_out: dict[str, Any]
+
+
+class SameSizeLossDict(TypedDict):
+    """A legacy report: a micro-batch mean already averaged over data-parallel ranks.
+
+    BioNeMo's and NeMo's older reductions emit it; :func:`reduce_loss_reports` averages such
+    reports the way NeMo does (a plain mean over micro-batches), which is only exact when all
+    micro-batches hold the same number of tokens.
+
+    Attributes:
+        avg: ``[1]`` or 0-dim loss.
+    """
+
+    avg: Tensor
+
+
+LossReport = PerTokenLossDict | DataParallelGroupLossAndIO | SameSizeLossDict
+
+DataT = TypeVar("DataT")
+ReductionT = TypeVar("ReductionT")
+
+try:
+    from nemo.lightning.megatron_parallel import MegatronLossReduction
+except ImportError:
+
+    class MegatronLossReduction(nn.Module, Generic[DataT, ReductionT]):  # type: ignore[no-redef]
+        """NeMo 2's loss-reduction contract, for when NeMo is not installed.
+
+        ``setup(batch)`` stores the micro-batch; calling the module on the model's output then
+        reaches ``forward(batch, forward_out)``; ``reduce(reports)`` turns the reports of every
+        micro-batch of a step into one scalar. With NeMo installed, this name is NeMo's own
+        class, so NeMo's ``isinstance`` checks pass.
+        """
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch: DataT | None = None
+            self.register_forward_pre_hook(self._pre_forward_hook)
+
+        def setup(self, batch: DataT) -> None:
+            """Remember the micro-batch the next call's ``forward`` receives."""
+            self.batch = batch
+
+        def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            return (self.batch, *args)
+
+        def forward(self, batch: DataT, forward_out: Any) -> tuple[Any, ...]:
+            """Loss of one micro-batch and its report."""
+            raise NotImplementedError
+
+        def reduce(self, losses_reduced_per_micro_batch: Sequence[ReductionT]) -> Tensor:
+            """One scalar from the reports of every micro-batch of a step."""
+            raise NotImplementedError
+
+
+def _require(mapping: Mapping[str, Any], key: str, name: str) -> Tensor:
+    if key not in mapping:
+        raise KeyError(f"{name} has no {key!r} key; it has {sorted(mapping)}.")
+    value = mapping[key]
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(value).__name__}.")
+    return value
+
+
+def _detached(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.detach() if isinstance(v, Tensor) else v for k, v in mapping.items()}
+
+
+def reduce_loss_reports(reports: Sequence[LossReport]) -> Tensor:
+    """The exact mean loss over every masked token of the global batch.
+
+    Sums the ``(loss_sum, num_tokens)`` of every micro-batch locally, then over the data x
+    context parallel group in one all-reduce, then divides once:
+
+        loss = global_loss_sum / global_num_tokens   (0.0 when global_num_tokens == 0)
+
+    Legacy :class:`SameSizeLossDict` reports are averaged as NeMo does, without a collective.
+
+    Args:
+        reports: One report per micro-batch of this rank's step; may be empty (a non-last
+            pipeline stage, say), which gives 0.0 on the current device.
+
+    Returns:
+        A 0-dim fp64 tensor (the dtype of legacy reports for those).
+
+    Raises:
+        ValueError: If per-token and legacy reports are mixed, or a report is neither.
+    """
+    if len(reports) == 0:
+        return torch.zeros((), dtype=torch.float64, device=distributed.default_device())
+    if all("loss_sum_and_microbatch_size" in report for report in reports):
+        local = torch.stack(
+            [report["loss_sum_and_microbatch_size"] for report in reports]  # type: ignore[typeddict-item]
+        ).sum(dim=0)
+        totals = distributed.all_reduce_sum_(local, distributed.loss_reduction_group())
+        loss_sum, num_tokens = totals.unbind()
+        return safe_divide(loss_sum, num_tokens)
+    if all("avg" in report for report in reports):
+        return torch.cat([report["avg"].reshape(1) for report in reports]).mean()  # type: ignore[typeddict-item]
+    raise ValueError(
+        "Cannot reduce these reports: expected all with 'loss_sum_and_microbatch_size' or all "
+        f"with 'avg', got keys {[sorted(report) for report in reports]}."
+    )
+
+
+class BERTMLMLossWithReduction(MegatronLossReduction):
+    """Masked-language-model loss over the masked tokens, exact under any split of the batch.
+
+    ``forward(batch, forward_out)`` returns ``(loss_sum, num_tokens, report)``, the three-tuple
+    Megatron-Core's ``forward_step_calc_loss`` understands:
+
+    * ``calculate_per_token_loss=True`` (recommended): Megatron back-propagates ``loss_sum``,
+      adds up ``num_tokens`` over micro-batches, all-reduces it over data x context ranks and
+      divides the summed gradients by it in ``finalize_model_grads``. The gradient is that of
+      the exact mean over every masked token of the global batch, however it is split into
+      micro-batches, DP ranks or CP shards.
+    * ``calculate_per_token_loss=False``: Megatron divides each micro-batch's ``loss_sum`` by
+      ``max(num_tokens, 1)`` and by the number of micro-batches, and DDP averages over ranks:
+      a mean of micro-batch means (BioNeMo's behaviour), never NaN, but not the global mean.
+
+    ``forward`` runs no collective (except the tensor-parallel ones inside the vocab-parallel
+    cross-entropy) and never reads device values on the host. A micro-batch without masked
+    tokens contributes 0 to the sum and to the count, and a zero gradient. ``reduce`` returns
+    the exact global mean for logging, with one all-reduce, and 0.0 when the whole global batch
+    has no masked token. The same holds in validation whether the last partial batch is
+    dropped or not: ``val_drop_last`` is accepted for compatibility and changes nothing.
+
+    The module keeps no state between calls: NeMo builds a fresh instance per micro-batch and
+    another for ``reduce``.
+
+    Args:
+        validation_step: Whether this instance serves validation (selects which
+            ``send_*_output`` applies).
+        val_drop_last: Accepted for BioNeMo compatibility; the reduction is exact either way.
+        send_train_output: In training, also return the detached batch and model outputs.
+        send_val_output: In validation, also return the detached batch and model outputs.
+        cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy.
+        check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary. This
+            reads the labels on the host (a device sync): meant for debugging. Without it, such
+            a label makes the loss NaN.
+    """
+
+    def __init__(
+        self,
+        validation_step: bool = False,
+        val_drop_last: bool = True,
+        send_train_output: bool = False,
+        send_val_output: bool = True,
+        *,
+        cross_entropy_loss_fusion: bool = False,
+        check_labels: bool = False,
+    ) -> None:
+        super().__init__()
+        self.validation_step = validation_step
+        self.val_drop_last = val_drop_last
+        self.send_train_output = send_train_output
+        self.send_val_output = send_val_output
+        self.cross_entropy_loss_fusion = cross_entropy_loss_fusion
+        self.check_labels = check_labels
+
+    def forward(
+        self, batch: Mapping[str, Any], forward_out: Mapping[str, Any]
+    ) -> tuple[Tensor, Tensor, PerTokenLossDict | DataParallelGroupLossAndIO]:
+        """Loss sum and masked-token count of one micro-batch on this rank.
+
+        Args:
+            batch: ``labels`` (``[b, s]`` int token ids) and ``loss_mask`` (``[b, s]``,
+                non-zero where scored); under context parallelism, this rank's shard.
+            forward_out: ``token_logits`` of shape ``[s, b, v]`` (``v`` sharded under TP).
+
+        Returns:
+            ``(loss_sum, num_tokens, report)``: a 0-dim fp32 sum that carries the gradient
+            (fp64 for fp64 logits without Megatron), a 0-dim int64 count, and the detached
+            report for :meth:`reduce`.
+
+        Raises:
+            KeyError: If a required key is missing (the message names it).
+            ValueError: On mismatched shapes (the message names both), or, with
+                ``check_labels``, on masked labels outside the vocabulary.
+        """
+        labels = _require(batch, "labels", "batch")
+        loss_mask = _require(batch, "loss_mask", "batch")
+        logits = _require(forward_out, "token_logits", "forward_out")
+        if loss_mask.shape != labels.shape:
+            raise ValueError(
+                f"loss_mask of shape {tuple(loss_mask.shape)} must match labels of shape "
+                f"{tuple(labels.shape)} ([b, s])."
+            )
+        if self.check_labels:
+            vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
+            validate_masked_labels(labels, loss_mask, vocab_size)
+
+        per_token_loss = unreduced_token_loss_fn(
+            logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
+        )
+        loss_sum, num_tokens = masked_token_loss(per_token_loss, loss_mask)
+        report: PerTokenLossDict | DataParallelGroupLossAndIO = {
+            "loss_sum_and_microbatch_size": torch.stack(
+                [loss_sum.detach().to(torch.float64), num_tokens.to(torch.float64)]
+            )
+        }
+        send_output = self.send_val_output if self.validation_step else self.send_train_output
+        if send_output:
+            report = DataParallelGroupLossAndIO(
+                loss_sum_and_microbatch_size=report["loss_sum_and_microbatch_size"],
+                batch=_detached(batch),
+                forward_out=_detached(forward_out),
+            )
+        return loss_sum, num_tokens, report
+
+    def reduce(self, losses_reduced_per_micro_batch: Sequence[LossReport]) -> Tensor:
+        """Exact mean loss over every masked token of the global batch.
+
+        See :func:`reduce_loss_reports`.
+        """
+        return reduce_loss_reports(losses_reduced_per_micro_batch)

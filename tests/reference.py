@@ -1,0 +1,49 @@
+"""Independent references: ``torch.nn.functional.cross_entropy`` on the full, unsplit batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def make_mlm_batch(
+    batch_size: int,
+    seq_len: int,
+    vocab: int,
+    *,
+    mask_prob: float = 0.3,
+    empty_rows: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Random ``[s, b, v]`` logits, ``[b, s]`` labels and a ``[b, s]`` bool loss mask.
+
+    Unmasked labels are set to -100 so that nothing can rely on them; ``empty_rows`` get no
+    masked token at all.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(seq_len, batch_size, vocab, generator=gen, dtype=torch.float64) * 3
+    labels = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
+    mask = torch.rand(batch_size, seq_len, generator=gen) < mask_prob
+    for row in empty_rows:
+        mask[row] = False
+    labels = torch.where(mask, labels, -100)
+    return logits.to(dtype), labels, mask
+
+
+def reference_loss(logits_sbv: Tensor, labels_bs: Tensor, mask_bs: Tensor) -> Tensor:
+    """Mean cross-entropy over the masked tokens, in one pass, fp64."""
+    logits_bsv = logits_sbv.to(torch.float64).transpose(0, 1)
+    return F.cross_entropy(logits_bsv[mask_bs], labels_bs[mask_bs])
+
+
+def reference_loss_and_grad(
+    logits_sbv: Tensor, labels_bs: Tensor, mask_bs: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The reference loss and its gradient w.r.t. the ``[s, b, v]`` logits, fp64."""
+    logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
+    loss = reference_loss(logits, labels_bs, mask_bs)
+    loss.backward()
+    assert logits.grad is not None
+    return loss.detach(), logits.grad

@@ -1,0 +1,247 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+import bert_reduce
+from bert_reduce import (
+    BERTMLMLossWithReduction,
+    MegatronLossReduction,
+    PerTokenLossDict,
+    SameSizeLossDict,
+)
+from tests.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
+from tests.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
+
+
+def run_microbatches(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    sizes: Sequence[int],
+    **loss_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drive the loss the way NeMo does: a fresh object per micro-batch and one for reduce.
+
+    Returns the reduced loss and the gradient w.r.t. ``logits`` that Megatron's
+    ``calculate_per_token_loss=True`` produces: d(sum of loss_sums) / global count.
+    """
+    assert sum(sizes) == labels.shape[0]
+    logits = logits.detach().requires_grad_(True)
+    reports, total_tokens, start = [], torch.zeros((), dtype=torch.int64), 0
+    for size in sizes:
+        rows = slice(start, start + size)
+        start += size
+        loss_fn = BERTMLMLossWithReduction(**loss_kwargs)
+        loss_fn.setup({"labels": labels[rows], "loss_mask": mask[rows]})
+        loss_sum, num_tokens, report = loss_fn({"token_logits": logits[:, rows]})
+        loss_sum.backward()
+        total_tokens += num_tokens
+        reports.append(report)
+    reduced = BERTMLMLossWithReduction(**loss_kwargs).reduce(reports)
+    grad = logits.grad / total_tokens.clamp(min=1)
+    return reduced, grad
+
+
+def test_public_api_is_importable_and_typed() -> None:
+    assert set(bert_reduce.__all__) >= {
+        "BERTMLMLossWithReduction",
+        "PerTokenLossDict",
+        "SameSizeLossDict",
+        "DataParallelGroupLossAndIO",
+        "MegatronLossReduction",
+        "unreduced_token_loss_fn",
+        "masked_token_loss",
+    }
+    assert issubclass(BERTMLMLossWithReduction, MegatronLossReduction)
+
+
+def test_single_microbatch_matches_cross_entropy() -> None:
+    logits, labels, mask = make_mlm_batch(4, 9, 13)
+    loss, grad = run_microbatches(logits, labels, mask, [4])
+    ref_loss, ref_grad = reference_loss_and_grad(logits, labels, mask)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("sizes", [[1, 3, 2, 2], [5, 1, 1, 1], [2, 2, 2, 2], [8]])
+def test_unequal_microbatches_with_empty_ones_match_full_batch(sizes) -> None:
+    logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.25)
+    loss, grad = run_microbatches(logits, labels, mask, sizes)
+    ref_loss, ref_grad = reference_loss_and_grad(logits, labels, mask)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
+
+
+def test_mean_of_microbatch_means_would_differ() -> None:
+    # Guards the test above against being vacuous: the split changes the mean of means.
+    logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.25)
+    per_mb = [reference_loss(logits[:, r], labels[r], mask[r]) for r in (slice(1, 4), slice(5, 8))]
+    assert not torch.isclose(torch.stack(per_mb).mean(), reference_loss(logits, labels, mask))
+
+
+def test_all_empty_step_reduces_to_zero_without_nan() -> None:
+    logits, labels, mask = make_mlm_batch(4, 6, 5, empty_rows=(0, 1, 2, 3))
+    loss, grad = run_microbatches(logits, labels, mask, [1, 3])
+    assert loss.item() == 0.0
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_seed_000_example_ten_plus_six_tokens() -> None:
+    # Two samples of 16 tokens: 10 masked in the first, 6 in the second.
+    logits, labels, _ = make_mlm_batch(2, 16, 5, mask_prob=1.0)
+    labels = labels.abs() % 5
+    mask = torch.tensor([[1] * 10 + [0] * 6, [1] * 6 + [0] * 10], dtype=torch.bool)
+    full, _ = run_microbatches(logits, labels, mask, [2])
+    split, _ = run_microbatches(logits, labels, mask, [1, 1])
+    per_token = torch.nn.functional.cross_entropy(
+        logits.transpose(0, 1).reshape(-1, 5), labels.reshape(-1), reduction="none"
+    ).view(2, 16)
+    expected = per_token[mask].sum() / 16
+    torch.testing.assert_close(full, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(split, expected, rtol=1e-12, atol=0)
+    mean_of_means = (per_token[0, :10].mean() + per_token[1, :6].mean()) / 2
+    assert not torch.isclose(split, mean_of_means)
+
+
+def test_bf16_logits_accumulate_in_fp32() -> None:
+    logits, labels, mask = make_mlm_batch(4, 32, 33, dtype=torch.float32)
+    loss32, grad32 = run_microbatches(logits, labels, mask, [1, 3])
+    loss16, grad16 = run_microbatches(logits.bfloat16(), labels, mask, [1, 3])
+    assert grad16.dtype == torch.bfloat16
+    torch.testing.assert_close(loss16, loss32, rtol=2e-2, atol=0)
+    torch.testing.assert_close(grad16.float(), grad32, rtol=2e-2, atol=2e-3)
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    loss_sum, _, _ = loss_fn({"token_logits": logits.bfloat16()})
+    assert loss_sum.dtype == torch.float32
+
+
+def test_logits_unchanged_after_loss_and_backward() -> None:
+    logits, labels, mask = make_mlm_batch(2, 8, 9, dtype=torch.float32)
+    logits.requires_grad_(True)
+    before = logits.detach().clone()
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    loss_sum, _, _ = loss_fn({"token_logits": logits})
+    loss_sum.backward()
+    assert torch.equal(logits.detach(), before)
+
+
+def test_reports_by_default_hold_only_two_numbers() -> None:
+    logits, labels, mask = make_mlm_batch(2, 8, 9)
+    for validation_step, expect_io in [(False, False), (True, True)]:
+        loss_fn = BERTMLMLossWithReduction(validation_step=validation_step)
+        loss_fn.setup({"labels": labels, "loss_mask": mask})
+        _, _, report = loss_fn({"token_logits": logits.requires_grad_(True)})
+        assert report["loss_sum_and_microbatch_size"].shape == (2,)
+        assert report["loss_sum_and_microbatch_size"].dtype == torch.float64
+        assert ("forward_out" in report) is expect_io and ("batch" in report) is expect_io
+        if expect_io:
+            assert not report["forward_out"]["token_logits"].requires_grad
+            assert report["batch"]["labels"] is not labels and torch.equal(
+                report["batch"]["labels"], labels
+            )
+
+
+def test_send_train_output() -> None:
+    logits, labels, mask = make_mlm_batch(2, 8, 9)
+    loss_fn = BERTMLMLossWithReduction(send_train_output=True)
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    _, _, report = loss_fn({"token_logits": logits})
+    assert set(report) == {"loss_sum_and_microbatch_size", "batch", "forward_out"}
+
+
+@pytest.mark.parametrize(
+    ("batch_keys", "out_key", "match"),
+    [
+        (("loss_mask",), "token_logits", "batch has no 'labels' key"),
+        (("labels",), "token_logits", "batch has no 'loss_mask' key"),
+        (("labels", "loss_mask"), "logits", "forward_out has no 'token_logits' key"),
+    ],
+)
+def test_missing_key_is_named(batch_keys, out_key, match) -> None:
+    logits, labels, mask = make_mlm_batch(2, 8, 9)
+    full = {"labels": labels, "loss_mask": mask}
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({k: full[k] for k in batch_keys})
+    with pytest.raises(KeyError, match=match):
+        loss_fn({out_key: logits})
+
+
+def test_mask_shape_mismatch_names_both_shapes() -> None:
+    logits, labels, mask = make_mlm_batch(2, 8, 9)
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": mask[:, :4]})
+    with pytest.raises(ValueError, match=r"\(2, 4\).*\(2, 8\)"):
+        loss_fn({"token_logits": logits})
+
+
+def test_out_of_vocab_masked_label_reported() -> None:
+    logits, labels, mask = make_mlm_batch(2, 8, 9, mask_prob=1.0)
+    labels[1, 3] = 42
+    loss_fn = BERTMLMLossWithReduction(check_labels=True)
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    with pytest.raises(ValueError, match=r"outside \[0, 9\).*b=1, s=3.*42"):
+        loss_fn({"token_logits": logits})
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    assert loss_fn({"token_logits": logits})[0].isnan()
+
+
+def test_reduce_legacy_avg_reports_as_nemo_does() -> None:
+    reports: list[SameSizeLossDict] = [
+        {"avg": torch.tensor([1.0])},
+        {"avg": torch.tensor(3.0)},
+    ]
+    assert BERTMLMLossWithReduction().reduce(reports).item() == 2.0
+
+
+def test_reduce_empty_list_is_zero_on_default_device() -> None:
+    out = BERTMLMLossWithReduction().reduce([])
+    assert out.item() == 0.0 and out.device.type == "cpu"
+
+
+def test_reduce_rejects_mixed_reports() -> None:
+    mixed = [
+        PerTokenLossDict(
+            loss_sum_and_microbatch_size=torch.tensor([1.0, 2.0], dtype=torch.float64)
+        ),
+        SameSizeLossDict(avg=torch.tensor(1.0)),
+    ]
+    with pytest.raises(ValueError, match="Cannot reduce these reports"):
+        BERTMLMLossWithReduction().reduce(mixed)
+
+
+def test_val_drop_last_false_is_exact_too() -> None:
+    logits, labels, mask = make_mlm_batch(7, 10, 7, empty_rows=(6,))
+    loss, _ = run_microbatches(
+        logits, labels, mask, [3, 3, 1], validation_step=True, val_drop_last=False
+    )
+    torch.testing.assert_close(loss, reference_loss(logits, labels, mask), rtol=1e-12, atol=0)
+
+
+def test_forward_and_reduce_have_no_host_sync_and_no_collective() -> None:
+    logits, labels, mask = make_mlm_batch(4, 8, 9)
+    logits.requires_grad_(True)
+    with forbid_host_syncs(), count_collectives() as calls:
+        loss_fn = BERTMLMLossWithReduction(validation_step=True)
+        loss_fn.setup({"labels": labels, "loss_mask": mask})
+        loss_sum, _, report = loss_fn({"token_logits": logits})
+        loss_sum.backward()
+        BERTMLMLossWithReduction().reduce([report, report])
+    assert sum(calls.values()) == 0
+
+
+def test_sync_guard_detects_item() -> None:
+    with forbid_host_syncs(), pytest.raises(HostSyncError):
+        torch.ones(()).item()
+
+
+def test_all_matches_exports() -> None:
+    assert sorted(bert_reduce.__all__) == sorted(bert_reduce._EXPORTS)
+    for name in bert_reduce.__all__:
+        assert getattr(bert_reduce, name) is not None
