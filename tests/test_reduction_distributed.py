@@ -1,0 +1,149 @@
+"""Real multi-process runs: DP, TP (vocab-sharded logits), CP and DP x CP against one process.
+
+Every rank builds the same global batch, takes its share (rows for DP, load-balanced sequence
+chunks for CP, a vocab slice for TP), runs the loss per micro-batch as Megatron would, and
+checks the reduced loss and its own slice of d(loss)/d(logits) against
+``F.cross_entropy`` on the whole, unsplit batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank
+from bert_reduce.distributed import (
+    context_parallel_indices,
+    slice_for_context_parallel,
+)
+from tests.dist_utils import run_distributed
+from tests.reference import make_mlm_batch, reference_loss_and_grad
+from tests.sync_guard import count_collectives, forbid_host_syncs
+
+pytestmark = pytest.mark.slow
+
+GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 16, 12
+EMPTY_ROWS = (3, 5)
+# Micro-batches (as global row indices) per data-parallel rank: unequal sizes, unequal numbers
+# of samples per rank (5 vs 3) and, through EMPTY_ROWS, micro-batches with no masked token.
+MICRO_BATCHES = {
+    1: [[[0, 1, 2], [3], [4, 5, 6, 7]]],
+    2: [[[0, 1, 2], [3, 4]], [[5], [6, 7]]],
+}
+
+
+def _ranks() -> tuple[int, int, int, int, int, int]:
+    """(dp_rank, dp_size, tp_rank, tp_size, cp_rank, cp_size) from Megatron or plain DDP."""
+    from bert_reduce import distributed as brd
+
+    if brd.megatron_is_initialized():
+        from megatron.core import parallel_state as ps
+
+        return (
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_context_parallel_rank(),
+            ps.get_context_parallel_world_size(),
+        )
+    return dist.get_rank(), dist.get_world_size(), 0, 1, 0, 1
+
+
+def _local_view(
+    tensor_sbv: torch.Tensor, rows: list[int], tp: tuple[int, int], cp: tuple[int, int]
+):
+    """This rank's [s/cp, rows, v/tp] slice of [s, b, v] logits (or of their gradient)."""
+    (tp_rank, tp_size), (cp_rank, cp_size) = tp, cp
+    shard = VOCAB // tp_size
+    local = slice_for_context_parallel(tensor_sbv[:, rows], 0, cp_size, cp_rank)
+    return local[..., tp_rank * shard : (tp_rank + 1) * shard]
+
+
+def _check_against_single_process(validation_step: bool) -> None:
+    dp_rank, dp_size, tp_rank, tp_size, cp_rank, cp_size = _ranks()
+    logits, labels, mask = make_mlm_batch(
+        GLOBAL_BATCH, SEQ_LEN, VOCAB, empty_rows=EMPTY_ROWS, mask_prob=0.2, seed=7
+    )
+    ref_loss, ref_grad = reference_loss_and_grad(logits, labels, mask)
+
+    reports, local_tokens = [], torch.zeros((), dtype=torch.int64)
+    grads, leaves = [], []
+    for rows in MICRO_BATCHES[dp_size][dp_rank]:
+        full_batch = {"labels": labels[rows], "loss_mask": mask[rows]}
+        batch = get_batch_on_this_cp_rank(full_batch)
+        if cp_size > 1:
+            from megatron.core.utils import get_batch_on_this_cp_rank as megatron_slicer
+
+            expected = megatron_slicer(dict(full_batch))
+            for key in full_batch:
+                assert torch.equal(batch[key], expected[key]), key
+        leaf = _local_view(logits, rows, (tp_rank, tp_size), (cp_rank, cp_size)).clone()
+        leaf.requires_grad_(True)
+        loss_fn = BERTMLMLossWithReduction(validation_step=validation_step, val_drop_last=False)
+        loss_fn.setup(batch)
+        loss_sum, num_tokens, report = loss_fn({"token_logits": leaf})
+        if not validation_step:
+            loss_sum.backward()
+            grads.append(leaf.grad)
+        leaves.append(rows)
+        local_tokens += num_tokens
+        reports.append(report)
+
+    with forbid_host_syncs(), count_collectives() as calls:
+        reduced = BERTMLMLossWithReduction(validation_step=validation_step).reduce(reports)
+    assert calls["all_reduce"] == (1 if dp_size * cp_size > 1 else 0), calls
+    torch.testing.assert_close(reduced, ref_loss, rtol=1e-6, atol=0)
+
+    if validation_step:
+        return
+    # What Megatron's finalize_model_grads does with calculate_per_token_loss=True:
+    # grad = d(sum of local loss sums) / global_num_tokens, counted over DP x CP.
+    from bert_reduce.distributed import all_reduce_sum_, loss_reduction_group
+
+    global_tokens = all_reduce_sum_(local_tokens.clone(), loss_reduction_group())
+    assert int(global_tokens) == int(mask.sum())
+    for rows, grad in zip(leaves, grads, strict=True):
+        expected = _local_view(ref_grad, rows, (tp_rank, tp_size), (cp_rank, cp_size))
+        torch.testing.assert_close(grad / global_tokens, expected, rtol=1e-5, atol=1e-8)
+
+
+def _body() -> None:
+    _check_against_single_process(validation_step=False)
+    _check_against_single_process(validation_step=True)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "tp", "cp"),
+    [(2, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2)],
+    ids=["dp2", "tp2", "cp2", "dp2xcp2", "tp2xcp2"],
+)
+def test_megatron_parallel_matches_single_process(world_size: int, tp: int, cp: int) -> None:
+    run_distributed(_body, world_size, tp=tp, cp=cp)
+
+
+def test_plain_torch_distributed_dp_matches_single_process() -> None:
+    run_distributed(_body, 2, megatron=False)
+
+
+def test_context_parallel_indices_are_load_balanced_and_cover_sequence() -> None:
+    # cp=2, s=8: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert context_parallel_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert context_parallel_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    for cp in (1, 2, 4):
+        seen = torch.cat([context_parallel_indices(24, cp, r) for r in range(cp)])
+        assert sorted(seen.tolist()) == list(range(24))
+
+
+def test_context_parallel_slicer_errors() -> None:
+    with pytest.raises(
+        ValueError, match=r"Sequence length 10 must be divisible by 2 \* cp_size = 4"
+    ):
+        context_parallel_indices(10, 2, 0)
+    with pytest.raises(ValueError, match="Invalid context-parallel rank 2 for cp_size=2"):
+        context_parallel_indices(8, 2, 2)
+    batch = {"labels": torch.zeros(2, 8, dtype=torch.long), "meta": "kept"}
+    sliced = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=1)
+    assert sliced["labels"].shape == (2, 4) and sliced["meta"] == "kept"
+    assert batch["labels"].shape == (2, 8)
