@@ -1,0 +1,21 @@
+"""Lightning integration: exact global-batch training steps and the samplers that feed them.
+
+Importing this package imports Lightning; ``import bert_reduce`` alone does not.
+"""
+
+from bert_reduce.lightning.exact_module import (
+    ExactMLMModule,
+    LRSchedulerFactory,
+    OptimizerFactory,
+    split_micro_batches,
+)
+from bert_reduce.lightning.sampling import GlobalBatchSampler, ShardedEvalBatchSampler
+
+__all__ = [
+    "ExactMLMModule",
+    "GlobalBatchSampler",
+    "LRSchedulerFactory",
+    "OptimizerFactory",
+    "ShardedEvalBatchSampler",
+    "split_micro_batches",
+]

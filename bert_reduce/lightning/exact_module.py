@@ -1,0 +1,335 @@
+"""A LightningModule whose optimizer step is exactly that of the whole global batch.
+
+Lightning's ``accumulate_grad_batches`` divides each micro-batch's (mean) loss by the number of
+micro-batches and DDP averages gradients over ranks: the result is a mean of means, which is not
+the mean over the masked tokens of the global batch when micro-batches hold different numbers
+of masked tokens. :class:`ExactMLMModule` instead receives this rank's share of ONE global batch
+per ``training_step`` and, in the spirit of Megatron-Core's ``finalize_model_grads``:
+
+1. splits it into micro-batches and back-propagates each micro-batch's loss *numerator* (a sum,
+   not a mean) under DDP's ``no_sync``, so gradients accumulate locally, except for the last
+   micro-batch, whose backward runs DDP's one gradient all-reduce of the step;
+2. sums the numerators and denominators of all micro-batches locally and over the data-parallel
+   group in ONE all-reduce, with no host sync;
+3. multiplies the gradients by ``world_size / global_denominator``: ``world_size`` undoes DDP's
+   averaging and the division happens once, by the global count;
+4. clips (optionally), steps the optimizer and the learning-rate scheduler.
+
+The gradients are scaled after backward rather than the losses before it because the
+denominator of a micro-batch is only known once the loss has seen the micro-batch (it is what
+the loss object's ``forward`` returns), so this works for every normalization the loss object
+implements, and the denominator's all-reduce needs no extra pass over the data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from typing_extensions import override
+
+from bert_reduce import distributed
+from bert_reduce.functional import safe_divide
+from bert_reduce.reduction import BERTMLMLossWithReduction, MegatronLossReduction
+
+__all__ = [
+    "ExactMLMModule",
+    "LRSchedulerFactory",
+    "OptimizerFactory",
+    "split_micro_batches",
+]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+"""Builds the optimizer from the parameters, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)``
+(Hydra: ``_partial_: true``)."""
+
+LRSchedulerFactory = Callable[[Optimizer], LRScheduler]
+"""Builds a learning-rate scheduler stepped once per optimizer step."""
+
+
+def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list[dict[str, Any]]:
+    """Cut a ``[b, ...]`` batch into consecutive micro-batches of ``micro_batch_size`` samples.
+
+    Every tensor is split along dim 0; values that are not tensors are shared by all
+    micro-batches. Only shapes are read, so this never synchronizes with the device.
+
+    Args:
+        batch: This rank's share of the global batch, e.g. ``input_ids``, ``labels`` and
+            ``loss_mask`` of shape ``[b, s]``.
+        micro_batch_size: Samples per micro-batch; must divide ``b``.
+
+    Returns:
+        ``b // micro_batch_size`` dicts with the same keys, in order.
+
+    Raises:
+        ValueError: If the batch holds no tensor, a tensor is 0-dim, the tensors disagree on
+            ``b``, or ``b`` is not a multiple of ``micro_batch_size``.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
+    sizes = {key: value.shape[:1] for key, value in batch.items() if isinstance(value, Tensor)}
+    if not sizes:
+        raise ValueError(f"The batch holds no tensor to split; its keys are {sorted(batch)}.")
+    scalars = sorted(key for key, size in sizes.items() if len(size) == 0)
+    if scalars:
+        raise ValueError(f"Cannot split 0-dim tensors batch{scalars} into micro-batches.")
+    batch_sizes = {key: size[0] for key, size in sizes.items()}
+    batch_size = next(iter(batch_sizes.values()))
+    if any(size != batch_size for size in batch_sizes.values()):
+        raise ValueError(
+            "The batch's tensors disagree on the batch dim (dim 0): "
+            f"{dict(sorted(batch_sizes.items()))}."
+        )
+    if batch_size % micro_batch_size != 0:
+        raise ValueError(
+            f"This rank's batch holds {batch_size} samples, not a multiple of "
+            f"micro_batch_size={micro_batch_size}. Each training batch must be this rank's share "
+            "of one global batch: build the loader with bert_reduce.lightning.GlobalBatchSampler."
+        )
+    chunks = {
+        key: value.split(micro_batch_size) for key, value in batch.items() if key in batch_sizes
+    }
+    return [
+        {key: chunks[key][i] if key in chunks else value for key, value in batch.items()}
+        for i in range(batch_size // micro_batch_size)
+    ]
+
+
+class ExactMLMModule(pl.LightningModule):
+    """Masked-language-model training whose every step is exact for the whole global batch.
+
+    Each ``training_step`` receives this rank's contiguous share of one global batch (see
+    :class:`bert_reduce.lightning.GlobalBatchSampler`) and performs one optimizer step: the
+    parameters after it are those of a single process back-propagating the loss of the whole
+    global batch at once, whatever the micro-batch size and number of DDP ranks. Per step it
+    runs one gradient all-reduce (DDP's) and one all-reduce of four fp64 numbers, and reads no
+    device value on the host.
+
+    Use it with ``Trainer(strategy="ddp" | "auto", use_distributed_sampler=False)`` and neither
+    ``accumulate_grad_batches`` nor ``gradient_clip_val`` on the Trainer (micro-batching and
+    clipping happen here; Lightning refuses both under manual optimization anyway).
+    ``trainer.global_step`` counts optimizer steps, so ``max_steps`` counts global batches.
+    Mixed precision: ``"bf16-mixed"`` and ``"32-true"``/``"64-true"`` are supported;
+    ``"16-mixed"`` works without clipping (its loss scaler would have to unscale before the
+    clip, which Lightning's manual optimization does not do).
+
+    The model maps a micro-batch dict to ``{"token_logits": [s, b, v]}``; pass it to the
+    constructor or override :meth:`forward`. Subclasses may override :meth:`micro_batches` to
+    split differently (packed sequences, say).
+
+    Logged once per step, without any extra collective: ``train_loss``, the mean loss over every
+    masked token of the global batch (from the reports' ``loss_sum_and_microbatch_size``, so it
+    is token-weighted whatever normalization the loss uses).
+
+    Args:
+        model: Maps a micro-batch dict to a mapping with ``token_logits`` of shape ``[s, b, v]``.
+        micro_batch_size: Samples per forward/backward pass.
+        optimizer: Builds the optimizer from ``self.parameters()``; ``None`` means a subclass
+            overrides :meth:`configure_optimizers`.
+        lr_scheduler: Builds a scheduler from the optimizer, stepped after every optimizer step.
+        loss_fn: Training loss: ``setup(batch)`` then ``loss_fn(forward_out)`` returns
+            ``(numerator, denominator, report)`` with a ``loss_sum_and_microbatch_size`` report.
+            Defaults to ``BERTMLMLossWithReduction()`` (per-token mean).
+        val_loss_fn: Validation loss, same contract. Defaults to
+            ``BERTMLMLossWithReduction(validation_step=True, send_val_output=False)``.
+        gradient_clip_val: Clip the exact global gradient to this norm (or value); ``None``
+            disables clipping.
+        gradient_clip_algorithm: ``"norm"`` or ``"value"``.
+
+    Raises:
+        ValueError: On a non-positive ``micro_batch_size`` or an unknown clip algorithm.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        micro_batch_size: int,
+        optimizer: OptimizerFactory | None = None,
+        lr_scheduler: LRSchedulerFactory | None = None,
+        loss_fn: MegatronLossReduction | None = None,
+        val_loss_fn: MegatronLossReduction | None = None,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+    ) -> None:
+        super().__init__()
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(
+                "gradient_clip_algorithm must be 'norm' or 'value', got "
+                f"{gradient_clip_algorithm!r}."
+            )
+        self.automatic_optimization = False
+        self.model = model
+        self.micro_batch_size = micro_batch_size
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.loss_fn = BERTMLMLossWithReduction() if loss_fn is None else loss_fn
+        self.val_loss_fn = (
+            BERTMLMLossWithReduction(validation_step=True, send_val_output=False)
+            if val_loss_fn is None
+            else val_loss_fn
+        )
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+
+    @override
+    def forward(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The model's outputs for one micro-batch: ``token_logits`` of shape ``[s, b, v]``."""
+        return self.model(batch)
+
+    def micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """This rank's share of the global batch cut into micro-batches.
+
+        See :func:`split_micro_batches`; override to split differently.
+        """
+        return split_micro_batches(batch, self.micro_batch_size)
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        """The optimizer from ``optimizer``, with the scheduler stepped per optimizer step.
+
+        Raises:
+            ValueError: If no ``optimizer`` factory was given and no subclass overrides this.
+        """
+        if self.optimizer_factory is None:
+            raise ValueError(
+                "ExactMLMModule needs an optimizer: pass optimizer=functools.partial("
+                "torch.optim.AdamW, lr=...) or override configure_optimizers()."
+            )
+        optimizer = self.optimizer_factory(self.parameters())
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+    @override
+    def on_fit_start(self) -> None:
+        """Refuse strategies and precisions under which the step would not be exact.
+
+        Raises:
+            ValueError: On a strategy other than DDP or single-device, or ``"16-mixed"`` with
+                gradient clipping.
+        """
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, DDPStrategy | SingleDeviceStrategy):
+            raise ValueError(
+                f"ExactMLMModule supports DDPStrategy and SingleDeviceStrategy, got "
+                f"{type(strategy).__name__}: its gradient synchronization is not the one this "
+                "module rescales."
+            )
+        if self.gradient_clip_val is not None and getattr(
+            self.trainer.precision_plugin, "scaler", None
+        ):
+            raise ValueError(
+                "gradient_clip_val with precision='16-mixed' would clip loss-scaled gradients; "
+                "use precision='bf16-mixed' or disable clipping."
+            )
+
+    def _ddp(self) -> DistributedDataParallel | None:
+        model = self.trainer.strategy.model
+        return model if isinstance(model, DistributedDataParallel) else None
+
+    def _local_gradient_accumulation(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        # Lightning's manual optimization prepares DDP's reducer in every manual_backward unless
+        # DDP is in no_sync: all micro-batches but the last only accumulate locally.
+        ddp = self._ddp()
+        if last or ddp is None:
+            return contextlib.nullcontext()
+        return ddp.no_sync()
+
+    def _gradients(self) -> Iterator[Tensor]:
+        return (p.grad for p in self.parameters() if p.grad is not None)
+
+    @override
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
+        """One optimizer step on this rank's share of one global batch.
+
+        Args:
+            batch: This rank's contiguous share of the global batch: ``labels`` and
+                ``loss_mask`` of shape ``[b, s]`` plus whatever the model reads; ``b`` must be
+                a multiple of ``micro_batch_size``.
+            batch_idx: Index of the global batch in the epoch.
+
+        Returns:
+            The 0-dim fp64 mean loss over every masked token of the global batch (detached).
+        """
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        micro_batches = self.micro_batches(batch)
+        # (numerator, denominator, report loss sum, report token count), summed over micro-batches.
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        for index, micro_batch in enumerate(micro_batches):
+            with self._local_gradient_accumulation(last=index == len(micro_batches) - 1):
+                forward_out = self(micro_batch)
+                self.loss_fn.setup(micro_batch)
+                numerator, denominator, report = self.loss_fn(forward_out)
+                self.manual_backward(numerator)
+            totals += torch.cat(
+                [
+                    torch.stack([numerator.detach(), denominator]).to(torch.float64),
+                    report["loss_sum_and_microbatch_size"].to(totals.device, torch.float64),
+                ]
+            )
+        distributed.all_reduce_sum_(totals, distributed.loss_reduction_group())
+        _, global_denominator, loss_sum, num_tokens = totals.unbind()
+        ddp = self._ddp()
+        ddp_size = 1 if ddp is None else dist.get_world_size(ddp.process_group)
+        scale = safe_divide(torch.full_like(global_denominator, ddp_size), global_denominator)
+        for grad in self._gradients():
+            grad.mul_(scale.to(grad.dtype))
+        if self.gradient_clip_val is not None:
+            self.clip_gradients(
+                optimizer,
+                gradient_clip_val=self.gradient_clip_val,
+                gradient_clip_algorithm=self.gradient_clip_algorithm,
+            )
+        optimizer.step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()  # type: ignore[union-attr]
+        train_loss = safe_divide(loss_sum, num_tokens)
+        self.log(
+            "train_loss", train_loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=1
+        )
+        return train_loss
+
+    @override
+    def validation_step(
+        self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0
+    ) -> dict[str, Any]:
+        """The validation loss report of one micro-batch; nothing is reduced or logged here.
+
+        Validation runs no collective per step, so ranks may hold different numbers of
+        validation batches (see :class:`bert_reduce.lightning.ShardedEvalBatchSampler`).
+        Callbacks reduce the reports, e.g. summing ``loss_sum_and_microbatch_size`` over
+        batches and ranks once per epoch for an exact ``val_loss`` and perplexity.
+
+        Args:
+            batch: One validation micro-batch: ``labels`` and ``loss_mask`` of shape ``[b, s]``
+                plus whatever the model reads.
+            batch_idx: Index of the batch on this rank.
+            dataloader_idx: Index of the validation dataloader.
+
+        Returns:
+            The loss object's report: ``loss_sum_and_microbatch_size``, a detached ``[2]`` fp64
+            tensor ``(sum of masked-token losses, number of masked tokens)`` on this rank, plus
+            ``batch`` and ``forward_out`` when the validation loss sends outputs.
+        """
+        forward_out = self(batch)
+        self.val_loss_fn.setup(batch)
+        _, _, report = self.val_loss_fn(forward_out)
+        return dict(report)

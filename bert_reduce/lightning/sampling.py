@@ -1,0 +1,152 @@
+"""Batch samplers that hand every step the same global batch, whatever the number of ranks.
+
+Training: :class:`GlobalBatchSampler` orders the whole dataset from ``(seed, epoch)`` alone,
+cuts that order into global batches of ``global_batch_size`` samples, and gives each rank its
+contiguous share (``global_batch_size // world_size`` samples) of each. Concatenating the
+shares of ranks ``0 .. world_size - 1`` gives back the global batch, so a step sees the same
+samples on 1 rank or on 8, with any micro-batch size.
+
+Validation: :class:`ShardedEvalBatchSampler` gives each rank a contiguous slice of the dataset,
+every sample exactly once (no padding with repeated samples as ``DistributedSampler`` does), so
+summing ``(loss_sum, num_tokens)`` over ranks gives the exact loss of the whole set.
+
+Use both with ``Trainer(use_distributed_sampler=False)`` so that Lightning does not replace
+them, e.g. ``DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), 16, 4))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, Sampler
+
+__all__ = ["GlobalBatchSampler", "ShardedEvalBatchSampler"]
+
+
+def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    initialized = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if initialized else 1
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    if num_replicas < 1 or not 0 <= rank < num_replicas:
+        raise ValueError(f"Invalid rank {rank} for num_replicas={num_replicas}.")
+    return num_replicas, rank
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields, for each global batch, this rank's contiguous share of its dataset indices.
+
+    The order of the whole dataset is that of ``DistributedSampler(num_replicas=1,
+    shuffle=shuffle, seed=seed)`` at the current epoch (a permutation drawn from ``seed +
+    epoch``), available as ``self.sampler``; Lightning calls its ``set_epoch`` at the start of
+    every epoch. The last global batch is dropped when incomplete, so every step has exactly
+    ``global_batch_size`` samples.
+
+    Args:
+        dataset_size: Number of samples in the dataset.
+        global_batch_size: Samples per optimizer step, over all data-parallel ranks.
+        micro_batch_size: Samples per forward pass on one rank; only checked here, the module
+            does the micro-batching.
+        num_replicas: Data-parallel world size; ``torch.distributed``'s when ``None`` (1 when
+            it is not initialized).
+        rank: This rank; ``torch.distributed``'s when ``None`` (0 when it is not initialized).
+        shuffle: Draw a new order every epoch; else the dataset's order.
+        seed: Seed of the order, shared by all ranks.
+
+    Raises:
+        ValueError: If ``global_batch_size`` is not divisible by ``micro_batch_size *
+            num_replicas``, the dataset holds fewer samples than one global batch, or the rank
+            is invalid.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
+        if micro_batch_size < 1 or global_batch_size < 1:
+            raise ValueError(
+                f"global_batch_size ({global_batch_size}) and micro_batch_size "
+                f"({micro_batch_size}) must be >= 1."
+            )
+        if global_batch_size % (micro_batch_size * self.num_replicas) != 0:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by micro_batch_size * "
+                f"data-parallel ranks = {micro_batch_size} * {self.num_replicas} = "
+                f"{micro_batch_size * self.num_replicas}."
+            )
+        if dataset_size < global_batch_size:
+            raise ValueError(
+                f"The dataset holds {dataset_size} samples, fewer than one global batch of "
+                f"global_batch_size={global_batch_size}: no training step could run."
+            )
+        self.dataset_size = dataset_size
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.share = global_batch_size // self.num_replicas
+        self.sampler = DistributedSampler(
+            range(dataset_size), num_replicas=1, rank=0, shuffle=shuffle, seed=seed
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of ``epoch`` (Lightning calls this on ``self.sampler`` itself)."""
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return self.dataset_size // self.global_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = list(self.sampler)
+        start = self.rank * self.share
+        for step in range(len(self)):
+            offset = step * self.global_batch_size + start
+            yield order[offset : offset + self.share]
+
+
+class ShardedEvalBatchSampler(Sampler[list[int]]):
+    """Batches of this rank's contiguous slice of the dataset, every sample on exactly one rank.
+
+    Rank ``r`` holds indices ``[r * n // w, (r + 1) * n // w)`` in order, cut into batches of
+    ``batch_size`` with a smaller last one. Ranks may hold different numbers of batches (or
+    none, when ``n < w``), so nothing in validation may run a collective per batch.
+
+    Args:
+        dataset_size: Number of samples ``n``.
+        batch_size: Samples per validation batch.
+        num_replicas: World size ``w``; ``torch.distributed``'s when ``None``.
+        rank: This rank; ``torch.distributed``'s when ``None``.
+
+    Raises:
+        ValueError: On a non-positive ``batch_size`` or an invalid rank.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
+        self.batch_size = batch_size
+        self.start = self.rank * dataset_size // self.num_replicas
+        self.stop = (self.rank + 1) * dataset_size // self.num_replicas
+
+    def __len__(self) -> int:
+        return -(-(self.stop - self.start) // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for begin in range(self.start, self.stop, self.batch_size):
+            yield list(range(begin, min(begin + self.batch_size, self.stop)))
