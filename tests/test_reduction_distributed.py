@@ -147,3 +147,32 @@ def test_context_parallel_slicer_errors() -> None:
     sliced = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=1)
     assert sliced["labels"].shape == (2, 4) and sliced["meta"] == "kept"
     assert batch["labels"].shape == (2, 8)
+
+
+def _megatron_cross_entropy_body() -> None:
+    import torch.nn.functional as F
+
+    from bert_reduce.functional import unreduced_token_loss_fn
+
+    _, _, tp_rank, tp_size, _, _ = _ranks()
+    logits, labels, _ = make_mlm_batch(3, 8, VOCAB, mask_prob=1.0, dtype=torch.float32)
+    ref = F.cross_entropy(logits.double().permute(1, 2, 0), labels, reduction="none")
+    shard = VOCAB // tp_size
+    for fused in (False, True):
+        local = logits[..., tp_rank * shard : (tp_rank + 1) * shard].clone().requires_grad_(True)
+        before = local.detach().clone()
+        per_token = unreduced_token_loss_fn(local, labels, cross_entropy_loss_fusion=fused)
+        per_token.sum().backward()
+        assert torch.equal(local.detach(), before), "caller's logits were modified"
+        torch.testing.assert_close(per_token.double(), ref, rtol=1e-5, atol=1e-6)
+        ref_logits = logits.double().requires_grad_(True)
+        F.cross_entropy(ref_logits.permute(1, 2, 0), labels, reduction="sum").backward()
+        expected = ref_logits.grad[..., tp_rank * shard : (tp_rank + 1) * shard]
+        # The fused kernel returns its gradient in bf16, whatever the logits' dtype.
+        tol = 1e-2 if fused else 1e-5
+        torch.testing.assert_close(local.grad.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_cross_entropy_fused_and_unfused_leave_logits_untouched(tp: int) -> None:
+    run_distributed(_megatron_cross_entropy_body, tp, tp=tp)
