@@ -4,14 +4,13 @@ import subprocess
 import sys
 
 
-def test_import_is_light_and_needs_no_nemo() -> None:
+def test_import_loads_no_heavy_framework() -> None:
+    # Quick import is a property of what gets imported, not a timing: torch, Megatron, NeMo,
+    # Lightning and friends must all wait until a public name is first used.
     code = (
-        "import sys, time; t = time.perf_counter(); import bert_reduce; "
-        "heavy = sorted({m.split('.')[0] for m in sys.modules} "
-        "& {'torch', 'megatron', 'lightning', 'nemo', 'torchmetrics', 'hydra'}); "
-        "print(heavy, time.perf_counter() - t)"
+        "import sys; import bert_reduce; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} "
+        "& {'torch', 'megatron', 'lightning', 'nemo', 'torchmetrics', 'hydra'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    heavy, seconds = out.stdout.rsplit(" ", 1)
-    assert heavy == "[]", out.stdout
-    assert float(seconds) < 5.0
+    assert out.stdout.strip() == "[]", out.stdout
