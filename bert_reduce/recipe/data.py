@@ -1,0 +1,361 @@
+"""Protein sequences in, masked-language-model samples out.
+
+Readers for FASTA, CSV/TSV and Parquet files; a built-in synthetic corpus (no download); BERT
+masking decided per sample from ``(seed, epoch, index)``; padding into ``[b, s]`` batches.
+
+Because each sample's crop and mask come from its own random stream, the global batch of a
+step is the same tensor content however it is split into micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from bert_reduce.recipe.tokenizer import ESMTokenizer
+
+__all__ = [
+    "BACKGROUND_FREQUENCIES",
+    "MLMCollator",
+    "MLMDataset",
+    "load_sequences",
+    "mask_tokens",
+    "read_fasta",
+    "read_table",
+    "synthetic_proteins",
+]
+
+BACKGROUND_FREQUENCIES: dict[str, float] = {
+    "A": 8.25, "C": 1.37, "D": 5.45, "E": 6.75, "F": 3.86, "G": 7.07, "H": 2.27,
+    "I": 5.96, "K": 5.84, "L": 9.66, "M": 2.42, "N": 4.06, "P": 4.70, "Q": 3.93,
+    "R": 5.53, "S": 6.56, "T": 5.34, "V": 6.87, "W": 1.08, "Y": 2.92,
+}  # fmt: skip
+"""Amino-acid composition of UniProtKB/Swiss-Prot (percent), the synthetic corpus' source."""
+
+FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas")
+TABLE_SUFFIXES = (".csv", ".tsv", ".parquet")
+
+
+def _check_residues(sequence: str, tokenizer: ESMTokenizer, where: str) -> None:
+    bad = tokenizer.invalid_characters(sequence)
+    if bad:
+        raise ValueError(f"{where}: character(s) {bad} are not amino acids of the ESM alphabet.")
+
+
+def _check_not_empty(sequences: Sequence[str], source: str) -> None:
+    if not sequences:
+        raise ValueError(f"No sequences in {source}: the dataset is empty.")
+
+
+def read_fasta(path: str | os.PathLike[str]) -> list[str]:
+    """The sequences of a FASTA file, each possibly spread over several lines.
+
+    Args:
+        path: A FASTA file (``>header`` lines followed by residue lines).
+
+    Returns:
+        One string per record, in file order.
+
+    Raises:
+        ValueError: On residue lines before the first header, characters outside the ESM
+            alphabet (naming the file and line number), a record without residues, or a file
+            without any record.
+    """
+    tokenizer = ESMTokenizer()
+    sequences: list[str] = []
+    current: list[str] | None = None
+    header_line = 0
+    with open(path, encoding="utf-8") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            line = raw.strip()
+            if not line:
+                continue
+            if line.startswith(">"):
+                if current is not None:
+                    _finish_record(sequences, current, path, header_line)
+                current, header_line = [], line_number
+                continue
+            if current is None:
+                raise ValueError(
+                    f"{path}, line {line_number}: sequence data before any '>' header."
+                )
+            _check_residues(line, tokenizer, f"{path}, line {line_number}")
+            current.append(line)
+    if current is not None:
+        _finish_record(sequences, current, path, header_line)
+    _check_not_empty(sequences, str(path))
+    return sequences
+
+
+def _finish_record(
+    sequences: list[str], lines: list[str], path: str | os.PathLike[str], header_line: int
+) -> None:
+    if not lines:
+        raise ValueError(f"{path}, line {header_line}: FASTA record without residues.")
+    sequences.append("".join(lines).upper())
+
+
+def read_table(path: str | os.PathLike[str], column: str = "sequence") -> list[str]:
+    """The sequences in one column of a CSV, TSV or Parquet file.
+
+    CSV and TSV are read with the standard library; Parquet needs ``pyarrow``.
+
+    Args:
+        path: A ``.csv``, ``.tsv`` or ``.parquet`` file with a header row.
+        column: Name of the column holding the sequences.
+
+    Returns:
+        One string per row, in file order.
+
+    Raises:
+        KeyError: If ``column`` is missing (the message lists the columns).
+        ValueError: On characters outside the ESM alphabet or an empty cell (naming the row),
+            or a file without rows.
+        ImportError: For Parquet without ``pyarrow``.
+    """
+    path = Path(path)
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as error:
+            raise ImportError(f"Reading {path} needs pyarrow: pip install pyarrow") from error
+        table = pq.read_table(path)
+        if column not in table.column_names:
+            raise KeyError(
+                f"{path} has no column {column!r}; its columns are {table.column_names}."
+            )
+        values = [str(v) if v is not None else "" for v in table.column(column).to_pylist()]
+        first_row = 0
+    else:
+        with open(path, encoding="utf-8", newline="") as handle:
+            reader = csv.DictReader(handle, delimiter="\t" if path.suffix == ".tsv" else ",")
+            if reader.fieldnames is None or column not in reader.fieldnames:
+                raise KeyError(
+                    f"{path} has no column {column!r}; its columns are {reader.fieldnames}."
+                )
+            values = [row[column] or "" for row in reader]
+        first_row = 2  # line numbers as a spreadsheet shows them: the header is line 1
+    tokenizer = ESMTokenizer()
+    sequences = []
+    for offset, value in enumerate(values):
+        where = f"{path}, row {first_row + offset}" if first_row else f"{path}, row {offset}"
+        sequence = value.strip()
+        if not sequence:
+            raise ValueError(f"{where}: empty sequence in column {column!r}.")
+        _check_residues(sequence, tokenizer, where)
+        sequences.append(sequence.upper())
+    _check_not_empty(sequences, str(path))
+    return sequences
+
+
+def load_sequences(path: str | os.PathLike[str], column: str = "sequence") -> list[str]:
+    """Sequences from a FASTA, CSV, TSV or Parquet file, chosen by its suffix.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        ValueError: On an unknown suffix, or see :func:`read_fasta` and :func:`read_table`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Sequence file {path} does not exist.")
+    suffix = path.suffix.lower()
+    if suffix in FASTA_SUFFIXES:
+        return read_fasta(path)
+    if suffix in TABLE_SUFFIXES:
+        return read_table(path, column)
+    raise ValueError(f"Cannot read {path}: expected a suffix in {FASTA_SUFFIXES + TABLE_SUFFIXES}.")
+
+
+def synthetic_proteins(
+    num_sequences: int,
+    seed: int = 0,
+    median_length: int = 280,
+    length_sigma: float = 0.6,
+    min_length: int = 30,
+    max_length: int = 2000,
+) -> list[str]:
+    """A deterministic synthetic protein corpus, made without any download.
+
+    Residues are drawn independently from :data:`BACKGROUND_FREQUENCIES` (the composition
+    of Swiss-Prot) after a leading methionine, and lengths from a log-normal distribution
+    shaped like Swiss-Prot's (median about 280, long right tail), clipped to
+    ``[min_length, max_length]``. The sequences carry no biology: the best a model can do is
+    learn the composition, whose perplexity is ``exp(entropy) = 17.96``.
+
+    Args:
+        num_sequences: How many sequences.
+        seed: The corpus is a pure function of ``(num_sequences, seed)`` and the other
+            arguments.
+        median_length: Median length in residues.
+        length_sigma: Standard deviation of the log-length.
+        min_length: Shortest length.
+        max_length: Longest length.
+
+    Returns:
+        ``num_sequences`` upper-case strings.
+
+    Raises:
+        ValueError: If ``num_sequences`` is not positive or the length bounds are inconsistent.
+    """
+    if num_sequences <= 0:
+        raise ValueError(f"num_sequences must be positive, got {num_sequences}.")
+    if not 1 < min_length <= max_length:
+        raise ValueError(f"Need 1 < min_length <= max_length, got {min_length}, {max_length}.")
+    rng = np.random.default_rng([seed, 0x5EED])
+    lengths = np.exp(rng.normal(np.log(median_length), length_sigma, num_sequences))
+    lengths = np.clip(np.rint(lengths), min_length, max_length).astype(np.int64)
+    codes = np.frombuffer("".join(BACKGROUND_FREQUENCIES).encode("ascii"), dtype=np.uint8)
+    probs = np.array(list(BACKGROUND_FREQUENCIES.values()))
+    body = rng.choice(len(codes), size=int((lengths - 1).sum()), p=probs / probs.sum())
+    text = codes[body].tobytes().decode("ascii")
+    starts = np.concatenate([[0], np.cumsum(lengths - 1)])
+    return ["M" + text[starts[i] : starts[i + 1]] for i in range(num_sequences)]
+
+
+def mask_tokens(
+    input_ids: Tensor,
+    maskable: Tensor,
+    rng: np.random.Generator,
+    tokenizer: ESMTokenizer,
+    mask_prob: float = 0.15,
+) -> tuple[Tensor, Tensor]:
+    """BERT masking of one sequence, 15% / 80-10-10 by default.
+
+    Each maskable token is selected with probability ``mask_prob``; a selected token becomes
+    ``<mask>`` 80% of the time, a random amino acid 10%, and stays itself 10%. The draws have a
+    fixed size, so the outcome depends on ``rng`` and the length only.
+
+    Args:
+        input_ids: ``[s]`` int64 token ids of one sequence.
+        maskable: ``[s]`` bool, true where a token may be selected (residues, not specials).
+        rng: The sample's own generator.
+        tokenizer: Gives the ``<mask>`` id and the residue ids.
+        mask_prob: Selection probability.
+
+    Returns:
+        ``(masked_ids, loss_mask)``: ``[s]`` int64 model inputs and ``[s]`` bool selection.
+    """
+    length = input_ids.numel()
+    selected = torch.from_numpy(rng.random(length) < mask_prob) & maskable
+    action = torch.from_numpy(rng.random(length))
+    random_ids = torch.as_tensor(tokenizer.residue_ids)[
+        torch.from_numpy(rng.integers(0, len(tokenizer.residue_ids), length))
+    ]
+    masked = input_ids.clone()
+    masked = torch.where(selected & (action < 0.8), tokenizer.mask_id, masked)
+    masked = torch.where(selected & (action >= 0.8) & (action < 0.9), random_ids, masked)
+    return masked, selected
+
+
+class MLMDataset(Dataset[dict[str, Tensor]]):
+    """Masked-language-model samples of protein sequences.
+
+    A sample is ``<cls> residues <eos>``; a sequence longer than ``max_length - 2`` residues is
+    cropped to a random window. The crop and the mask of sample ``index`` in ``epoch`` come
+    from a generator seeded with ``(seed, stream, epoch, index)``, so they do not depend on
+    which rank or micro-batch the sample lands in. Index the dataset with ``(epoch, index)``
+    (what :class:`~bert_reduce.recipe.datamodule.EpochKeyedBatchSampler` yields) or with a
+    plain ``index`` for epoch 0.
+
+    Args:
+        sequences: The protein sequences.
+        max_length: Most tokens per sample, ``<cls>`` and ``<eos>`` included.
+        seed: Seed of the crops and masks.
+        stream: Separates the random streams of datasets sharing a seed (train 0, val 1).
+        mask_prob: BERT selection probability.
+        tokenizer: The ESM tokenizer (a new one when ``None``).
+
+    Raises:
+        ValueError: If ``sequences`` is empty or ``max_length < 3``.
+    """
+
+    def __init__(
+        self,
+        sequences: Sequence[str],
+        max_length: int = 128,
+        seed: int = 0,
+        stream: int = 0,
+        mask_prob: float = 0.15,
+        tokenizer: ESMTokenizer | None = None,
+    ) -> None:
+        _check_not_empty(sequences, "the sequence list")
+        if max_length < 3:
+            raise ValueError(f"data.max_length must be at least 3, got {max_length}.")
+        self.sequences = sequences
+        self.max_length = max_length
+        self.seed = seed
+        self.stream = stream
+        self.mask_prob = mask_prob
+        self.tokenizer = tokenizer or ESMTokenizer()
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Tensor]:
+        """One sample: ``input_ids``, ``labels`` and ``loss_mask``, each ``[s]``."""
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        rng = np.random.default_rng([self.seed, self.stream, epoch, index])
+        sequence = self.sequences[index]
+        room = self.max_length - 2
+        if len(sequence) > room:
+            start = int(rng.integers(0, len(sequence) - room + 1))
+            sequence = sequence[start : start + room]
+        labels = torch.tensor(self.tokenizer.encode(sequence), dtype=torch.int64)
+        maskable = torch.ones_like(labels, dtype=torch.bool)
+        maskable[0] = maskable[-1] = False
+        input_ids, loss_mask = mask_tokens(labels, maskable, rng, self.tokenizer, self.mask_prob)
+        return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask}
+
+
+class MLMCollator:
+    """Pads samples into a ``[b, s]`` batch.
+
+    Args:
+        pad_id: The ``<pad>`` id.
+        pad_to_multiple_of: Round ``s`` up to a multiple of this (8 suits tensor cores).
+        pad_to_length: Pad every batch to exactly this length instead of the longest sample.
+
+    Returns (when called):
+        ``input_ids`` (``[b, s]`` int64, padded with ``pad_id``), ``attention_mask`` (``[b, s]``
+        bool, false on padding), ``labels`` (``[b, s]`` int64) and ``loss_mask`` (``[b, s]``
+        bool, false on padding).
+    """
+
+    def __init__(
+        self, pad_id: int = 1, pad_to_multiple_of: int = 1, pad_to_length: int | None = None
+    ) -> None:
+        self.pad_id = pad_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to_length = pad_to_length
+
+    def __call__(self, samples: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+        """Pad ``samples`` into one batch; see the class docstring."""
+        if not samples:
+            raise ValueError("Cannot collate an empty list of samples.")
+        longest = max(sample["input_ids"].numel() for sample in samples)
+        length = (
+            self.pad_to_length or -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        )
+        if longest > length:
+            raise ValueError(f"A sample of {longest} tokens exceeds pad_to_length={length}.")
+        batch_size = len(samples)
+        batch = {
+            "input_ids": torch.full((batch_size, length), self.pad_id, dtype=torch.int64),
+            "attention_mask": torch.zeros((batch_size, length), dtype=torch.bool),
+            "labels": torch.full((batch_size, length), self.pad_id, dtype=torch.int64),
+            "loss_mask": torch.zeros((batch_size, length), dtype=torch.bool),
+        }
+        for row, sample in enumerate(samples):
+            size = sample["input_ids"].numel()
+            batch["input_ids"][row, :size] = sample["input_ids"]
+            batch["attention_mask"][row, :size] = True
+            batch["labels"][row, :size] = sample["labels"]
+            batch["loss_mask"][row, :size] = sample["loss_mask"]
+        return batch

@@ -1,0 +1,117 @@
+"""The ESM-2 alphabet: 33 tokens, amino acids plus ``<cls> <pad> <eos> <unk> <mask>``.
+
+The order is ESM-2's own (``esm.data.Alphabet.from_architecture("ESM-1b")``), so token ids
+match the published checkpoints; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["AMINO_ACIDS", "ESM_ALPHABET", "ESMTokenizer"]
+
+AMINO_ACIDS: str = "ACDEFGHIKLMNPQRSTVWY"
+"""The 20 standard amino acids, the residues of the built-in corpus."""
+
+ESM_ALPHABET: tuple[str, ...] = (
+    "<cls>",
+    "<pad>",
+    "<eos>",
+    "<unk>",
+    *"LAGVSERTIDPKQNFYMHWCXBUZO.-",
+    "<null_1>",
+    "<mask>",
+)
+"""ESM-2's 33 tokens in id order."""
+
+
+class ESMTokenizer:
+    """Maps protein sequences to ESM-2 token ids and back.
+
+    One character is one token. ``encode`` accepts upper- or lower-case residues and the
+    ambiguity/gap characters of the alphabet (``X B U Z O . -``); anything else raises.
+
+    Attributes:
+        vocab: Token string to id.
+        cls_id, pad_id, eos_id, unk_id, mask_id: Ids of the special tokens.
+        residue_ids: Ids of the 20 standard amino acids (what random replacement draws from).
+    """
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {token: i for i, token in enumerate(ESM_ALPHABET)}
+        self.cls_id = self.vocab["<cls>"]
+        self.pad_id = self.vocab["<pad>"]
+        self.eos_id = self.vocab["<eos>"]
+        self.unk_id = self.vocab["<unk>"]
+        self.mask_id = self.vocab["<mask>"]
+        self.residue_ids: tuple[int, ...] = tuple(self.vocab[aa] for aa in AMINO_ACIDS)
+        self._char_ids = {t: i for t, i in self.vocab.items() if len(t) == 1}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens (33)."""
+        return len(self.vocab)
+
+    def invalid_characters(self, sequence: str) -> list[str]:
+        """The distinct characters of ``sequence`` that are not in the alphabet, in order."""
+        seen: dict[str, None] = {}
+        for char in sequence.upper():
+            if char not in self._char_ids:
+                seen[char] = None
+        return list(seen)
+
+    def encode(self, sequence: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``sequence``, wrapped in ``<cls> ... <eos>`` by default.
+
+        Args:
+            sequence: Residues, one character each (case-insensitive).
+            add_special_tokens: Prepend ``<cls>`` and append ``<eos>``.
+
+        Returns:
+            ``len(sequence)`` ids, plus 2 with special tokens.
+
+        Raises:
+            ValueError: Naming the characters outside the alphabet.
+        """
+        try:
+            ids = [self._char_ids[char] for char in sequence.upper()]
+        except KeyError:
+            bad = self.invalid_characters(sequence)
+            raise ValueError(
+                f"Sequence has character(s) {bad} outside the ESM alphabet "
+                f"{''.join(t for t in ESM_ALPHABET if len(t) == 1)!r}."
+            ) from None
+        if add_special_tokens:
+            return [self.cls_id, *ids, self.eos_id]
+        return ids
+
+    def decode(self, ids: Sequence[int] | Tensor) -> str:
+        """The tokens of ``ids`` joined into one string (special tokens written out)."""
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        return "".join(ESM_ALPHABET[i] for i in ids)
+
+    def pad(self, sequences: Sequence[Sequence[int]], length: int | None = None) -> Tensor:
+        """Right-pad token id lists with ``<pad>`` into a ``[b, s]`` int64 tensor.
+
+        Args:
+            sequences: ``b`` lists of token ids.
+            length: ``s``; the longest sequence's length when ``None``.
+
+        Returns:
+            ``[b, s]`` int64 ids.
+
+        Raises:
+            ValueError: If a sequence is longer than ``length``.
+        """
+        longest = max((len(seq) for seq in sequences), default=0)
+        length = longest if length is None else length
+        if longest > length:
+            raise ValueError(f"A sequence of {longest} tokens does not fit length={length}.")
+        out = torch.full((len(sequences), length), self.pad_id, dtype=torch.int64)
+        for row, seq in enumerate(sequences):
+            out[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.int64)
+        return out

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bert_reduce.recipe.model import ESM2Model, RotaryEmbedding
+from bert_reduce.recipe.tokenizer import ESM_ALPHABET, ESMTokenizer
+
+
+def test_alphabet_matches_esm2_ids() -> None:
+    # Ids of esm.data.Alphabet.from_architecture("ESM-1b"), the ESM-2 alphabet.
+    tokenizer = ESMTokenizer()
+    assert tokenizer.vocab_size == len(ESM_ALPHABET) == 33
+    expected = {"<cls>": 0, "<pad>": 1, "<eos>": 2, "<unk>": 3, "L": 4, "A": 5, "G": 6,
+                "M": 20, "C": 23, "X": 24, "-": 30, "<mask>": 32}  # fmt: skip
+    assert {token: tokenizer.vocab[token] for token in expected} == expected
+    assert tokenizer.encode("mKv") == [0, 20, 15, 7, 2]
+    assert tokenizer.decode(tokenizer.encode("MKV")) == "<cls>MKV<eos>"
+    assert sorted(tokenizer.residue_ids) == sorted(
+        tokenizer.vocab[a] for a in "ACDEFGHIKLMNPQRSTVWY"
+    )
+    with pytest.raises(ValueError, match=r"\['J', '1'\]"):
+        tokenizer.encode("MKJ1J")
+
+
+def test_pad_rejects_overlong() -> None:
+    tokenizer = ESMTokenizer()
+    padded = tokenizer.pad([[0, 5, 2], [0, 2]])
+    assert padded.tolist() == [[0, 5, 2], [0, 2, 1]]
+    with pytest.raises(ValueError, match="length=2"):
+        tokenizer.pad([[0, 5, 2]], length=2)
+
+
+def test_output_layout_and_tied_head() -> None:
+    model = ESM2Model(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64)
+    ids = torch.randint(4, 24, (3, 7))
+    logits = model(ids)["token_logits"]
+    assert logits.shape == (7, 3, 33)
+    assert model.lm_decoder.weight is model.embed_tokens.weight
+    untied = ESM2Model(hidden_size=32, num_heads=4, tie_embeddings=False)
+    assert untied.lm_decoder.weight is not untied.embed_tokens.weight
+    names = {name for name, _ in model.named_parameters()}
+    assert "lm_decoder.weight" not in names  # tied: one parameter, counted once
+
+
+def test_padding_does_not_change_real_positions() -> None:
+    model = ESM2Model(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64).double().eval()
+    ids = torch.randint(4, 24, (2, 9))
+    ids[1, 5:] = 1
+    mask = ids != 1
+    batched = model(ids, mask)["token_logits"]
+    alone = model(ids[1:, :5], mask[1:, :5])["token_logits"]
+    torch.testing.assert_close(batched[:5, 1], alone[:, 0], rtol=1e-12, atol=1e-12)
+    # Without the mask the padding would be attended to: the check above can fail.
+    unmasked = model(ids, None)["token_logits"]
+    assert not torch.allclose(unmasked[:5, 1], alone[:, 0])
+
+
+def test_rotary_scores_depend_on_relative_position_only() -> None:
+    rotary = RotaryEmbedding(8).double()
+    q_vec, k_vec = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    length = 12
+    q = q_vec.expand(1, 1, length, 8)
+    k = k_vec.expand(1, 1, length, 8)
+    rq, rk = rotary(q, k)
+    scores = rq[0, 0] @ rk[0, 0].T  # scores[i, j] = <R_i q, R_j k>
+    for offset in range(-3, 4):
+        diagonal = torch.diagonal(scores, offset)
+        torch.testing.assert_close(diagonal, diagonal[:1].expand_as(diagonal))
+    assert not torch.allclose(torch.diagonal(scores, 0)[:1], torch.diagonal(scores, 2)[:1])
+
+
+def test_dropout_only_in_training() -> None:
+    model = ESM2Model(hidden_size=32, num_heads=4, dropout=0.5)
+    ids = torch.randint(4, 24, (2, 6))
+    model.eval()
+    torch.testing.assert_close(model(ids)["token_logits"], model(ids)["token_logits"])
+    model.train()
+    assert not torch.allclose(model(ids)["token_logits"], model(ids)["token_logits"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hidden_size": 30, "num_heads": 4}, "num_heads=4 must divide model.hidden_size=30"),
+        ({"num_layers": 0}, "model.num_layers must be positive"),
+        ({"dropout": 1.0}, r"model.dropout must be in \[0, 1\)"),
+    ],
+)
+def test_bad_sizes_raise(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ESM2Model(**kwargs)
+
+
+def test_input_shape_errors() -> None:
+    model = ESM2Model(hidden_size=16, num_heads=2)
+    with pytest.raises(ValueError, match=r"input_ids must be \[b, s\]"):
+        model(torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 4\)"):
+        model(torch.zeros(2, 5, dtype=torch.int64), torch.ones(2, 4, dtype=torch.bool))
