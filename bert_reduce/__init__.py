@@ -22,17 +22,27 @@ _EXPORTS: dict[str, str] = {
     "unreduced_token_loss_fn": "bert_reduce.functional",
     "validate_masked_labels": "bert_reduce.functional",
     "get_batch_on_this_cp_rank": "bert_reduce.distributed",
+    "TokenPerplexity": "bert_reduce.metrics",
+    "ValidationPerplexityCallback": "bert_reduce.lightning.callbacks",
+    "Normalization": "bert_reduce.normalization",
+    "normalized_loss_terms": "bert_reduce.normalization",
+    "sequence_normalizers": "bert_reduce.normalization",
 }
 
 __all__ = [
     "BERTMLMLossWithReduction",
     "DataParallelGroupLossAndIO",
     "MegatronLossReduction",
+    "Normalization",
     "PerTokenLossDict",
     "SameSizeLossDict",
+    "TokenPerplexity",
+    "ValidationPerplexityCallback",
     "get_batch_on_this_cp_rank",
     "masked_token_loss",
+    "normalized_loss_terms",
     "reduce_loss_reports",
+    "sequence_normalizers",
     "unreduced_token_loss_fn",
     "validate_masked_labels",
 ]
@@ -43,6 +53,13 @@ if TYPE_CHECKING:
         masked_token_loss,
         unreduced_token_loss_fn,
         validate_masked_labels,
+    )
+    from bert_reduce.lightning.callbacks import ValidationPerplexityCallback
+    from bert_reduce.metrics import TokenPerplexity
+    from bert_reduce.normalization import (
+        Normalization,
+        normalized_loss_terms,
+        sequence_normalizers,
     )
     from bert_reduce.reduction import (
         BERTMLMLossWithReduction,

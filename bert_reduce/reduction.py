@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 from bert_reduce import distributed
 from bert_reduce.functional import (
-    masked_token_loss,
     safe_divide,
     unreduced_token_loss_fn,
     validate_masked_labels,
 )
+from bert_reduce.normalization import Normalization, normalized_loss_terms, sequence_normalizers
 
 __all__ = [
     "BERTMLMLossWithReduction",
@@ -197,6 +197,24 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary. This
             reads the labels on the host (a device sync): meant for debugging. Without it, such
             a label makes the loss NaN.
+        normalization: What the summed loss is divided by: ``"per_token"`` (default),
+            ``"per_sequence"`` or ``"constant"``; see :mod:`bert_reduce.normalization`. The
+            second output of ``forward`` is that mode's denominator, which Megatron sums
+            exactly like a token count.
+        constant_per_sequence: The ``"constant"`` mode's denominator per sequence (e.g. the
+            maximum sequence length): the global denominator is it times the number of
+            sequences in the global batch.
+        weight_resolution: For a float ``loss_mask`` in ``"per_token"`` mode, round weights to
+            multiples of ``1 / weight_resolution`` so the denominator is an exact integer.
+            Needed under Megatron-Core's schedule, whose int32 token counter raises on a
+            float denominator; without it the denominator is the fp64 sum of the weights.
+
+    Per-sequence and constant modes need to know which tokens form a sequence. By default each
+    ``[b, s]`` row is one, or, when the batch holds ``cu_seqlens_padded`` or ``cu_seqlens``
+    (a packed ``[1, T]`` row), each packed segment. Under context parallelism a shard cannot
+    see whole sequences: the batch must then carry ``sequence_weight`` and ``sequence_start``
+    (``[b, s]``, from :func:`bert_reduce.sequence_normalizers` on the unsliced batch, sliced
+    with it; :func:`bert_reduce.pack_batch` adds them to packed batches).
     """
 
     def __init__(
@@ -208,6 +226,9 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         *,
         cross_entropy_loss_fusion: bool = False,
         check_labels: bool = False,
+        normalization: Normalization | str = Normalization.PER_TOKEN,
+        constant_per_sequence: int | None = None,
+        weight_resolution: int | None = None,
     ) -> None:
         super().__init__()
         self.validation_step = validation_step
@@ -216,6 +237,16 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         self.send_val_output = send_val_output
         self.cross_entropy_loss_fusion = cross_entropy_loss_fusion
         self.check_labels = check_labels
+        self.normalization = Normalization(normalization)
+        if self.normalization is Normalization.CONSTANT and (
+            constant_per_sequence is None or constant_per_sequence <= 0
+        ):
+            raise ValueError(
+                "normalization='constant' needs a positive constant_per_sequence, got "
+                f"{constant_per_sequence!r}."
+            )
+        self.constant_per_sequence = constant_per_sequence
+        self.weight_resolution = weight_resolution
 
     def forward(
         self, batch: Mapping[str, Any], forward_out: Mapping[str, Any]
@@ -224,13 +255,16 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
 
         Args:
             batch: ``labels`` (``[b, s]`` int token ids) and ``loss_mask`` (``[b, s]``,
-                non-zero where scored); under context parallelism, this rank's shard.
+                non-zero where scored, or float weights); under context parallelism, this
+                rank's shard. Optionally ``sequence_weight`` and ``sequence_start`` (``[b, s]``)
+                or ``cu_seqlens``/``cu_seqlens_padded`` for the per-sequence and constant modes.
             forward_out: ``token_logits`` of shape ``[s, b, v]`` (``v`` sharded under TP).
 
         Returns:
-            ``(loss_sum, num_tokens, report)``: a 0-dim fp32 sum that carries the gradient
-            (fp64 for fp64 logits without Megatron), a 0-dim int64 count, and the detached
-            report for :meth:`reduce`.
+            ``(loss_sum, num_tokens, report)``: the mode's 0-dim numerator in fp32 that carries
+            the gradient (fp64 for fp64 logits without Megatron), its 0-dim denominator (int64;
+            fp64 only for a float mask in per-token mode without ``weight_resolution``), and
+            the detached report ``[numerator, denominator]`` for :meth:`reduce`.
 
         Raises:
             KeyError: If a required key is missing (the message names it).
@@ -252,7 +286,14 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         per_token_loss = unreduced_token_loss_fn(
             logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
         )
-        loss_sum, num_tokens = masked_token_loss(per_token_loss, loss_mask)
+        loss_sum, num_tokens = normalized_loss_terms(
+            per_token_loss,
+            loss_mask,
+            self.normalization,
+            **self._sequence_normalizers(batch, loss_mask),
+            constant_per_sequence=self.constant_per_sequence,
+            weight_resolution=self.weight_resolution,
+        )
         report: PerTokenLossDict | DataParallelGroupLossAndIO = {
             "loss_sum_and_microbatch_size": torch.stack(
                 [loss_sum.detach().to(torch.float64), num_tokens.to(torch.float64)]
@@ -266,6 +307,29 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 forward_out=_detached(forward_out),
             )
         return loss_sum, num_tokens, report
+
+    def _sequence_normalizers(
+        self, batch: Mapping[str, Any], loss_mask: Tensor
+    ) -> dict[str, Tensor]:
+        if self.normalization is Normalization.PER_TOKEN:
+            return {}
+        if "sequence_weight" in batch or "sequence_start" in batch:
+            return {
+                "sequence_weight": _require(batch, "sequence_weight", "batch"),
+                "sequence_start": _require(batch, "sequence_start", "batch"),
+            }
+        if distributed.context_parallel_world_size() > 1:
+            raise ValueError(
+                f"normalization={self.normalization.value!r} under context parallelism needs "
+                "batch['sequence_weight'] and batch['sequence_start'], computed on the unsliced "
+                "batch (bert_reduce.sequence_normalizers) and sliced with it; the batch has "
+                f"{sorted(batch)}."
+            )
+        for key in ("cu_seqlens_padded", "cu_seqlens"):
+            if key in batch:
+                weight, start = sequence_normalizers(loss_mask, _require(batch, key, "batch"))
+                return {"sequence_weight": weight, "sequence_start": start}
+        return {}
 
     def reduce(self, losses_reduced_per_micro_batch: Sequence[LossReport]) -> Tensor:
         """Exact mean loss over every masked token of the global batch.

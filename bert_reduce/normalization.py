@@ -1,0 +1,203 @@
+"""Normalization modes: what the summed masked-token loss is divided by, exactly, under any split.
+
+Every mode turns one micro-batch's ``[b, s]`` per-token loss and ``[b, s]`` loss mask into a
+``(numerator, denominator)`` pair. Summing both over every micro-batch and every data x
+context parallel rank, then dividing once, gives the value of the whole global batch:
+
+    loss = sum_over_everything(numerator) / sum_over_everything(denominator)
+
+* ``per_token`` (default): the mean over every scored token of the global batch. With a 0/1
+  (bool or integer) mask the denominator is the exact int64 token count; with a float mask it
+  is the sum of the weights (the weighted mean, as ``F.cross_entropy(weight=...)`` defines it).
+* ``per_sequence``: the mean over sequences of each sequence's (weighted) token mean, over the
+  sequences of the global batch with at least one scored token.
+* ``constant``: the summed loss divided by ``constant_per_sequence`` times the number of
+  sequences in the global batch, a constant when the global batch size is fixed. With
+  ``constant_per_sequence = max_seq_len`` this is TRL's "max tokens" normalization.
+
+A sequence's token mean needs its total weight over the whole sequence, which a
+context-parallel shard or a packed slice does not see. So per-sequence quantities travel as
+two per-token ``[b, s]`` tensors computed once on the unsliced batch
+(:func:`sequence_normalizers`) and sliced, split and packed like any other token tensor:
+
+* ``sequence_weight``: each token's sequence total weight (its token count for 0/1 masks);
+* ``sequence_start``: ``True`` on exactly one token of each sequence (its first), so that
+  counting these markers counts every sequence once, whichever shard holds it.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from bert_reduce.functional import accumulation_dtype
+
+__all__ = [
+    "Normalization",
+    "normalized_loss_terms",
+    "sequence_normalizers",
+]
+
+
+class Normalization(str, Enum):
+    """What the summed loss of the global batch is divided by."""
+
+    PER_TOKEN = "per_token"
+    PER_SEQUENCE = "per_sequence"
+    CONSTANT = "constant"
+
+
+def _check_token_tensor(name: str, tensor: Tensor, shape: torch.Size) -> None:
+    if tensor.shape != shape:
+        raise ValueError(
+            f"{name} of shape {tuple(tensor.shape)} must match loss_mask of shape "
+            f"{tuple(shape)} ([b, s])."
+        )
+
+
+def sequence_normalizers(
+    loss_mask: Tensor, cu_seqlens: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-token sequence totals and sequence markers, from an unsliced batch.
+
+    Compute these before context-parallel slicing or micro-batch splitting (or on a packed
+    row with its global ``cu_seqlens``), then slice them with the batch. No host sync.
+
+    Args:
+        loss_mask: ``[b, s]`` bool, integer or float weights. Without ``cu_seqlens`` each row
+            is one sequence; with it, ``b`` must be 1 (one packed row).
+        cu_seqlens: ``[n + 1]`` integer boundaries of ``n`` packed sequences within the row
+            (the padded boundaries when sequences are padded); positions past
+            ``cu_seqlens[-1]`` belong to no sequence. Empty segments are not sequences.
+
+    Returns:
+        ``(sequence_weight, sequence_start)``: ``[b, s]`` total weight of each token's
+        sequence (mask dtype widened: int64 for bool/integer masks, fp64 for float ones; 0
+        outside any sequence), and a ``[b, s]`` bool that is ``True`` on the first token of
+        each sequence.
+
+    Raises:
+        ValueError: If ``cu_seqlens`` is given for a mask that is not a single ``[1, T]`` row.
+    """
+    if loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask must be [b, s], got shape {tuple(loss_mask.shape)}.")
+    weights = _widened_weights(loss_mask)
+    if cu_seqlens is None:
+        sequence_weight = weights.sum(dim=1, keepdim=True).expand_as(weights).contiguous()
+        sequence_start = torch.zeros_like(loss_mask, dtype=torch.bool)
+        sequence_start[:, 0] = True
+        return sequence_weight, sequence_start
+    if loss_mask.size(0) != 1:
+        raise ValueError(
+            f"cu_seqlens describes one packed row, but loss_mask has shape "
+            f"{tuple(loss_mask.shape)}; expected [1, T]."
+        )
+    cu_seqlens = cu_seqlens.to(device=loss_mask.device, dtype=torch.int64)
+    num_sequences = cu_seqlens.numel() - 1
+    positions = torch.arange(loss_mask.size(1), device=loss_mask.device)
+    # Sequence id of each position; id num_sequences collects the trailing positions that
+    # belong to no sequence, so that index_add never needs a data-dependent size.
+    seq_id = torch.searchsorted(cu_seqlens[1:], positions, right=True).clamp(max=num_sequences)
+    totals = torch.zeros(num_sequences + 1, dtype=weights.dtype, device=weights.device)
+    totals.index_add_(0, seq_id, weights[0])
+    totals[num_sequences] = 0
+    starts = torch.cat([cu_seqlens[:-1], cu_seqlens.new_full((1,), -1)])
+    sequence_start = (positions == starts[seq_id]) & (seq_id < num_sequences)
+    return totals[seq_id].unsqueeze(0), sequence_start.unsqueeze(0)
+
+
+def _widened_weights(loss_mask: Tensor) -> Tensor:
+    if loss_mask.dtype.is_floating_point:
+        return loss_mask.to(torch.float64)
+    return (loss_mask != 0).to(torch.int64) if loss_mask.dtype == torch.bool else loss_mask.long()
+
+
+def normalized_loss_terms(
+    per_token_loss: Tensor,
+    loss_mask: Tensor,
+    normalization: Normalization | str = Normalization.PER_TOKEN,
+    *,
+    sequence_weight: Tensor | None = None,
+    sequence_start: Tensor | None = None,
+    constant_per_sequence: int | None = None,
+    weight_resolution: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(numerator, denominator)`` of one micro-batch (or one shard of it) in a given mode.
+
+    Sums of these over every micro-batch and rank, divided once, give the global value. The
+    numerator carries the gradient; unscored positions (mask 0) never reach it, even when
+    their loss is NaN or inf. No host sync, no collective.
+
+    Weights (a float ``loss_mask``) are expected to be non-negative. Megatron-Core adds the
+    denominators of a step into an int32 tensor, which raises on a float denominator: for a
+    float mask in ``per_token`` mode, pass ``weight_resolution=R`` to round every weight to a
+    multiple of ``1 / R`` and express the weights as integers (``round(w * R)``); the
+    denominator is then an exact int64 and the scale ``R`` cancels in the ratio. Weights that
+    already are multiples of ``1 / R`` (0.5, 0.25, ... for ``R = 256``) are then exact.
+
+    Args:
+        per_token_loss: ``[b, s]`` per-token losses (any float dtype).
+        loss_mask: ``[b, s]`` bool/integer (0/1) or float weights; non-zero where scored.
+        normalization: The mode (a :class:`Normalization` or its string value).
+        sequence_weight: ``[b, s]``, see :func:`sequence_normalizers`; computed from
+            ``loss_mask`` with each row as one sequence when omitted. Must come from the
+            unsliced batch under context parallelism or packing.
+        sequence_start: ``[b, s]`` bool, see :func:`sequence_normalizers`; same default.
+        constant_per_sequence: The ``constant`` mode's denominator per sequence (e.g. the
+            maximum sequence length). Required in that mode only.
+        weight_resolution: For float masks in ``per_token`` mode, give an integer
+            denominator by rounding weights to multiples of ``1 / weight_resolution``.
+
+    Returns:
+        ``(numerator, denominator)``: a 0-dim numerator in fp32 (fp64 for fp64 losses) and a
+        0-dim denominator: int64 in every mode except ``per_token`` with a float mask and no
+        ``weight_resolution``, where it is the fp64 sum of weights.
+
+    Raises:
+        ValueError: On mismatched shapes, an unknown mode, or a missing or non-positive
+            ``constant_per_sequence`` in ``constant`` mode.
+    """
+    normalization = Normalization(normalization)
+    _check_token_tensor("per_token_loss", per_token_loss, loss_mask.shape)
+    acc = accumulation_dtype(per_token_loss.dtype)
+    scored = loss_mask != 0
+
+    if normalization is Normalization.PER_TOKEN:
+        if loss_mask.dtype.is_floating_point and weight_resolution is not None:
+            int_weights = torch.round(loss_mask.to(torch.float64) * weight_resolution).long()
+            numerator = _weighted_sum(per_token_loss, int_weights.to(acc), int_weights != 0)
+            return numerator, int_weights.sum()
+        numerator = _weighted_sum(per_token_loss, loss_mask.to(acc), scored)
+        if loss_mask.dtype.is_floating_point:
+            return numerator, loss_mask.to(torch.float64).sum()
+        return numerator, _widened_weights(loss_mask).sum()
+
+    if sequence_weight is None or sequence_start is None:
+        sequence_weight, sequence_start = sequence_normalizers(loss_mask)
+    _check_token_tensor("sequence_weight", sequence_weight, loss_mask.shape)
+    _check_token_tensor("sequence_start", sequence_start, loss_mask.shape)
+    sequence_start = sequence_start != 0
+
+    if normalization is Normalization.PER_SEQUENCE:
+        has_tokens = sequence_weight != 0
+        # A scored token's sequence weight is non-zero; the `where` keeps the division safe on
+        # the others without a host-side check.
+        per_token_weight = loss_mask.to(acc) / torch.where(has_tokens, sequence_weight, 1).to(acc)
+        numerator = _weighted_sum(per_token_loss, per_token_weight, scored & has_tokens)
+        return numerator, (sequence_start & has_tokens).sum(dtype=torch.int64)
+
+    if constant_per_sequence is None or constant_per_sequence <= 0:
+        raise ValueError(
+            "Normalization 'constant' needs a positive constant_per_sequence (e.g. the maximum "
+            f"sequence length), got {constant_per_sequence!r}."
+        )
+    numerator = _weighted_sum(per_token_loss, loss_mask.to(acc), scored)
+    return numerator, sequence_start.sum(dtype=torch.int64) * constant_per_sequence
+
+
+def _weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor) -> Tensor:
+    # `where` rather than a product alone: a NaN or inf loss on an unscored position (padding
+    # labels, say) must not leak into the sum, nor into the gradient.
+    return torch.where(scored, per_token_loss.to(weights.dtype) * weights, 0).sum()

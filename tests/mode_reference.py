@@ -1,0 +1,92 @@
+"""Independent references for the normalization modes, on the full unsplit ``[b, s]`` batch.
+
+Per-token losses come from ``F.cross_entropy``; sequences are looped over in Python, so nothing
+here shares code with bert_reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bert_reduce import BERTMLMLossWithReduction
+
+
+def reference_mode_loss(
+    logits_sbv: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    lengths: Sequence[int] | None = None,
+    constant_per_sequence: int | None = None,
+) -> Tensor:
+    """The global loss of ``mode`` over the ``[b, s]`` batch, fp64; 0.0 when nothing counts.
+
+    ``lengths`` (per row) only matter to ``constant``: every row is one sequence either way.
+    """
+    logits = logits_sbv.to(torch.float64).transpose(0, 1)
+    b, s, v = logits.shape
+    per_token = F.cross_entropy(
+        logits.reshape(b * s, v), labels.clamp(min=0).reshape(b * s), reduction="none"
+    ).view(b, s)
+    weights = mask.to(torch.float64)
+    zero = per_token.sum() * 0
+    if mode == "per_token":
+        total = weights.sum()
+        return (weights * per_token).sum() / total if total != 0 else zero
+    if mode == "per_sequence":
+        means = [
+            (weights[row] * per_token[row]).sum() / weights[row].sum()
+            for row in range(b)
+            if weights[row].sum() != 0
+        ]
+        return torch.stack(means).mean() if means else zero
+    if mode == "constant":
+        assert constant_per_sequence is not None
+        return (weights * per_token).sum() / (constant_per_sequence * b)
+    raise AssertionError(mode)
+
+
+def reference_mode_loss_and_grad(
+    logits_sbv: Tensor, labels: Tensor, mask: Tensor, mode: str, **kwargs
+) -> tuple[Tensor, Tensor]:
+    logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
+    loss = reference_mode_loss(logits, labels, mask, mode, **kwargs)
+    if loss.requires_grad:
+        loss.backward()
+    grad = logits.grad if logits.grad is not None else torch.zeros_like(logits)
+    return loss.detach(), grad
+
+
+def run_mode_microbatches(
+    logits: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    sizes: Sequence[int],
+    **loss_kwargs,
+) -> tuple[Tensor, Tensor]:
+    """Drive ``BERTMLMLossWithReduction`` over row micro-batches as Megatron does.
+
+    Returns ``reduce``'s loss and the gradient Megatron's ``calculate_per_token_loss=True``
+    gives: d(sum of numerators) / (sum of denominators), nothing when that sum is 0.
+    """
+    assert sum(sizes) == labels.shape[0]
+    logits = logits.detach().requires_grad_(True)
+    reports, total, start = [], torch.zeros((), dtype=torch.float64), 0
+    for size in sizes:
+        rows = slice(start, start + size)
+        start += size
+        loss_fn = BERTMLMLossWithReduction(**loss_kwargs)
+        loss_fn.setup({"labels": labels[rows], "loss_mask": mask[rows]})
+        numerator, denominator, report = loss_fn({"token_logits": logits[:, rows]})
+        numerator.backward()
+        total += denominator
+        reports.append(report)
+    reduced = BERTMLMLossWithReduction(**loss_kwargs).reduce(reports)
+    assert logits.grad is not None
+    grad = logits.grad / total if total != 0 else logits.grad
+    return reduced, grad

@@ -1,0 +1,209 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bert_reduce import (
+    BERTMLMLossWithReduction,
+    Normalization,
+    get_batch_on_this_cp_rank,
+    normalized_loss_terms,
+    sequence_normalizers,
+    unreduced_token_loss_fn,
+)
+from tests.mode_reference import (
+    reference_mode_loss,
+    reference_mode_loss_and_grad,
+    run_mode_microbatches,
+)
+from tests.reference import make_mlm_batch
+from tests.sync_guard import count_collectives, forbid_host_syncs
+
+MODES = ["per_token", "per_sequence", "constant"]
+SPLITS = [[8], [1, 3, 2, 2], [5, 1, 1, 1], [1] * 8]
+
+
+def float_weights(mask: torch.Tensor, seed: int = 1, dyadic: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dyadic:
+        choices = torch.tensor([0.25, 0.5, 1.0, 1.5, 2.75], dtype=torch.float64)
+        weights = choices[torch.randint(0, 5, mask.shape, generator=gen)]
+    else:
+        weights = torch.rand(mask.shape, generator=gen, dtype=torch.float64) * 2 + 0.1
+    return torch.where(mask, weights, 0)
+
+
+def mode_kwargs(mode: str) -> dict:
+    return {"constant_per_sequence": 10} if mode == "constant" else {}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("sizes", SPLITS)
+def test_every_mode_is_exact_under_any_micro_batch_split(mode, weighted, sizes) -> None:
+    logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.3)
+    loss_mask = float_weights(mask) if weighted else mask
+    kwargs = mode_kwargs(mode)
+    loss, grad = run_mode_microbatches(
+        logits, labels, loss_mask, sizes, normalization=mode, **kwargs
+    )
+    ref_loss, ref_grad = reference_mode_loss_and_grad(logits, labels, loss_mask, mode, **kwargs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-11, atol=1e-15)
+
+
+def test_modes_differ_so_the_tests_above_can_fail() -> None:
+    logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.3)
+    values = [
+        reference_mode_loss(logits, labels, mask, mode, **mode_kwargs(mode)) for mode in MODES
+    ]
+    assert len({round(float(v), 6) for v in values}) == 3
+    weighted = reference_mode_loss(logits, labels, float_weights(mask), "per_token")
+    assert not torch.isclose(weighted, values[0])
+
+
+def test_per_token_counts_are_exact_int64_and_weights_sum_in_fp64() -> None:
+    per_token = torch.rand(2, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 1]])
+    for m in (mask, mask.bool()):
+        numerator, denominator = normalized_loss_terms(per_token, m)
+        assert denominator.dtype == torch.int64 and int(denominator) == 4
+        torch.testing.assert_close(numerator, (per_token * mask).sum(), rtol=1e-15, atol=0)
+    weights = mask * 0.3
+    _, denominator = normalized_loss_terms(per_token, weights)
+    assert denominator.dtype == torch.float64
+    torch.testing.assert_close(denominator, weights.double().sum(), rtol=0, atol=0)
+
+
+def test_per_sequence_worked_example() -> None:
+    # Row 0: tokens 1, 3 scored (mean 2); row 1: none; row 2: token 10 scored (mean 10).
+    per_token = torch.tensor(
+        [[1.0, 5.0, 3.0], [7.0, 7.0, 7.0], [10.0, 0.0, 0.0]], dtype=torch.float64
+    )
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 0, 0]], dtype=torch.bool)
+    numerator, denominator = normalized_loss_terms(per_token, mask, "per_sequence")
+    assert int(denominator) == 2
+    torch.testing.assert_close(numerator / denominator, torch.tensor(6.0, dtype=torch.float64))
+
+
+def test_constant_worked_example_and_validation() -> None:
+    per_token = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [0, 1]], dtype=torch.bool)
+    numerator, denominator = normalized_loss_terms(
+        per_token, mask, Normalization.CONSTANT, constant_per_sequence=8
+    )
+    assert int(denominator) == 16
+    torch.testing.assert_close(numerator, torch.tensor(7.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="constant_per_sequence"):
+        normalized_loss_terms(per_token, mask, "constant")
+    with pytest.raises(ValueError, match="constant_per_sequence"):
+        BERTMLMLossWithReduction(normalization="constant")
+    with pytest.raises(ValueError, match="'per_batch' is not a valid Normalization"):
+        normalized_loss_terms(per_token, mask, "per_batch")
+    with pytest.raises(ValueError, match=r"sequence_weight of shape \(2, 1\)"):
+        normalized_loss_terms(
+            per_token,
+            mask,
+            "per_sequence",
+            sequence_weight=torch.ones(2, 1),
+            sequence_start=torch.ones(2, 2, dtype=torch.bool),
+        )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_context_parallel_shards_with_sequence_normalizers_are_exact(mode) -> None:
+    # Simulated CP=2 in one process (real-process CP runs in test_packing): every shard of
+    # every row contributes its (numerator, denominator); the sums must give the full value.
+    logits, labels, mask = make_mlm_batch(4, 12, 7, empty_rows=(2,), mask_prob=0.3)
+    loss_mask = float_weights(mask)
+    weight, start = sequence_normalizers(loss_mask)
+    batch = {
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "sequence_weight": weight,
+        "sequence_start": start,
+        "token_logits": logits.transpose(0, 1),
+    }
+    num = den = 0
+    for cp_rank in range(2):
+        shard = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=cp_rank)
+        per_token = unreduced_token_loss_fn(shard["token_logits"].transpose(0, 1), shard["labels"])
+        n, d = normalized_loss_terms(
+            per_token,
+            shard["loss_mask"],
+            mode,
+            sequence_weight=shard["sequence_weight"],
+            sequence_start=shard["sequence_start"],
+            **mode_kwargs(mode),
+        )
+        num, den = num + n, den + d
+    expected = reference_mode_loss(logits, labels, loss_mask, mode, **mode_kwargs(mode))
+    torch.testing.assert_close(num / den, expected, rtol=1e-12, atol=0)
+    if mode == "per_sequence":
+        # Guards against a vacuous test: shards that only see their own tokens get it wrong.
+        local_num = local_den = 0
+        for cp_rank in range(2):
+            shard = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=cp_rank)
+            per_token = unreduced_token_loss_fn(
+                shard["token_logits"].transpose(0, 1), shard["labels"]
+            )
+            n, d = normalized_loss_terms(per_token, shard["loss_mask"], mode)
+            local_num, local_den = local_num + n, local_den + d
+        assert not torch.isclose(local_num / local_den, expected)
+
+
+def test_sequence_normalizers_from_cu_seqlens() -> None:
+    mask = torch.tensor([[1, 0, 1, 0, 0, 1, 1, 0, 1]], dtype=torch.bool)
+    cu = torch.tensor([0, 3, 3, 5, 8], dtype=torch.int32)  # segments 3, empty, 2, 3; 1 trailing
+    weight, start = sequence_normalizers(mask, cu)
+    assert weight.tolist() == [[2, 2, 2, 0, 0, 2, 2, 2, 0]]
+    assert start.tolist() == [[True, False, False, True, False, True, False, False, False]]
+    with pytest.raises(ValueError, match=r"expected \[1, T\]"):
+        sequence_normalizers(mask.expand(2, -1), cu)
+
+
+def test_all_empty_batch_is_zero_without_nan_in_every_mode() -> None:
+    logits, labels, mask = make_mlm_batch(4, 6, 5, empty_rows=(0, 1, 2, 3))
+    for mode in MODES:
+        loss, grad = run_mode_microbatches(
+            logits, labels, mask, [1, 3], normalization=mode, **mode_kwargs(mode)
+        )
+        assert float(loss) == 0.0
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_modes_have_no_host_sync_and_no_collective(mode) -> None:
+    logits, labels, mask = make_mlm_batch(4, 8, 9)
+    logits.requires_grad_(True)
+    with forbid_host_syncs(), count_collectives() as calls:
+        loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
+        loss_fn.setup({"labels": labels, "loss_mask": float_weights(mask)})
+        numerator, _, report = loss_fn({"token_logits": logits})
+        numerator.backward()
+        BERTMLMLossWithReduction().reduce([report, report])
+    assert sum(calls.values()) == 0
+
+
+def test_megatron_int32_counter_rejects_float_denominator_weight_resolution_fixes_it() -> None:
+    # Megatron-Core's schedules accumulate `total_num_tokens = torch.zeros([], dtype=torch.int)`
+    # with `+=`: a float denominator cannot be added in place (the real schedule is run with
+    # weight_resolution in test_megatron_schedule).
+    logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(3,), mask_prob=0.4)
+    weights = float_weights(mask, dyadic=True)
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": weights})
+    _, denominator, _ = loss_fn({"token_logits": logits})
+    counter = torch.zeros([], dtype=torch.int)
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        counter += denominator
+    loss, grad = run_mode_microbatches(logits, labels, weights, [3, 1, 4], weight_resolution=256)
+    ref_loss, ref_grad = reference_mode_loss_and_grad(logits, labels, weights, "per_token")
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-11, atol=1e-15)
+    loss_fn = BERTMLMLossWithReduction(weight_resolution=256)
+    loss_fn.setup({"labels": labels, "loss_mask": weights})
+    _, denominator, _ = loss_fn({"token_logits": logits})
+    assert denominator.dtype == torch.int64
+    counter += denominator
+    assert int(counter) == int(weights.sum() * 256)
