@@ -3,6 +3,11 @@
 Importing this package imports Lightning; ``import bert_reduce`` alone does not.
 """
 
+from bert_reduce.lightning.callbacks import (
+    ValidationPerplexityCallback,
+    ValidationResult,
+    check_no_repeated_samples,
+)
 from bert_reduce.lightning.exact_module import (
     ExactMLMModule,
     LRSchedulerFactory,
@@ -17,5 +22,8 @@ __all__ = [
     "LRSchedulerFactory",
     "OptimizerFactory",
     "ShardedEvalBatchSampler",
+    "ValidationPerplexityCallback",
+    "ValidationResult",
+    "check_no_repeated_samples",
     "split_micro_batches",
 ]

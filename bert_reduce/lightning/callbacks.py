@@ -1,0 +1,226 @@
+"""Exact validation loss and perplexity over a whole validation epoch, as a Lightning callback.
+
+NeMo 2 and most Lightning recipes log ``val_loss`` as the mean over validation steps of each
+step's mean loss, which weights a batch with few masked tokens as much as one with many.
+:class:`ValidationPerplexityCallback` instead adds up the ``(loss_sum, num_tokens)`` the loss
+reduction already produced for every validation batch, sums them over ranks once at the end of
+the epoch and divides once: ``val_loss`` is the mean NLL over every masked token of the
+validation set and ``val_ppl = exp(val_loss)``.
+
+The contract with the LightningModule: ``validation_step`` returns the loss report, a mapping
+with ``loss_sum_and_microbatch_size`` (a ``[2]`` or ``[..., 2]`` tensor ``(loss_sum,
+num_tokens)``, as :class:`bert_reduce.BERTMLMLossWithReduction` reports it), or a sequence of
+such reports (one per micro-batch). :class:`bert_reduce.lightning.ExactMLMModule` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
+
+from bert_reduce.functional import safe_divide
+from bert_reduce.metrics import TokenPerplexity, perplexity_from_sums
+
+__all__ = [
+    "ValidationPerplexityCallback",
+    "ValidationResult",
+    "check_no_repeated_samples",
+]
+
+
+class ValidationResult(NamedTuple):
+    """The reduced totals of one validation epoch, identical on every rank.
+
+    Attributes:
+        loss_sum: 0-dim fp64 sum of the NLL of every masked token of the validation set.
+        num_tokens: 0-dim int64 number of masked tokens.
+        loss: 0-dim fp64 ``loss_sum / num_tokens`` (0.0 when there is no masked token).
+        perplexity: 0-dim fp64 ``exp(loss)`` (1.0 when there is no masked token).
+    """
+
+    loss_sum: Tensor
+    num_tokens: Tensor
+    loss: Tensor
+    perplexity: Tensor
+
+
+def _samplers(dataloader: object) -> list[object]:
+    samplers = [getattr(dataloader, "sampler", None)]
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    samplers.append(getattr(batch_sampler, "sampler", None))
+    return [sampler for sampler in samplers if sampler is not None]
+
+
+def check_no_repeated_samples(dataloaders: DataLoader | Iterable[DataLoader] | None) -> None:
+    """Raise ``ValueError`` if a distributed sampler repeats or drops validation samples.
+
+    ``torch.utils.data.DistributedSampler`` (which Lightning installs by default under DDP)
+    evens out ranks by repeating samples (``drop_last=False``) or by dropping them
+    (``drop_last=True``) when the dataset size is not a multiple of the number of ranks; a
+    repeated sample would be counted twice in the epoch's sums. Lightning's
+    ``UnrepeatedDistributedSampler`` and bert_reduce's ``ShardedEvalBatchSampler`` place every
+    sample on exactly one rank.
+
+    Args:
+        dataloaders: A dataloader, a collection of them (as ``trainer.val_dataloaders``), or
+            ``None``. Only ``DataLoader``-like objects' ``sampler`` and ``batch_sampler.sampler``
+            are inspected.
+
+    Raises:
+        ValueError: Naming the dataset size, the number of ranks and the samples repeated or
+            dropped, and the fix.
+    """
+    if dataloaders is None:
+        return
+    if isinstance(dataloaders, DataLoader):
+        dataloaders = [dataloaders]
+    elif isinstance(dataloaders, Mapping):
+        dataloaders = list(dataloaders.values())
+    for index, dataloader in enumerate(dataloaders):
+        for sampler in _samplers(dataloader):
+            if not isinstance(sampler, DistributedSampler) or isinstance(
+                sampler, UnrepeatedDistributedSampler
+            ):
+                continue
+            dataset_size = len(sampler.dataset)  # type: ignore[arg-type]
+            if sampler.total_size == dataset_size:
+                continue
+            change = sampler.total_size - dataset_size
+            what = f"repeats {change}" if change > 0 else f"drops {-change}"
+            raise ValueError(
+                f"Validation dataloader {index}: its DistributedSampler {what} of the "
+                f"{dataset_size} samples to give each of {sampler.num_replicas} ranks the same "
+                "number, so the validation loss and perplexity would not be those of the "
+                "validation set. Give the validation DataLoader a sampler that places every "
+                "sample on exactly one rank, e.g. lightning.pytorch.overrides.distributed."
+                "UnrepeatedDistributedSampler(dataset, shuffle=False, "
+                "**trainer.strategy.distributed_sampler_kwargs) or "
+                "bert_reduce.lightning.ShardedEvalBatchSampler (as batch_sampler, with "
+                "Trainer(use_distributed_sampler=False))."
+            )
+
+
+class ValidationPerplexityCallback(Callback):
+    """Logs the token-weighted validation loss and perplexity of each validation epoch.
+
+    Each validation batch's report ``(loss_sum, num_tokens)`` is added to a
+    :class:`bert_reduce.TokenPerplexity` on the LightningModule's device: no logits or batches
+    are kept, nothing is read on the host and no collective runs per batch. At the end of the
+    epoch, every rank takes part in one sync of the two sums (torchmetrics' ``sync``, over
+    :func:`bert_reduce.distributed.loss_reduction_group` unless ``process_group`` is given),
+    then logs ``loss_key`` (``loss_sum / num_tokens``) and ``ppl_key`` (``exp`` of it), the
+    same value on every rank (so ``sync_dist`` is off; Lightning may suggest turning it on,
+    which would only add collectives). All validation dataloaders count together.
+
+    Sanity-check runs are not counted. Ranks may run different numbers of validation batches,
+    but every rank must run the validation epoch (hold at least one batch) so that all of them
+    reach the sync. The last epoch's :class:`ValidationResult` is kept in :attr:`result` and in
+    checkpoints. Lightning restarts an interrupted validation epoch from its first batch, so a
+    resumed run counts every batch once and reports the value of an uninterrupted run.
+
+    Args:
+        loss_key: Name the token-weighted mean validation loss is logged under.
+        ppl_key: Name the validation perplexity is logged under.
+        prog_bar: Also show both values in the progress bar.
+        check_sampler: At the start of each validation epoch, raise ``ValueError`` if a
+            validation dataloader's ``DistributedSampler`` repeats or drops samples (see
+            :func:`check_no_repeated_samples`).
+        process_group: Group the sums are reduced over; see :class:`bert_reduce.TokenPerplexity`.
+    """
+
+    def __init__(
+        self,
+        loss_key: str = "val_loss",
+        ppl_key: str = "val_ppl",
+        *,
+        prog_bar: bool = True,
+        check_sampler: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.loss_key = loss_key
+        self.ppl_key = ppl_key
+        self.prog_bar = prog_bar
+        self.check_sampler = check_sampler
+        self.metric = TokenPerplexity(process_group=process_group)
+        self.result: ValidationResult | None = None
+
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        if self.check_sampler:
+            check_no_repeated_samples(trainer.val_dataloaders)
+        # A restarted epoch starts again from its first batch: begin from zero whatever the
+        # metric held when the run stopped.
+        self.metric.reset()
+        self.metric.to(pl_module.device)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if trainer.sanity_checking:
+            return
+        if outputs is None:
+            raise ValueError(
+                f"{type(self).__name__} needs validation_step to return the loss report (a "
+                "mapping with 'loss_sum_and_microbatch_size', a [2] tensor (loss_sum, "
+                f"num_tokens)) or a list of them; {type(pl_module).__name__}.validation_step "
+                f"returned None for batch {batch_idx} of dataloader {dataloader_idx}."
+            )
+        self.metric.update_from_reports(outputs)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        with self.metric.sync_context():
+            loss_sum = self.metric.loss_sum.clone()
+            num_tokens = self.metric.num_tokens.clone()
+        self.metric.reset()
+        self.result = ValidationResult(
+            loss_sum=loss_sum,
+            num_tokens=num_tokens,
+            loss=safe_divide(loss_sum, num_tokens),
+            perplexity=perplexity_from_sums(loss_sum, num_tokens),
+        )
+        for key, value in (
+            (self.loss_key, self.result.loss),
+            (self.ppl_key, self.result.perplexity),
+        ):
+            pl_module.log(key, value, prog_bar=self.prog_bar, on_step=False, on_epoch=True)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.result is None:
+            return {"result": None}
+        return {"result": {name: value.cpu() for name, value in self.result._asdict().items()}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "result" not in state_dict:
+            raise KeyError(
+                f"{type(self).__name__} state has no 'result' key; it has {sorted(state_dict)}."
+            )
+        saved = state_dict["result"]
+        self.result = None if saved is None else ValidationResult(**saved)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(loss_key={self.loss_key!r}, ppl_key={self.ppl_key!r}, "
+            f"check_sampler={self.check_sampler})"
+        )
