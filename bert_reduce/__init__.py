@@ -27,6 +27,10 @@ _EXPORTS: dict[str, str] = {
     "Normalization": "bert_reduce.normalization",
     "normalized_loss_terms": "bert_reduce.normalization",
     "sequence_normalizers": "bert_reduce.normalization",
+    "get_packed_batch_on_this_cp_rank": "bert_reduce.packing",
+    "pack_batch": "bert_reduce.packing",
+    "packed_context_parallel_indices": "bert_reduce.packing",
+    "unpack_sequences": "bert_reduce.packing",
 }
 
 __all__ = [
@@ -39,10 +43,14 @@ __all__ = [
     "TokenPerplexity",
     "ValidationPerplexityCallback",
     "get_batch_on_this_cp_rank",
+    "get_packed_batch_on_this_cp_rank",
     "masked_token_loss",
     "normalized_loss_terms",
+    "pack_batch",
+    "packed_context_parallel_indices",
     "reduce_loss_reports",
     "sequence_normalizers",
+    "unpack_sequences",
     "unreduced_token_loss_fn",
     "validate_masked_labels",
 ]
@@ -60,6 +68,12 @@ if TYPE_CHECKING:
         Normalization,
         normalized_loss_terms,
         sequence_normalizers,
+    )
+    from bert_reduce.packing import (
+        get_packed_batch_on_this_cp_rank,
+        pack_batch,
+        packed_context_parallel_indices,
+        unpack_sequences,
     )
     from bert_reduce.reduction import (
         BERTMLMLossWithReduction,
