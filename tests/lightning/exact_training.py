@@ -1,0 +1,273 @@
+"""A tiny MLM, a dataset with uneven masks, an independent reference loop and Lightning runs.
+
+The reference is plain PyTorch in one process: ``F.cross_entropy`` over every masked token of
+the whole global batch, one backward, the same optimizer. Nothing from bert_reduce is used there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from bert_reduce.functional import safe_divide
+from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.reduction import BERTMLMLossWithReduction
+from tests.sync_guard import count_collectives, forbid_host_syncs
+
+VOCAB = 11
+MASK_ID = VOCAB - 1
+SEQ_LEN = 6
+GLOBAL_BATCH = 8
+# Masked tokens per sample. With GLOBAL_BATCH=8 in order: step 0 has empty samples 2-3 (an
+# empty micro-batch for micro_batch_size <= 2), step 2 gives rank 0 of 2 no masked token at all.
+MASK_COUNTS = (3, 1, 0, 0, 5, 2, 6, 1, 2, 0, 4, 6, 1, 1, 3, 0, 0, 0, 0, 0, 6, 2, 1, 5)
+STEPS = len(MASK_COUNTS) // GLOBAL_BATCH
+VAL_SEED = 1
+
+ParamDict = dict[str, Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class TinyMLM(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.mix = nn.Linear(dim * SEQ_LEN, dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        x = self.norm(self.embed(batch["input_ids"]))  # [b, s, d]
+        context = self.mix(x.flatten(1)).unsqueeze(1)  # [b, 1, d]: every token sees the row
+        logits = self.head(torch.tanh(x + context))  # [b, s, v]
+        return {"token_logits": logits.transpose(0, 1)}  # [s, b, v]
+
+
+class UnevenMaskDataset(Dataset[dict[str, Tensor]]):
+    def __init__(self, mask_counts: tuple[int, ...] = MASK_COUNTS, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, MASK_ID, (len(mask_counts), SEQ_LEN), generator=gen)
+        self.masks = torch.zeros(len(mask_counts), SEQ_LEN, dtype=torch.bool)
+        for row, count in enumerate(mask_counts):
+            self.masks[row, torch.randperm(SEQ_LEN, generator=gen)[:count]] = True
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        mask = self.masks[index]
+        return {
+            "input_ids": torch.where(mask, MASK_ID, self.tokens[index]),
+            "labels": torch.where(mask, self.tokens[index], -100),
+            "loss_mask": mask,
+        }
+
+
+def initial_model(seed: int = 1) -> TinyMLM:
+    torch.manual_seed(seed)
+    return TinyMLM().double()
+
+
+def sgd() -> OptimizerFactory:
+    return functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+
+
+def adamw() -> OptimizerFactory:
+    return functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+
+
+def reference_train(
+    optimizer: OptimizerFactory, clip: float | None, steps: int = STEPS
+) -> tuple[ParamDict, list[float]]:
+    """One process, the whole global batch per step, F.cross_entropy over its masked tokens."""
+    model = initial_model()
+    opt = optimizer(model.parameters())
+    dataset = UnevenMaskDataset()
+    losses = []
+    for step in range(steps):
+        batch = default_collate(
+            [dataset[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)]
+        )
+        logits = model(batch)["token_logits"].transpose(0, 1)  # [b, s, v]
+        mask = batch["loss_mask"]
+        loss = F.cross_entropy(logits[mask], batch["labels"][mask])
+        opt.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+class _Record(pl.Callback):
+    """Logged train_loss per step; validation reports summed over this rank's batches."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.val_totals = torch.zeros(2, dtype=torch.float64)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, module: pl.LightningModule, outputs: dict, *args: object
+    ) -> None:
+        self.val_totals += outputs["loss_sum_and_microbatch_size"]
+
+
+class InstrumentedModule(ExactMLMModule):
+    """Counts collectives and forbids host syncs inside every training step."""
+
+    collectives_per_step: list[dict[str, int]]
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        # Lightning registers DDP communication hooks on CUDA only; on CPU, do it here.
+        ddp = self.trainer.strategy.model
+        assert isinstance(ddp, DistributedDataParallel)
+        ddp.register_comm_hook(None, counting_allreduce_hook)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        with count_collectives() as counts, forbid_host_syncs():
+            loss = super().training_step(batch, batch_idx)
+        self.collectives_per_step.append(dict(counts))
+        return loss
+
+
+GRADIENT_BUCKETS_REDUCED: list[int] = []
+
+
+def counting_allreduce_hook(state, bucket):  # DDP checks unstringified annotations: none here
+    """DDP's default gradient all-reduce (sum, then divide by world size), counted."""
+    GRADIENT_BUCKETS_REDUCED.append(bucket.index())
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+class StockAccumulationModule(pl.LightningModule):
+    """What Lightning does out of the box: a mean loss per micro-batch, accumulate_grad_batches."""
+
+    def __init__(self, model: nn.Module, optimizer: OptimizerFactory) -> None:
+        super().__init__()
+        self.model = model
+        self.optimizer_factory = optimizer
+        self.loss_fn = BERTMLMLossWithReduction()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.loss_fn.setup(batch)
+        loss_sum, num_tokens, _ = self.loss_fn(self.model(batch))
+        return safe_divide(loss_sum, num_tokens)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer_factory(self.parameters())
+
+
+def _micro_batches(sampler: GlobalBatchSampler, size: int) -> Iterator[list[int]]:
+    for share in sampler:
+        yield from (share[i : i + size] for i in range(0, len(share), size))
+
+
+@dataclasses.dataclass
+class Run:
+    params: ParamDict
+    losses: list[float]
+    val_totals: Tensor
+    module: pl.LightningModule
+
+
+def lightning_train(
+    *,
+    micro_batch_size: int,
+    optimizer: OptimizerFactory,
+    clip: float | None,
+    strategy: str | DDPStrategy,
+    devices: int,
+    stock: bool = False,
+    module_cls: type[ExactMLMModule] = ExactMLMModule,
+    val_size: int = 0,
+    steps: int = STEPS,
+) -> Run:
+    """Train with Lightning, then validate on the first ``val_size`` validation samples."""
+    model = initial_model()
+    dataset = UnevenMaskDataset()
+    sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, micro_batch_size, shuffle=False)
+    val_loader = DataLoader(
+        UnevenMaskDataset(seed=VAL_SEED), batch_sampler=ShardedEvalBatchSampler(val_size, 2)
+    )
+    recorder = _Record()
+    common = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "strategy": strategy,
+        "max_steps": steps,
+        "precision": "64-true",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "use_distributed_sampler": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 1.0 if val_size else 0,
+    }
+    module: pl.LightningModule
+    if stock:
+        module = StockAccumulationModule(model, optimizer)
+        loader = DataLoader(dataset, batch_sampler=list(_micro_batches(sampler, micro_batch_size)))
+        trainer = pl.Trainer(
+            accumulate_grad_batches=sampler.share // micro_batch_size,
+            gradient_clip_val=clip,
+            **common,
+        )
+    else:
+        module = module_cls(model, micro_batch_size, optimizer=optimizer, gradient_clip_val=clip)
+        loader = DataLoader(dataset, batch_sampler=sampler)
+        trainer = pl.Trainer(callbacks=[recorder], **common)
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
+    assert (trainer.global_step, trainer.world_size) == (steps, devices)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Run(params, recorder.losses, recorder.val_totals, module)
+
+
+def existing_group_ddp(**kwargs: object) -> DDPStrategy:
+    """DDP over the process group ``tests.dist_utils.run_distributed`` already initialized."""
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    os.environ["NODE_RANK"] = "0"
+    return DDPStrategy(
+        cluster_environment=LightningEnvironment(), process_group_backend="gloo", **kwargs
+    )
+
+
+def reference_val_totals(params: ParamDict, val_size: int) -> Tensor:
+    """(sum of masked-token losses, masked-token count) over the validation set, fp64."""
+    model = initial_model()
+    model.load_state_dict(params)
+    dataset = UnevenMaskDataset(seed=VAL_SEED)
+    batch = default_collate([dataset[i] for i in range(val_size)])
+    with torch.no_grad():
+        logits = model(batch)["token_logits"].transpose(0, 1)
+    mask = batch["loss_mask"]
+    loss_sum = F.cross_entropy(logits[mask], batch["labels"][mask], reduction="sum")
+    return torch.stack([loss_sum, mask.sum().to(torch.float64)])
+
+
+def assert_params_close(actual: ParamDict, expected: ParamDict, rtol: float = 1e-10) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=1e-12, msg=name)
+
+
+def max_param_difference(actual: ParamDict, expected: ParamDict) -> float:
+    return max((actual[k] - expected[k]).abs().max().item() for k in expected)
