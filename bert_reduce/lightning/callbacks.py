@@ -123,8 +123,13 @@ class ValidationPerplexityCallback(Callback):
     Sanity-check runs are not counted. Ranks may run different numbers of validation batches,
     but every rank must run the validation epoch (hold at least one batch) so that all of them
     reach the sync. The last epoch's :class:`ValidationResult` is kept in :attr:`result` and in
-    checkpoints. Lightning restarts an interrupted validation epoch from its first batch, so a
-    resumed run counts every batch once and reports the value of an uninterrupted run.
+    checkpoints.
+
+    Resuming from a checkpoint saved in the middle of a validation epoch, Lightning (2.6) runs
+    that epoch again from the loader's first batch but stops early, as many batches short as
+    were done before the interruption (Lightning-AI/pytorch-lightning#19549). The callback
+    resets that epoch's batch progress when training starts, so the epoch runs whole, and
+    starts every epoch from zero sums: a resumed run reports the values of an uninterrupted one.
 
     Args:
         loss_key: Name the token-weighted mean validation loss is logged under.
@@ -151,6 +156,12 @@ class ValidationPerplexityCallback(Callback):
         self.check_sampler = check_sampler
         self.metric = TokenPerplexity(process_group=process_group)
         self.result: ValidationResult | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        if val_loop.restarted_mid_evaluation:
+            val_loop.batch_progress.reset_on_run()
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

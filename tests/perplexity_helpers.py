@@ -1,0 +1,132 @@
+"""A tiny MLM LightningModule, a validation set and the one-pass reference for perplexity tests.
+
+Module-level so that spawned processes (tests.dist_utils.run_distributed) can import them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from bert_reduce import BERTMLMLossWithReduction
+from bert_reduce.reduction import reduce_loss_reports
+from tests.reference import reference_loss
+
+SEQ_LEN, VOCAB, HIDDEN = 8, 11, 6
+# Masking probability per sample: uneven masked counts per batch, and samples with none.
+MASK_PROBS = (0.5, 0.1, 0.0, 0.9, 0.3, 0.7, 0.0, 0.2, 0.6, 0.4, 0.8, 0.15, 0.05)
+
+
+class MLMSamples(Dataset[dict[str, Tensor]]):
+    """``size`` samples of ``input_ids``, ``labels`` (-100 where unscored), ``loss_mask``."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.input_ids = torch.randint(0, VOCAB, (size, SEQ_LEN), generator=gen)
+        probs = torch.tensor([MASK_PROBS[i % len(MASK_PROBS)] for i in range(size)])
+        self.loss_mask = torch.rand(size, SEQ_LEN, generator=gen) < probs[:, None]
+        targets = torch.randint(0, VOCAB, (size, SEQ_LEN), generator=gen)
+        self.labels = torch.where(self.loss_mask, targets, -100)
+
+    def __len__(self) -> int:
+        return self.input_ids.size(0)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {
+            "input_ids": self.input_ids[index],
+            "labels": self.labels[index],
+            "loss_mask": self.loss_mask[index],
+        }
+
+
+class TinyMLM(pl.LightningModule):
+    """Embedding + linear head in fp64, ``token_logits`` in ``[s, b, v]`` as Megatron's.
+
+    ``validation_step`` returns the loss report (the callback's contract) and, to compare with
+    NeMo 2, logs ``nemo_val_loss`` the way NeMo's strategy logs ``val_loss``: each step's mean
+    loss, averaged over steps with equal weights.
+    """
+
+    def __init__(self, lr: float = 0.0, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN, dtype=torch.float64)
+        self.head = nn.Linear(HIDDEN, VOCAB, dtype=torch.float64)
+        self.lr = lr
+
+    def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        hidden = self.embed(batch["input_ids"].transpose(0, 1))
+        return {"token_logits": self.head(torch.tanh(hidden))}
+
+    def _loss(self, batch: Mapping[str, Tensor], validation: bool) -> tuple[Tensor, Any]:
+        loss_fn = BERTMLMLossWithReduction(validation_step=validation, send_val_output=False)
+        loss_fn.setup(batch)
+        loss_sum, num_tokens, report = loss_fn(self(batch))
+        return loss_sum / num_tokens.clamp(min=1), report
+
+    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
+        return self._loss(batch, validation=False)[0]
+
+    def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        _, report = self._loss(batch, validation=True)
+        if self.trainer.world_size == 1:
+            step_mean = reduce_loss_reports([report])
+            self.log("nemo_val_loss", step_mean, batch_size=1, on_step=False, on_epoch=True)
+        return dict(report)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def reference(model: TinyMLM, dataset: MLMSamples) -> tuple[Tensor, Tensor, int]:
+    """``(mean NLL, perplexity, masked tokens)`` of the whole set in one pass, fp64.
+
+    The mean is ``F.cross_entropy`` over every masked token; the perplexity is also checked
+    against ``torchmetrics.text.Perplexity`` on the full logits.
+    """
+    from torchmetrics.text import Perplexity
+
+    with torch.no_grad():
+        batch = {"input_ids": dataset.input_ids}
+        logits_sbv = model(batch)["token_logits"]
+    loss = reference_loss(logits_sbv, dataset.labels, dataset.loss_mask)
+    perplexity = Perplexity(ignore_index=-100).set_dtype(torch.float64)
+    perplexity.update(logits_sbv.transpose(0, 1), dataset.labels)
+    ppl = perplexity.compute()
+    torch.testing.assert_close(ppl, loss.exp(), rtol=1e-12, atol=0)
+    return loss, ppl, int(dataset.loss_mask.sum())
+
+
+def trainer(callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU Trainer."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+    }
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+def loader(dataset: MLMSamples, batch_size: int, **kwargs: Any) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)
+
+
+def join_existing_group(rank: int, world_size: int) -> None:
+    """Let Lightning's DDP use the process group ``run_distributed`` already created.
+
+    With ``LOCAL_RANK`` set, Lightning treats the processes as launched externally and does not
+    start new ones; ``torch.distributed`` being initialized, it joins the existing group.
+    """
+    os.environ.update(
+        {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world_size)},
+    )

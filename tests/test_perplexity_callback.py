@@ -1,0 +1,268 @@
+"""ValidationPerplexityCallback against a one-pass reference, in one and two real processes.
+
+The validation set has 11 samples, validated in batches of 4 (3 + ... per rank): its size
+divides neither the batch size nor the number of ranks, and batches hold different numbers of
+masked tokens (some samples hold none).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DistributedSampler
+
+from bert_reduce import ValidationPerplexityCallback
+from bert_reduce.lightning import check_no_repeated_samples
+from tests.dist_utils import run_distributed
+from tests.perplexity_helpers import (
+    MLMSamples,
+    TinyMLM,
+    join_existing_group,
+    loader,
+    reference,
+    trainer,
+)
+from tests.sync_guard import count_collectives, forbid_host_syncs
+
+SIZE, BATCH = 11, 4
+
+
+def _assert_matches(callback: ValidationPerplexityCallback, model: TinyMLM, data: MLMSamples):
+    ref_loss, ref_ppl, ref_count = reference(model, data)
+    result = callback.result
+    assert result is not None
+    assert int(result.num_tokens) == ref_count
+    torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(result.perplexity, ref_ppl, rtol=1e-12, atol=0)
+
+
+def test_validate_equals_one_pass_reference_and_nemo_mean_of_means_does_not() -> None:
+    data, model = MLMSamples(SIZE), TinyMLM()
+    callback = ValidationPerplexityCallback()
+    (logged,) = trainer([callback]).validate(model, loader(data, BATCH), verbose=False)
+
+    _assert_matches(callback, model, data)
+    ref_loss, ref_ppl, _ = reference(model, data)
+    assert logged["val_loss"] == pytest.approx(float(ref_loss), rel=1e-12)
+    assert logged["val_ppl"] == pytest.approx(float(ref_ppl), rel=1e-12)
+
+    # The batches hold different numbers of masked tokens, so NeMo 2's val_loss (the mean over
+    # steps of each step's mean) is not the mean over the validation set's masked tokens.
+    counts = [int(data.loss_mask[i : i + BATCH].sum()) for i in range(0, SIZE, BATCH)]
+    assert len(set(counts)) == len(counts), counts
+    per_step = [
+        reference(model, _subset(data, range(i, min(i + BATCH, SIZE))))[0]
+        for i in range(0, SIZE, BATCH)
+    ]
+    assert logged["nemo_val_loss"] == pytest.approx(float(torch.stack(per_step).mean()), rel=1e-12)
+    assert abs(logged["nemo_val_loss"] - float(ref_loss)) > 1e-3
+
+
+def _subset(data: MLMSamples, rows: range) -> MLMSamples:
+    subset = MLMSamples(0)
+    index = torch.tensor(list(rows))
+    subset.input_ids = data.input_ids[index]
+    subset.labels = data.labels[index]
+    subset.loss_mask = data.loss_mask[index]
+    return subset
+
+
+def test_fit_ignores_sanity_check_and_logs_every_epoch() -> None:
+    data, model = MLMSamples(SIZE), TinyMLM(lr=0.0)
+    callback = ValidationPerplexityCallback()
+    fit = trainer([callback], max_epochs=2, limit_train_batches=1, num_sanity_val_steps=2)
+    fit.fit(model, loader(data, BATCH), loader(data, BATCH))
+    # lr = 0: the weights never change, so each epoch sees the reference; counting the two
+    # sanity-check batches would add their tokens.
+    _assert_matches(callback, model, data)
+    assert float(fit.callback_metrics["val_ppl"]) == pytest.approx(
+        float(callback.result.perplexity), rel=1e-12
+    )
+
+
+def test_batches_are_summed_without_host_sync_and_nothing_is_kept() -> None:
+    data, model = MLMSamples(SIZE), TinyMLM()
+    callback = ValidationPerplexityCallback()
+    run = trainer([callback])
+    run.validate(model, loader(data, BATCH), verbose=False)
+    reports = [model._loss(data[i : i + 3], validation=True)[1] for i in range(0, SIZE, 3)]
+    callback.on_validation_epoch_start(run, model)
+    with forbid_host_syncs():
+        for index, report in enumerate(reports):
+            callback.on_validation_batch_end(run, model, report, None, index)
+    states = [value for value in vars(callback.metric).values() if isinstance(value, torch.Tensor)]
+    assert {tuple(state.shape) for state in callback.metric.metric_state.values()} == {()}
+    assert all(state.dim() == 0 for state in states)
+    expected = torch.stack([r["loss_sum_and_microbatch_size"] for r in reports]).sum(0)
+    assert float(callback.metric.loss_sum) == float(expected[0])
+    assert int(callback.metric.num_tokens) == int(expected[1])
+
+
+class _NoReport(TinyMLM):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+
+
+class _WrongReport(TinyMLM):
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        return {"loss": super().validation_step(batch, batch_idx)["loss_sum_and_microbatch_size"]}
+
+
+def test_validation_step_contract_errors_name_what_is_missing() -> None:
+    data = MLMSamples(SIZE)
+    with pytest.raises(ValueError, match=r"_NoReport.validation_step returned None for batch 0"):
+        trainer([ValidationPerplexityCallback()]).validate(_NoReport(), loader(data, BATCH))
+    with pytest.raises(KeyError, match=r"no 'loss_sum_and_microbatch_size' key; it has \['loss'\]"):
+        trainer([ValidationPerplexityCallback()]).validate(_WrongReport(), loader(data, BATCH))
+
+
+def test_check_no_repeated_samples_names_the_padding() -> None:
+    data = MLMSamples(SIZE)
+    padded = loader(data, BATCH, sampler=DistributedSampler(data, 2, 0, shuffle=False))
+    with pytest.raises(ValueError, match=r"DistributedSampler repeats 1 of the 11 samples"):
+        check_no_repeated_samples(padded)
+    dropping = DistributedSampler(data, 2, 1, shuffle=False, drop_last=True)
+    with pytest.raises(ValueError, match=r"drops 1 of the 11 samples to give each of 2 ranks"):
+        check_no_repeated_samples([loader(data, BATCH, sampler=dropping)])
+    unrepeated = UnrepeatedDistributedSampler(data, 2, 1, shuffle=False)
+    check_no_repeated_samples([loader(data, BATCH, sampler=unrepeated)])
+    even = MLMSamples(12)
+    check_no_repeated_samples(loader(even, BATCH, sampler=DistributedSampler(even, 2, 0)))
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _StopMidValidation(TinyMLM):
+    """Saves a checkpoint inside the second validation step of epoch 0, then stops."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(lr=0.1)
+        self.path = path
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        report = super().validation_step(batch, batch_idx)
+        if not self.trainer.sanity_checking and self.current_epoch == 0 and batch_idx == 1:
+            self.trainer.save_checkpoint(self.path)
+            raise _Interrupted
+        return report
+
+
+class _Record(pl.Callback):
+    def __init__(self, callback: ValidationPerplexityCallback) -> None:
+        self.callback = callback
+        self.epochs: list[tuple[int, float, int]] = []
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        result = self.callback.result
+        assert result is not None
+        self.epochs.append(
+            (trainer.current_epoch, float(result.perplexity), int(result.num_tokens))
+        )
+
+
+def test_resumed_run_reports_the_uninterrupted_values(tmp_path: Any) -> None:
+    data = MLMSamples(SIZE)
+    options = {"max_epochs": 2, "limit_train_batches": 2, "num_sanity_val_steps": 0}
+
+    def run(model: TinyMLM, callback: ValidationPerplexityCallback, **fit: Any) -> _Record:
+        record = _Record(callback)
+        trainer([callback, record], **options).fit(
+            model, loader(data, BATCH), loader(data, BATCH), **fit
+        )
+        return record
+
+    uninterrupted = run(TinyMLM(lr=0.1), ValidationPerplexityCallback())
+    assert len(uninterrupted.epochs) == 2
+
+    path = os.path.join(tmp_path, "mid_validation.ckpt")
+    callback = ValidationPerplexityCallback()
+    with pytest.raises(_Interrupted):
+        run(_StopMidValidation(path), callback)
+    assert callback.metric.num_tokens > 0  # batches of the interrupted epoch were counted
+    # The same callback object goes on: the restarted epoch must not add to what it held.
+    resumed = run(TinyMLM(lr=0.1), callback, ckpt_path=path)
+    assert resumed.epochs == uninterrupted.epochs
+
+    state = torch.load(os.path.join(tmp_path, "mid_validation.ckpt"), weights_only=False)
+    assert any("ValidationPerplexityCallback" in key for key in state["callbacks"])
+    restored = ValidationPerplexityCallback()
+    restored.load_state_dict(callback.state_dict())
+    assert restored.result is not None and callback.result is not None
+    for saved, live in zip(restored.result, callback.result, strict=True):
+        assert torch.equal(saved, live)
+
+
+def _ddp_body(world_size: int) -> None:
+    """Every check that needs real DDP processes, in one spawn."""
+    rank = dist.get_rank()
+    join_existing_group(rank, world_size)
+    ddp = {"devices": world_size, "strategy": "ddp"}
+    data, model = MLMSamples(SIZE), TinyMLM()
+    _, _, ref_count = reference(model, data)
+
+    # The fix: every sample on exactly one rank (Lightning keeps a DistributedSampler it is
+    # given). Count the collectives: none while batches run, one sync at the end.
+    for size in (SIZE, 9):  # 9: rank 0 runs 2 batches, rank 1 runs 1
+        subset = MLMSamples(size)
+        sampler = UnrepeatedDistributedSampler(subset, world_size, rank, shuffle=False)
+        callback = ValidationPerplexityCallback()
+        counter = _CountCollectives()
+        trainer([callback, counter], **ddp).validate(
+            model, loader(subset, BATCH, sampler=sampler), verbose=False
+        )
+        _assert_matches(callback, model, subset)
+        assert counter.during_batches == Counter(), counter.during_batches
+        # torchmetrics gathers each of the two scalar states once.
+        assert counter.at_epoch_end["all_gather"] == 2, counter.at_epoch_end
+
+    # Lightning's default DistributedSampler pads the 11 samples to 12 by repeating sample 0:
+    # the check refuses it, and without the check its tokens count twice.
+    if world_size > 1:
+        with pytest.raises(ValueError, match=r"repeats 1 of the 11 samples"):
+            trainer([ValidationPerplexityCallback()], **ddp).validate(model, loader(data, BATCH))
+    stock = ValidationPerplexityCallback(check_sampler=False)
+    trainer([stock], **ddp).validate(model, loader(data, BATCH), verbose=False)
+    assert stock.result is not None
+    repeated = int(data.loss_mask[0].sum()) if world_size > 1 else 0
+    assert int(stock.result.num_tokens) == ref_count + repeated
+    if world_size > 1:
+        assert repeated > 0
+        assert not torch.allclose(stock.result.perplexity, reference(model, data)[1], rtol=1e-6)
+    else:
+        _assert_matches(stock, model, data)
+
+
+class _CountCollectives(pl.Callback):
+    """Counts torch.distributed collectives while batches run and after the last one."""
+
+    def __init__(self) -> None:
+        self.during_batches: Counter[str] = Counter()
+        self.at_epoch_end: Counter[str] = Counter()
+        self._context: Any = None
+        self._counts: Counter[str] = Counter()
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule):
+        self._context = count_collectives()
+        self._counts = self._context.__enter__()
+
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.during_batches = Counter(self._counts)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.at_epoch_end = Counter(self._counts) - self.during_batches
+        self._context.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ddp_gloo_equals_one_pass_reference(world_size: int) -> None:
+    run_distributed(_ddp_body, world_size, world_size, megatron=False)
