@@ -10,7 +10,7 @@ per ``training_step`` and, in the spirit of Megatron-Core's ``finalize_model_gra
    not a mean) under DDP's ``no_sync``, so gradients accumulate locally, except for the last
    micro-batch, whose backward runs DDP's one gradient all-reduce of the step;
 2. sums the numerators and denominators of all micro-batches locally and over the data-parallel
-   group in ONE all-reduce, with no host sync;
+   group in ONE all-reduce of two fp64 numbers, with no host sync;
 3. multiplies the gradients by ``world_size / global_denominator``: ``world_size`` undoes DDP's
    averaging and the division happens once, by the global count;
 4. clips (optionally), steps the optimizer and the learning-rate scheduler.
@@ -112,8 +112,8 @@ class ExactMLMModule(pl.LightningModule):
     :class:`bert_reduce.lightning.GlobalBatchSampler`) and performs one optimizer step: the
     parameters after it are those of a single process back-propagating the loss of the whole
     global batch at once, whatever the micro-batch size and number of DDP ranks. Per step it
-    runs one gradient all-reduce (DDP's) and one all-reduce of four fp64 numbers, and reads no
-    device value on the host.
+    runs one gradient all-reduce (DDP's, once per bucket) and one all-reduce of two fp64
+    numbers, and reads no device value on the host.
 
     Use it with ``Trainer(strategy="ddp" | "auto", use_distributed_sampler=False)`` and neither
     ``accumulate_grad_batches`` nor ``gradient_clip_val`` on the Trainer (micro-batching and
@@ -127,9 +127,9 @@ class ExactMLMModule(pl.LightningModule):
     constructor or override :meth:`forward`. Subclasses may override :meth:`micro_batches` to
     split differently (packed sequences, say).
 
-    Logged once per step, without any extra collective: ``train_loss``, the mean loss over every
-    masked token of the global batch (from the reports' ``loss_sum_and_microbatch_size``, so it
-    is token-weighted whatever normalization the loss uses).
+    Logged once per step, from the same all-reduce: ``train_loss``, the loss of the whole global
+    batch in the loss object's normalization (``global numerator / global denominator``), i.e.
+    the mean over every masked token of the global batch with the default per-token loss.
 
     Args:
         model: Maps a micro-batch dict to a mapping with ``token_logits`` of shape ``[s, b, v]``.
@@ -138,10 +138,15 @@ class ExactMLMModule(pl.LightningModule):
             overrides :meth:`configure_optimizers`.
         lr_scheduler: Builds a scheduler from the optimizer, stepped after every optimizer step.
         loss_fn: Training loss: ``setup(batch)`` then ``loss_fn(forward_out)`` returns
-            ``(numerator, denominator, report)`` with a ``loss_sum_and_microbatch_size`` report.
-            Defaults to ``BERTMLMLossWithReduction()`` (per-token mean).
-        val_loss_fn: Validation loss, same contract. Defaults to
-            ``BERTMLMLossWithReduction(validation_step=True, send_val_output=False)``.
+            ``(numerator, denominator, report)`` whose sums over every micro-batch and rank,
+            divided once, are the loss of the global batch. Defaults to
+            ``BERTMLMLossWithReduction()`` (per-token mean); pass e.g.
+            ``BERTMLMLossWithReduction(normalization="per_sequence")`` for another mode.
+        val_loss_fn: Validation loss, same contract, returning a report with
+            ``loss_sum_and_microbatch_size``. Defaults to
+            ``BERTMLMLossWithReduction(validation_step=True, send_val_output=False)``: per-token,
+            so that validation reports give the token-weighted loss and perplexity whatever
+            the training normalization.
         gradient_clip_val: Clip the exact global gradient to this norm (or value); ``None``
             disables clipping.
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
@@ -265,27 +270,22 @@ class ExactMLMModule(pl.LightningModule):
             batch_idx: Index of the global batch in the epoch.
 
         Returns:
-            The 0-dim fp64 mean loss over every masked token of the global batch (detached).
+            The 0-dim fp64 loss of the global batch (detached), as logged in ``train_loss``.
         """
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
         micro_batches = self.micro_batches(batch)
-        # (numerator, denominator, report loss sum, report token count), summed over micro-batches.
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        # fp64 holds integer denominators exactly up to 2**53.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for index, micro_batch in enumerate(micro_batches):
             with self._local_gradient_accumulation(last=index == len(micro_batches) - 1):
                 forward_out = self(micro_batch)
                 self.loss_fn.setup(micro_batch)
-                numerator, denominator, report = self.loss_fn(forward_out)
+                numerator, denominator, _ = self.loss_fn(forward_out)
                 self.manual_backward(numerator)
-            totals += torch.cat(
-                [
-                    torch.stack([numerator.detach(), denominator]).to(torch.float64),
-                    report["loss_sum_and_microbatch_size"].to(totals.device, torch.float64),
-                ]
-            )
+            totals += torch.stack([numerator.detach(), denominator]).to(torch.float64)
         distributed.all_reduce_sum_(totals, distributed.loss_reduction_group())
-        _, global_denominator, loss_sum, num_tokens = totals.unbind()
+        global_numerator, global_denominator = totals.unbind()
         ddp = self._ddp()
         ddp_size = 1 if ddp is None else dist.get_world_size(ddp.process_group)
         scale = safe_divide(torch.full_like(global_denominator, ddp_size), global_denominator)
@@ -301,7 +301,7 @@ class ExactMLMModule(pl.LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()  # type: ignore[union-attr]
-        train_loss = safe_divide(loss_sum, num_tokens)
+        train_loss = safe_divide(global_numerator, global_denominator)
         self.log(
             "train_loss", train_loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=1
         )

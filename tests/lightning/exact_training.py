@@ -36,6 +36,7 @@ GLOBAL_BATCH = 8
 MASK_COUNTS = (3, 1, 0, 0, 5, 2, 6, 1, 2, 0, 4, 6, 1, 1, 3, 0, 0, 0, 0, 0, 6, 2, 1, 5)
 STEPS = len(MASK_COUNTS) // GLOBAL_BATCH
 VAL_SEED = 1
+CONSTANT_PER_SEQUENCE = SEQ_LEN
 
 ParamDict = dict[str, Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -89,8 +90,25 @@ def adamw() -> OptimizerFactory:
     return functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
 
 
+def reference_loss(logits_bsv: Tensor, labels: Tensor, mask: Tensor, mode: str) -> Tensor:
+    """The loss of a whole ``[b, s]`` batch, by definition of each normalization mode."""
+    if mode == "per_token":
+        return F.cross_entropy(logits_bsv[mask], labels[mask])
+    if mode == "per_sequence":
+        means = [
+            F.cross_entropy(logits_bsv[row][mask[row]], labels[row][mask[row]])
+            for row in range(len(mask))
+            if mask[row].any()
+        ]
+        return torch.stack(means).mean()
+    if mode == "constant":
+        total = F.cross_entropy(logits_bsv[mask], labels[mask], reduction="sum")
+        return total / (CONSTANT_PER_SEQUENCE * len(mask))
+    raise ValueError(mode)
+
+
 def reference_train(
-    optimizer: OptimizerFactory, clip: float | None, steps: int = STEPS
+    optimizer: OptimizerFactory, clip: float | None, mode: str = "per_token", steps: int = STEPS
 ) -> tuple[ParamDict, list[float]]:
     """One process, the whole global batch per step, F.cross_entropy over its masked tokens."""
     model = initial_model()
@@ -103,7 +121,7 @@ def reference_train(
         )
         logits = model(batch)["token_logits"].transpose(0, 1)  # [b, s, v]
         mask = batch["loss_mask"]
-        loss = F.cross_entropy(logits[mask], batch["labels"][mask])
+        loss = reference_loss(logits, batch["labels"], mask, mode)
         opt.zero_grad()
         loss.backward()
         if clip is not None:
@@ -197,6 +215,7 @@ def lightning_train(
     devices: int,
     stock: bool = False,
     module_cls: type[ExactMLMModule] = ExactMLMModule,
+    mode: str = "per_token",
     val_size: int = 0,
     steps: int = STEPS,
 ) -> Run:
@@ -232,7 +251,13 @@ def lightning_train(
             **common,
         )
     else:
-        module = module_cls(model, micro_batch_size, optimizer=optimizer, gradient_clip_val=clip)
+        loss_fn = BERTMLMLossWithReduction(
+            normalization=mode,
+            constant_per_sequence=CONSTANT_PER_SEQUENCE if mode == "constant" else None,
+        )
+        module = module_cls(
+            model, micro_batch_size, optimizer=optimizer, loss_fn=loss_fn, gradient_clip_val=clip
+        )
         loader = DataLoader(dataset, batch_sampler=sampler)
         trainer = pl.Trainer(callbacks=[recorder], **common)
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)

@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import functools
+
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
+from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, split_micro_batches
 from tests.dist_utils import run_distributed
 from tests.lightning import exact_training as et
 
@@ -68,6 +73,18 @@ def _ddp_body(world_size: int) -> None:
         val_totals, et.reference_val_totals(expected_clipped, VAL_SIZE), rtol=1e-10, atol=0
     )
 
+    expected_per_sequence, expected_losses = et.reference_train(et.sgd(), None, "per_sequence")
+    run = et.lightning_train(
+        micro_batch_size=1,
+        optimizer=et.sgd(),
+        clip=None,
+        strategy=et.existing_group_ddp(),
+        devices=world_size,
+        mode="per_sequence",
+    )
+    et.assert_params_close(run.params, expected_per_sequence)
+    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
+
     if world_size > 1:
         stock = et.lightning_train(
             micro_batch_size=2,
@@ -85,3 +102,75 @@ def _ddp_body(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_ddp_training_equals_one_process_on_the_global_batch(world_size: int) -> None:
     run_distributed(_ddp_body, world_size, world_size, megatron=False)
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, 4, 2, 1])
+def test_single_device_training_equals_the_global_batch(micro_batch_size: int) -> None:
+    expected, expected_losses = et.reference_train(et.sgd(), clip=None)
+    run = et.lightning_train(
+        micro_batch_size=micro_batch_size, optimizer=et.sgd(), clip=None, strategy="auto", devices=1
+    )
+    et.assert_params_close(run.params, expected)
+    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["per_sequence", "constant"])
+def test_every_normalization_mode_is_exact(mode: str) -> None:
+    expected, expected_losses = et.reference_train(et.adamw(), clip=None, mode=mode)
+    run = et.lightning_train(
+        micro_batch_size=2, optimizer=et.adamw(), clip=None, strategy="auto", devices=1, mode=mode
+    )
+    et.assert_params_close(run.params, expected)
+    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
+
+
+def test_split_micro_batches_keeps_order_and_shares_non_tensors() -> None:
+    batch = {"input_ids": torch.arange(12).view(6, 2), "mask": torch.ones(6, 2), "tag": "x"}
+    parts = split_micro_batches(batch, 2)
+    assert len(parts) == 3
+    assert [part["tag"] for part in parts] == ["x"] * 3
+    torch.testing.assert_close(torch.cat([part["input_ids"] for part in parts]), batch["input_ids"])
+
+
+@pytest.mark.parametrize(
+    ("batch", "size", "message"),
+    [
+        ({"a": torch.zeros(6, 2)}, 4, r"holds 6 samples, not a multiple of micro_batch_size=4"),
+        ({"a": torch.zeros(6), "b": torch.zeros(5)}, 2, r"disagree on the batch dim.*'b': 5"),
+        ({"a": torch.zeros(())}, 1, r"0-dim tensors batch\['a'\]"),
+        ({"a": 1}, 1, r"no tensor to split; its keys are \['a'\]"),
+        ({"a": torch.zeros(2)}, 0, r"micro_batch_size must be >= 1, got 0"),
+    ],
+)
+def test_split_micro_batches_errors(batch: dict, size: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        split_micro_batches(batch, size)
+
+
+def test_module_needs_an_optimizer() -> None:
+    module = ExactMLMModule(et.initial_model(), micro_batch_size=1)
+    with pytest.raises(ValueError, match=r"needs an optimizer"):
+        module.configure_optimizers()
+
+
+def test_scheduler_is_stepped_once_per_optimizer_step() -> None:
+    module = ExactMLMModule(
+        et.initial_model(),
+        micro_batch_size=1,
+        optimizer=et.sgd(),
+        lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5),
+    )
+    dataset = et.UnevenMaskDataset()
+    loader = DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), 8, 1))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    assert trainer.global_step == 3
+    assert module.optimizers().param_groups[0]["lr"] == 0.5 * 0.5**3

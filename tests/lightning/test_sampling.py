@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from torch.utils.data import DataLoader
+
+from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
+
+
+def _global_batches(world_size: int, micro_batch_size: int, epoch: int) -> list[list[int]]:
+    """Each step's global batch, reassembled from the shares of ranks 0 .. world_size - 1."""
+    samplers = [
+        GlobalBatchSampler(
+            50, 12, micro_batch_size, num_replicas=world_size, rank=rank, shuffle=True, seed=7
+        )
+        for rank in range(world_size)
+    ]
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+    shares = [list(sampler) for sampler in samplers]
+    assert all(len(share) == 12 // world_size for steps in shares for share in steps)
+    return [list(itertools.chain(*step)) for step in zip(*shares, strict=True)]
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_same_global_batches_whatever_the_ranks_and_micro_batches(epoch: int) -> None:
+    reference = _global_batches(world_size=1, micro_batch_size=12, epoch=epoch)
+    assert len(reference) == 50 // 12
+    assert all(len(batch) == 12 for batch in reference)
+    flat = list(itertools.chain(*reference))
+    assert len(set(flat)) == len(flat)  # no sample twice in an epoch
+    for world_size, micro_batch_size in [(1, 1), (2, 3), (3, 2), (4, 1), (6, 2)]:
+        assert _global_batches(world_size, micro_batch_size, epoch) == reference
+
+
+def test_order_depends_on_seed_and_epoch_only() -> None:
+    assert _global_batches(1, 12, epoch=0) != _global_batches(1, 12, epoch=1)
+    unshuffled = GlobalBatchSampler(10, 4, 2, num_replicas=2, rank=1, shuffle=False)
+    assert list(unshuffled) == [[2, 3], [6, 7]]
+
+
+def test_lightning_sets_the_epoch_through_the_dataloader() -> None:
+    sampler = GlobalBatchSampler(20, 4, 1, num_replicas=1, rank=0, seed=3)
+    loader = DataLoader(range(20), batch_sampler=sampler)
+    _set_sampler_epoch(loader, 5)
+    expected = GlobalBatchSampler(20, 4, 1, num_replicas=1, rank=0, seed=3)
+    expected.set_epoch(5)
+    assert list(sampler) == list(expected)
+    assert list(sampler) != list(GlobalBatchSampler(20, 4, 1, num_replicas=1, rank=0, seed=3))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"dataset_size": 100, "global_batch_size": 16, "micro_batch_size": 3},
+            r"global_batch_size=16 is not divisible by micro_batch_size \* data-parallel ranks "
+            r"= 3 \* 2 = 6",
+        ),
+        (
+            {"dataset_size": 10, "global_batch_size": 16, "micro_batch_size": 4},
+            r"holds 10 samples, fewer than one global batch of global_batch_size=16",
+        ),
+        (
+            {"dataset_size": 10, "global_batch_size": 0, "micro_batch_size": 4},
+            r"must be >= 1",
+        ),
+    ],
+)
+def test_global_batch_sampler_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GlobalBatchSampler(**kwargs, num_replicas=2, rank=0)
+
+
+def test_invalid_rank() -> None:
+    with pytest.raises(ValueError, match=r"Invalid rank 2 for num_replicas=2"):
+        ShardedEvalBatchSampler(10, 2, num_replicas=2, rank=2)
+
+
+@pytest.mark.parametrize("dataset_size", [1, 7, 10, 13])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_eval_sampler_places_every_sample_on_exactly_one_rank(
+    dataset_size: int, world_size: int
+) -> None:
+    batches = [
+        list(ShardedEvalBatchSampler(dataset_size, 4, num_replicas=world_size, rank=rank))
+        for rank in range(world_size)
+    ]
+    flat = [i for rank_batches in batches for batch in rank_batches for i in batch]
+    assert flat == list(range(dataset_size))
+    assert all(1 <= len(batch) <= 4 for rank_batches in batches for batch in rank_batches)
+    for rank in range(world_size):
+        sampler = ShardedEvalBatchSampler(dataset_size, 4, num_replicas=world_size, rank=rank)
+        assert len(sampler) == len(batches[rank])
