@@ -1,0 +1,85 @@
+"""Run Megatron-Core's real pipeline schedules and ``finalize_model_grads`` on CPU, in tests.
+
+Two small shims, nothing in Megatron is modified:
+
+* ``schedule_counter_on_cpu()``: ``forward_backward_no_pipelining`` allocates its token
+  counter once as ``torch.zeros([], dtype=torch.int, device="cuda")``. Inside the context,
+  the ``torch`` name *of the schedules module only* is a proxy whose ``zeros`` turns
+  ``device="cuda"`` into ``device="cpu"``; every other attribute is the real ``torch``.
+* ``GradSyncShell``: ``finalize_model_grads`` calls two methods that Megatron's
+  ``DistributedDataParallel`` provides (and which allocates CUDA buffers). The shell provides
+  them as DDP does for a model without gradient buffers: ``finish_grad_sync`` sums the
+  gradients over the data x context parallel group, after multiplying them by ``1 / dp_cp``
+  unless ``calculate_per_token_loss`` (DDP's ``gradient_scaling_factor``), and
+  ``scale_gradients`` multiplies them in place, as ``grad_data *= scaling_factor`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _TorchWithCpuZeros(ModuleType):
+    """``torch``, except that ``zeros(..., device="cuda")`` allocates on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def schedule_counter_on_cpu() -> Iterator[None]:
+    """Within the context, Megatron's schedules allocate their token counter on the CPU."""
+    from megatron.core.pipeline_parallel import schedules
+
+    with mock.patch.object(schedules, "torch", _TorchWithCpuZeros()):
+        yield
+
+
+class GradSyncShell(nn.Module):
+    """Wraps a model with the two gradient methods ``finalize_model_grads`` calls.
+
+    ``config`` and ``model_type`` are found on the wrapped module, through ``.module``, as
+    Megatron's ``get_attr_wrapped_model`` looks for them.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        size = dist.get_world_size(group)
+        for param in self.parameters():
+            if param.grad is None:
+                continue
+            if not self.module.config.calculate_per_token_loss:
+                param.grad /= size
+            if size > 1:
+                dist.all_reduce(param.grad, group=group)
+
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad *= scaling_factor

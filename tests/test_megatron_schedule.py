@@ -1,0 +1,259 @@
+"""Megatron-Core's own schedule drives BERTMLMLossWithReduction: one step, several splits.
+
+``forward_backward_no_pipelining`` runs the micro-batches, back-propagates what the loss
+returns and hands the summed token count to the real ``finalize_model_grads``, which
+all-reduces it over data x context ranks and scales the gradients by ``1 / count``
+(see tests/megatron_cpu.py for the two CPU shims). The model is fp64; Megatron's
+vocab-parallel cross-entropy computes in fp32 and ``finalize_model_grads`` computes
+``1.0 / num_tokens`` from an int32 tensor, i.e. in fp32. So:
+
+* grads of different splits agree to fp64 round-off (same per-token values, same scale);
+* against ``F.cross_entropy`` in fp64 on the whole batch they agree to fp32 precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from bert_reduce import BERTMLMLossWithReduction
+from tests.dist_utils import run_distributed
+from tests.megatron_cpu import GradSyncShell, schedule_counter_on_cpu
+
+GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
+EMPTY_ROWS = (2, 3, 6)  # the 4 x 2 split has an empty micro-batch, 8 x 1 has three
+SPLITS = [(1, 8), (2, 4), (4, 2), (8, 1)]  # (number of micro-batches, micro-batch size)
+SPLIT_TOL = {"rtol": 1e-12, "atol": 1e-15}
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-8}
+
+
+class TinyMLM(nn.Module):
+    """Embedding, tanh, linear head: ``[b, s]`` ids to ``[s, b, v]`` token logits, fp64."""
+
+    def __init__(self, config) -> None:
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        gen = torch.Generator().manual_seed(11)
+        self.embedding = nn.Embedding(VOCAB, HIDDEN, dtype=torch.float64)
+        self.head = nn.Linear(HIDDEN, VOCAB, dtype=torch.float64)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64))
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Megatron's hook for pipeline stages; a single stage reads the data iterator."""
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = torch.tanh(self.embedding(input_ids))
+        return {"token_logits": self.head(hidden).transpose(0, 1).contiguous()}
+
+
+def make_model(calculate_per_token_loss: bool) -> GradSyncShell:
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=1,
+        params_dtype=torch.float64,
+        calculate_per_token_loss=calculate_per_token_loss,
+        finalize_model_grads_func=finalize_model_grads,
+    )
+    return GradSyncShell(TinyMLM(config))
+
+
+def global_batch(weighted: bool = False) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
+    labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
+    mask = torch.rand(GLOBAL_BATCH, SEQ_LEN, generator=gen) < torch.linspace(0.1, 0.6, 8)[:, None]
+    mask[list(EMPTY_ROWS)] = False
+    loss_mask: torch.Tensor = mask
+    if weighted:
+        choices = torch.tensor([0.25, 0.5, 1.0, 1.75], dtype=torch.float64)
+        loss_mask = torch.where(mask, choices[torch.randint(0, 4, mask.shape, generator=gen)], 0)
+    return {
+        "input_ids": input_ids,
+        "labels": torch.where(mask, labels, -100),
+        "loss_mask": loss_mask,
+    }
+
+
+def schedule_step(
+    rows: list[int], micro_batch_size: int, calculate_per_token_loss: bool = True, **loss_kwargs
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list]:
+    """One step of Megatron's schedule over ``rows`` of the global batch on this rank.
+
+    Returns the final parameter gradients, the logged loss (``reduce``) and the reports.
+    """
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    model = make_model(calculate_per_token_loss)
+    batch = global_batch(loss_kwargs.pop("weighted", False))
+    micro_batches = [
+        {key: value[rows[i : i + micro_batch_size]] for key, value in batch.items()}
+        for i in range(0, len(rows), micro_batch_size)
+    ]
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        loss_fn = BERTMLMLossWithReduction(**loss_kwargs)
+        loss_fn.setup(micro_batch)
+        return model(micro_batch["input_ids"]), loss_fn
+
+    with schedule_counter_on_cpu():
+        reports = forward_backward_no_pipelining(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=SEQ_LEN,
+            micro_batch_size=micro_batch_size,
+        )
+    grads = {name: param.grad.clone() for name, param in model.module.named_parameters()}
+    return grads, BERTMLMLossWithReduction().reduce(reports), reports
+
+
+def reference_grads(per_micro_batch_rows: list[list[int]] | None = None, weighted: bool = False):
+    """F.cross_entropy in fp64 on the whole batch (or the mean of per-micro-batch means)."""
+    from megatron.core.transformer import TransformerConfig
+
+    model = TinyMLM(TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1))
+    batch = global_batch(weighted)
+
+    def mean_loss(rows: list[int]) -> torch.Tensor:
+        logits = model(batch["input_ids"][rows])["token_logits"].transpose(0, 1)
+        weights = batch["loss_mask"][rows].to(torch.float64)
+        per_token = F.cross_entropy(
+            logits.reshape(-1, VOCAB),
+            batch["labels"][rows].clamp(min=0).reshape(-1),
+            reduction="none",
+        )
+        total = weights.sum()
+        return (per_token * weights.reshape(-1)).sum() / total if total else per_token.sum() * 0
+
+    if per_micro_batch_rows is None:
+        loss = mean_loss(list(range(GLOBAL_BATCH)))
+    else:
+        loss = torch.stack([mean_loss(rows) for rows in per_micro_batch_rows]).mean()
+    loss.backward()
+    return {name: param.grad for name, param in model.named_parameters()}, loss.detach()
+
+
+def assert_grads_close(actual: dict, expected: dict, **tol) -> None:
+    assert actual.keys() == expected.keys()
+    for name in actual:
+        torch.testing.assert_close(
+            actual[name], expected[name], **tol, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@contextlib.contextmanager
+def single_process_megatron() -> Iterator[None]:
+    """A one-rank gloo group with Megatron's parallel state, torn down afterwards."""
+    from megatron.core import parallel_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}", rank=0, world_size=1
+        )
+        try:
+            parallel_state.initialize_model_parallel()
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def megatron_one_rank() -> Iterator[None]:
+    with single_process_megatron():
+        yield
+
+
+def test_every_split_gives_the_same_gradients_as_cross_entropy(megatron_one_rank) -> None:
+    ref, ref_loss = reference_grads()
+    first = None
+    for num_micro_batches, size in SPLITS:
+        grads, loss, reports = schedule_step(list(range(GLOBAL_BATCH)), size)
+        assert len(reports) == num_micro_batches
+        counts = [int(r["loss_sum_and_microbatch_size"][1]) for r in reports]
+        if size == 2:
+            assert counts[1] == 0 and len(set(counts)) > 2, counts
+        torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+        assert_grads_close(grads, ref, **FP32_TOL)
+        if first is None:
+            first = grads
+        assert_grads_close(grads, first, **SPLIT_TOL)
+
+
+def test_calculate_per_token_loss_false_gives_the_mean_of_micro_batch_means(
+    megatron_one_rank,
+) -> None:
+    rows = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    grads, _, _ = schedule_step(list(range(GLOBAL_BATCH)), 2, calculate_per_token_loss=False)
+    mean_of_means, _ = reference_grads(rows)
+    assert_grads_close(grads, mean_of_means, **FP32_TOL)
+    global_mean, _ = reference_grads()
+    assert not torch.allclose(grads["head.weight"], global_mean["head.weight"], rtol=1e-2)
+
+
+def test_other_modes_and_float_weights_through_the_schedule(megatron_one_rank) -> None:
+    # Float weights: Megatron's int32 counter rejects a float denominator ...
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        schedule_step(list(range(GLOBAL_BATCH)), 4, weighted=True)
+    # ... and weight_resolution makes it an exact integer (these weights are multiples of 1/4).
+    ref, _ = reference_grads(weighted=True)
+    first = None
+    for _, size in SPLITS:
+        grads, _, _ = schedule_step(
+            list(range(GLOBAL_BATCH)), size, weighted=True, weight_resolution=256
+        )
+        assert_grads_close(grads, ref, **FP32_TOL)
+        first = first or grads
+        assert_grads_close(grads, first, **SPLIT_TOL)
+    for mode, kwargs in (("per_sequence", {}), ("constant", {"constant_per_sequence": SEQ_LEN})):
+        by_split = [
+            schedule_step(list(range(GLOBAL_BATCH)), size, normalization=mode, **kwargs)[0]
+            for _, size in SPLITS
+        ]
+        for grads in by_split[1:]:
+            assert_grads_close(grads, by_split[0], **SPLIT_TOL)
+    # per_sequence differs from per_token, so the equalities above are not about per_token.
+    assert not torch.allclose(by_split[0]["head.weight"], ref["head.weight"], rtol=1e-3)
+
+
+def _dp2_body(
+    expected: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], ref_loss: torch.Tensor
+) -> None:
+    from megatron.core import parallel_state
+
+    assert parallel_state.get_data_parallel_world_size() == 2
+    rank = parallel_state.get_data_parallel_rank()
+    # Rank 0 holds rows 0-4 as 5 x 1 (rows 2 and 3 empty), rank 1 rows 5-7 as 1 x 3.
+    rows, size = ([0, 1, 2, 3, 4], 1) if rank == 0 else ([5, 6, 7], 3)
+    grads, loss, _ = schedule_step(rows, size)
+    assert_grads_close(grads, expected, **SPLIT_TOL)
+    assert_grads_close(grads, ref, **FP32_TOL)
+    # reduce() all-reduces the reports over both ranks: the global mean, not rank-local.
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+
+
+@pytest.mark.slow
+def test_data_parallel_two_ranks_equal_one_rank() -> None:
+    with single_process_megatron():
+        expected, _, _ = schedule_step(list(range(GLOBAL_BATCH)), 4)
+    ref, ref_loss = reference_grads()
+    run_distributed(_dp2_body, 2, expected, ref, ref_loss)
