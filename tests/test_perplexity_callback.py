@@ -77,10 +77,21 @@ def _subset(data: MLMSamples, rows: range) -> MLMSamples:
 def test_fit_ignores_sanity_check_and_logs_every_epoch() -> None:
     data, model = MLMSamples(SIZE), TinyMLM(lr=0.0)
     callback = ValidationPerplexityCallback()
-    fit = trainer([callback], max_epochs=2, limit_train_batches=1, num_sanity_val_steps=2)
+    record, after_sanity = _Record(callback), _ResultAfterSanityCheck(callback)
+    fit = trainer(
+        [callback, record, after_sanity],
+        max_epochs=2,
+        limit_train_batches=1,
+        num_sanity_val_steps=2,
+    )
     fit.fit(model, loader(data, BATCH), loader(data, BATCH))
+    assert after_sanity.results == [None]
     # lr = 0: the weights never change, so each epoch sees the reference; counting the two
     # sanity-check batches would add their tokens.
+    _, ref_ppl, ref_count = reference(model, data)
+    assert [(epoch, count) for epoch, _, count in record.epochs] == [(0, ref_count), (1, ref_count)]
+    for _, ppl, _ in record.epochs:
+        assert ppl == pytest.approx(float(ref_ppl), rel=1e-12)
     _assert_matches(callback, model, data)
     assert float(fit.callback_metrics["val_ppl"]) == pytest.approx(
         float(callback.result.perplexity), rel=1e-12
@@ -137,6 +148,15 @@ def test_check_no_repeated_samples_names_the_padding() -> None:
     check_no_repeated_samples(loader(even, BATCH, sampler=DistributedSampler(even, 2, 0)))
 
 
+class _ResultAfterSanityCheck(pl.Callback):
+    def __init__(self, callback: ValidationPerplexityCallback) -> None:
+        self.callback = callback
+        self.results: list[Any] = []
+
+    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.results.append(self.callback.result)
+
+
 class _Interrupted(Exception):
     pass
 
@@ -162,6 +182,8 @@ class _Record(pl.Callback):
         self.epochs: list[tuple[int, float, int]] = []
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
         result = self.callback.result
         assert result is not None
         self.epochs.append(

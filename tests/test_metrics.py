@@ -1,0 +1,186 @@
+"""TokenPerplexity and its functional core against one-pass references.
+
+References: ``exp(F.cross_entropy)`` over every masked token of the whole, unsplit batch, and
+``torchmetrics.text.Perplexity`` on the full logits.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchmetrics.text import Perplexity
+
+from bert_reduce import BERTMLMLossWithReduction, TokenPerplexity
+from bert_reduce.metrics import perplexity_from_sums, report_loss_sums, token_loss_sums
+from tests.dist_utils import run_distributed
+from tests.reference import make_mlm_batch, reference_loss
+from tests.sync_guard import count_collectives, forbid_host_syncs
+
+BATCH, SEQ_LEN, VOCAB = 7, 10, 12
+# Micro-batches as row indices: unequal sizes, and rows 2 and 5 hold no masked token (row 5
+# alone is a micro-batch with none).
+MICRO_BATCHES = [[0, 1, 2], [3, 4], [5], [6]]
+EMPTY_ROWS = (2, 5)
+
+
+def _batch(dtype: torch.dtype = torch.float64):
+    return make_mlm_batch(BATCH, SEQ_LEN, VOCAB, empty_rows=EMPTY_ROWS, dtype=dtype, seed=3)
+
+
+def _torchmetrics_perplexity(logits_sbv: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    metric = Perplexity(ignore_index=-100).set_dtype(torch.float64)
+    metric.update(logits_sbv.to(torch.float64).transpose(0, 1), labels)
+    return metric.compute()
+
+
+def test_perplexity_from_sums_is_exp_of_mean_and_one_when_empty() -> None:
+    loss_sum = torch.tensor([6.0, 0.0, 2.5], dtype=torch.float64)
+    count = torch.tensor([3, 0, 5])
+    expected = torch.tensor([2.0, 0.0, 0.5], dtype=torch.float64).exp()
+    torch.testing.assert_close(perplexity_from_sums(loss_sum, count), expected, rtol=0, atol=0)
+    with pytest.raises(
+        ValueError, match=r"loss_sum of shape \(3,\) and num_tokens of shape \(2,\) must"
+    ):
+        perplexity_from_sums(loss_sum, count[:2])
+
+
+def test_micro_batches_equal_one_pass_reference_and_torchmetrics() -> None:
+    logits, labels, mask = _batch()
+    metric = TokenPerplexity()
+    for rows in MICRO_BATCHES:
+        metric.update_from_logits(logits[:, rows], labels[rows], mask[rows])
+    expected = reference_loss(logits, labels, mask).exp()
+    torch.testing.assert_close(metric.compute(), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(metric.compute(), _torchmetrics_perplexity(logits, labels))
+    assert int(metric.num_tokens) == int(mask.sum())
+    assert metric.loss_sum.dtype == torch.float64 and metric.num_tokens.dtype == torch.int64
+
+    # Averaging per-micro-batch perplexities is not the perplexity of the batch.
+    per_batch = []
+    for rows in MICRO_BATCHES:
+        if mask[rows].any():
+            per_batch.append(reference_loss(logits[:, rows], labels[rows], mask[rows]).exp())
+    assert abs(float(torch.stack(per_batch).mean() - expected)) > 1e-2
+
+
+def test_bf16_logits_within_their_precision() -> None:
+    logits, labels, mask = _batch()
+    metric = TokenPerplexity()
+    metric.update_from_logits(logits.to(torch.bfloat16), labels, mask)
+    expected = reference_loss(logits.to(torch.bfloat16), labels, mask).exp()
+    torch.testing.assert_close(metric.compute(), expected, rtol=1e-5, atol=0)
+
+
+def test_empty_state_is_one_never_nan() -> None:
+    metric = TokenPerplexity()
+    with pytest.warns(UserWarning, match="called before the ``update``"):
+        assert float(metric.compute()) == 1.0
+    logits, labels, mask = _batch()
+    metric.update_from_logits(logits[:, [5]], labels[[5]], mask[[5]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        value = metric.compute()
+    assert float(value) == 1.0 and value.dtype == torch.float64
+    assert int(metric.num_tokens) == 0
+
+
+def test_update_runs_no_host_sync_keeps_no_logits_nor_graph() -> None:
+    logits, labels, mask = _batch(torch.float32)
+    logits.requires_grad_(True)
+    before = logits.detach().clone()
+    metric = TokenPerplexity()
+    with forbid_host_syncs():
+        for rows in MICRO_BATCHES:
+            metric.update_from_logits(logits[:, rows], labels[rows], mask[rows])
+        value = metric.compute()
+    assert torch.equal(logits.detach(), before)
+    tensors = [v for v in vars(metric).values() if isinstance(v, torch.Tensor)]
+    tensors += list(metric.metric_state.values())
+    assert all(t.dim() == 0 and t.grad_fn is None and not t.requires_grad for t in tensors)
+    assert value.grad_fn is None
+    torch.testing.assert_close(value, reference_loss(before, labels, mask).exp(), rtol=1e-6, atol=0)
+
+
+def test_reports_of_the_loss_reduction_give_the_same_value() -> None:
+    logits, labels, mask = _batch()
+    from_logits, from_reports, from_list = TokenPerplexity(), TokenPerplexity(), TokenPerplexity()
+    reports = []
+    for rows in MICRO_BATCHES:
+        loss_fn = BERTMLMLossWithReduction(validation_step=True)
+        loss_fn.setup({"labels": labels[rows], "loss_mask": mask[rows]})
+        _, _, report = loss_fn({"token_logits": logits[:, rows]})
+        reports.append(report)
+        from_logits.update_from_logits(logits[:, rows], labels[rows], mask[rows])
+        from_reports.update_from_reports(report)
+    from_list.update_from_reports(reports)
+    stacked = torch.stack([r["loss_sum_and_microbatch_size"] for r in reports])
+    assert report_loss_sums({"loss_sum_and_microbatch_size": stacked})[1].dtype == torch.int64
+    for metric in (from_reports, from_list):
+        torch.testing.assert_close(metric.compute(), from_logits.compute(), rtol=1e-15, atol=0)
+        assert int(metric.num_tokens) == int(mask.sum())
+
+
+def test_errors_name_keys_and_shapes() -> None:
+    metric = TokenPerplexity()
+    with pytest.raises(ValueError, match=r"loss_sum of shape \(2,\) and num_tokens of shape \(\)"):
+        metric.update(torch.zeros(2), torch.tensor(1))
+    with pytest.raises(KeyError, match=r"report 1 has no 'loss_sum_and_microbatch_size' key; it"):
+        report_loss_sums([{"loss_sum_and_microbatch_size": torch.zeros(2)}, {"avg": 1}])
+    with pytest.raises(ValueError, match=r"must have shape \[2\] or \[\.\.\., 2\].*got \(3,\)"):
+        report_loss_sums({"loss_sum_and_microbatch_size": torch.zeros(3)})
+    with pytest.raises(TypeError, match=r"or a sequence of them, got Tensor"):
+        metric.update_from_reports(torch.zeros(2))  # type: ignore[arg-type]
+    logits, labels, mask = _batch()
+    with pytest.raises(ValueError, match=r"labels of shape \(7, 10\) and loss_mask of shape"):
+        token_loss_sums(logits, labels, mask[:, :5])
+    with pytest.raises(ValueError, match=r"Expected labels of shape \[b, s\]"):
+        token_loss_sums(logits, labels[0], mask[0])
+
+
+def _distributed_body(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    from megatron.core import parallel_state as ps
+
+    logits, labels, mask = batch
+    expected = reference_loss(logits, labels, mask).exp()
+    total = int(mask.sum())
+    rank = dist.get_rank()
+
+    def synced_count(metric: TokenPerplexity) -> int:
+        with metric.sync_context():
+            return int(metric.num_tokens)
+
+    # TP = 2: each rank holds half of the vocabulary for every row.
+    shard = VOCAB // 2
+    local = logits[..., rank * shard : (rank + 1) * shard]
+    metric, summed_over_world = TokenPerplexity(), TokenPerplexity(process_group=dist.group.WORLD)
+    with count_collectives() as calls:
+        for rows in MICRO_BATCHES:
+            metric.update_from_logits(local[:, rows], labels[rows], mask[rows])
+            summed_over_world.update_from_logits(local[:, rows], labels[rows], mask[rows])
+    # Megatron's vocab-parallel CE reduces over TP inside; the metric itself adds nothing.
+    assert set(calls) <= {"all_reduce"}
+    torch.testing.assert_close(metric.compute(), expected, rtol=2e-6, atol=0)
+    assert synced_count(metric) == total
+    # Tensor-parallel ranks hold the same sums: reducing over them would count tokens twice.
+    assert synced_count(summed_over_world) == 2 * total
+
+    # DP = 2: rows split unevenly (5 vs 2 rows, 3 vs 1 micro-batches), full vocabulary.
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    mine = MICRO_BATCHES[:3] if rank == 0 else MICRO_BATCHES[3:]
+    sums = [token_loss_sums(logits[:, rows], labels[rows], mask[rows]) for rows in mine]
+    metric = TokenPerplexity()
+    with count_collectives() as calls:
+        for loss_sum, num_tokens in sums:
+            metric.update(loss_sum, num_tokens)
+    assert not calls
+    torch.testing.assert_close(metric.compute(), expected, rtol=2e-6, atol=0)
+    assert synced_count(metric) == total
+
+
+@pytest.mark.slow
+def test_tensor_and_data_parallel_equal_one_pass_reference() -> None:
+    run_distributed(_distributed_body, 2, _batch(), tp=2)
