@@ -1,0 +1,254 @@
+"""BERTMLMLossWithReduction inside NeMo 2's MegatronParallel, on CPU, against one pass.
+
+NeMo's ``MegatronParallel`` drives Megatron-Core's schedule over several micro-batches of the
+example module (``examples/nemo2_esm2_loss.py``), building its loss objects the way NeMo's
+strategy does (fresh per micro-batch, another for ``reduce``). The reduced loss and the
+parameter gradients are checked against ``F.cross_entropy`` over the masked tokens of the
+whole global batch, in one process and over DP=2 x CP=2 gloo processes.
+
+Runs only where NeMo 2 is installed (``.venv-nemo``, see the ``nemo`` extra).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nemo.lightning.megatron_parallel")
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from nemo.lightning import megatron_parallel as nemo_mp
+from torch import Tensor
+
+import bert_reduce
+from bert_reduce import BERTMLMLossWithReduction
+from examples.nemo2_esm2_loss import MLMLightningModule, mlm_config, mlm_ddp_config
+from tests.dist_utils import run_distributed
+from tests.nemo.cpu_megatron import (
+    CPUGradSync,
+    megatron_step_on_cpu,
+    single_process_megatron,
+)
+from tests.reference import reference_loss
+
+GLOBAL_BATCH, SEQ_LEN, VOCAB, MASK_ID = 8, 16, 33, 32
+EMPTY_ROW = 3
+# Micro-batches as global row indices: unequal sizes and masked counts, one with no masked
+# token at all (row EMPTY_ROW alone).
+MICRO_BATCHES = [[0, 1, 2], [EMPTY_ROW], [4, 5, 6, 7]]
+# Per data-parallel rank: 4 vs 4 samples in training, 5 vs 3 in validation (no drop_last).
+DP_MICRO_BATCHES = {
+    "train": [[[0, 1, 2], [EMPTY_ROW]], [[4], [5, 6, 7]]],
+    "val": [[[0, 1], [2, EMPTY_ROW, 4]], [[5, 6, 7]]],
+}
+
+
+class _RecordingModule(CPUGradSync, MLMLightningModule):
+    """The example module, recording every loss object NeMo asks it for."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.created_losses: list[BERTMLMLossWithReduction] = []
+
+    def training_loss_reduction(self) -> BERTMLMLossWithReduction:
+        loss = super().training_loss_reduction()
+        self.created_losses.append(loss)
+        return loss
+
+    def validation_loss_reduction(self) -> BERTMLMLossWithReduction:
+        loss = super().validation_loss_reduction()
+        self.created_losses.append(loss)
+        return loss
+
+
+def _global_batch() -> dict[str, Tensor]:
+    """An ESM-2-style MLM batch: [b, s] masked input ids, labels and loss mask."""
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, MASK_ID, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
+    loss_mask = torch.rand(GLOBAL_BATCH, SEQ_LEN, generator=gen) < 0.25
+    loss_mask[EMPTY_ROW] = False
+    return {
+        "text": torch.where(loss_mask, MASK_ID, tokens),
+        "labels": torch.where(loss_mask, tokens, -100),
+        "loss_mask": loss_mask,
+    }
+
+
+def _module(calculate_per_token_loss: bool = True, val_drop_last: bool = True) -> _RecordingModule:
+    config = mlm_config(calculate_per_token_loss=calculate_per_token_loss)
+    # What NeMo's MegatronOptimizerModule installs.
+    config.finalize_model_grads_func = finalize_model_grads
+    module = _RecordingModule(config=config, vocab_size=VOCAB, val_drop_last=val_drop_last)
+    torch.manual_seed(0)
+    module.configure_model()
+    module.to(torch.float64)
+    module.trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False
+    )
+    return module
+
+
+class _ReportRecorder:
+    """A MegatronParallel callback keeping the per-micro-batch reports handed to ``reduce``."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict[str, Any]] = []
+
+    def on_megatron_reduce_microbatches_end(self, microbatch_outputs: list[Any]) -> None:
+        self.reports = list(microbatch_outputs)
+
+
+def _run(
+    module: _RecordingModule, batch: dict[str, Tensor], micro_batches: list[list[int]], step: str
+) -> tuple[Tensor, list[dict[str, Any]]]:
+    """One NeMo step over ``micro_batches``: the reduced loss and the micro-batch reports.
+
+    The loss is passed per call (NeMo's strategy does; a loss given to the constructor would
+    become a submodule).
+    """
+    recorder = _ReportRecorder()
+    parallel = nemo_mp.MegatronParallel(
+        module, cpu=True, callbacks=nemo_mp.CallbackConnector([recorder])
+    )
+    step_fn = parallel.training_step if step == "train" else parallel.validation_step
+    data = iter([{key: value[rows] for key, value in batch.items()} for rows in micro_batches])
+    with megatron_step_on_cpu():
+        loss = step_fn(
+            data,
+            num_microbatches=len(micro_batches),
+            seq_length=SEQ_LEN,
+            micro_batch_size=max(len(rows) for rows in micro_batches),
+            step_i=0,
+        )
+    return loss, recorder.reports
+
+
+def _reference(
+    module: MLMLightningModule, batch: dict[str, Tensor], rows: list[int] | None = None
+) -> tuple[Tensor, list[Tensor]]:
+    """F.cross_entropy over the masked tokens of ``rows`` (all by default), and its gradients."""
+    model = copy.deepcopy(module.module)
+    assert model is not None
+    model.zero_grad(set_to_none=True)
+    rows = list(range(GLOBAL_BATCH)) if rows is None else rows
+    logits = model(batch["text"][rows])["token_logits"]
+    loss = reference_loss(logits, batch["labels"][rows], batch["loss_mask"][rows])
+    return loss.detach(), list(torch.autograd.grad(loss, list(model.parameters())))
+
+
+def _grads(module: MLMLightningModule) -> list[Tensor]:
+    assert module.module is not None
+    return [param.grad for param in module.module.parameters()]  # type: ignore[misc]
+
+
+def _assert_close_grads(actual: list[Tensor], expected: list[Tensor]) -> None:
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected, strict=True):
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_megatron_loss_reduction_is_nemos_class() -> None:
+    assert bert_reduce.MegatronLossReduction is nemo_mp.MegatronLossReduction
+    assert isinstance(BERTMLMLossWithReduction(), nemo_mp.MegatronLossReduction)
+
+
+def test_training_step_is_the_global_batch_in_one_pass() -> None:
+    batch = _global_batch()
+    with single_process_megatron():
+        module = _module()
+        ref_loss, ref_grads = _reference(module, batch)
+        loss, reports = _run(module, batch, MICRO_BATCHES, "train")
+
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    _assert_close_grads(_grads(module), ref_grads)
+    counts = [int(report["loss_sum_and_microbatch_size"][1]) for report in reports]
+    assert counts == [int(batch["loss_mask"][rows].sum()) for rows in MICRO_BATCHES]
+    assert counts[1] == 0
+    assert all(set(report) == {"loss_sum_and_microbatch_size"} for report in reports)
+    # NeMo built one loss per micro-batch and another for reduce, which never saw a batch.
+    losses = module.created_losses
+    assert len({id(loss) for loss in losses}) == len(MICRO_BATCHES) + 1
+    assert losses[-1].batch is None
+
+
+def test_without_per_token_loss_the_gradient_is_a_mean_of_micro_batch_means() -> None:
+    batch = _global_batch()
+    with single_process_megatron():
+        module = _module(calculate_per_token_loss=False)
+        ref_loss, _ = _reference(module, batch)
+        per_micro_batch = [
+            _reference(module, batch, rows)[1] if batch["loss_mask"][rows].any() else None
+            for rows in MICRO_BATCHES
+        ]
+        loss, _ = _run(module, batch, MICRO_BATCHES, "train")
+
+    # The logged loss stays exact; an empty micro-batch adds a zero gradient, never NaN.
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    nonempty = [grads for grads in per_micro_batch if grads is not None]
+    assert len(nonempty) == len(MICRO_BATCHES) - 1
+    mean_of_means = [
+        sum(grads[i] for grads in nonempty) / len(MICRO_BATCHES) for i in range(len(nonempty[0]))
+    ]
+    _assert_close_grads(_grads(module), mean_of_means)
+
+
+def test_validation_step_is_the_global_batch_in_one_pass() -> None:
+    batch = _global_batch()
+    with single_process_megatron():
+        module = _module(val_drop_last=False)
+        ref_loss, _ = _reference(module, batch)
+        loss, reports = _run(module, batch, MICRO_BATCHES, "val")
+
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for rows, report in zip(MICRO_BATCHES, reports, strict=True):
+        torch.testing.assert_close(report["batch"]["labels"], batch["labels"][rows])
+        assert report["forward_out"]["token_logits"].shape == (SEQ_LEN, len(rows), VOCAB)
+        assert not report["forward_out"]["token_logits"].requires_grad
+    assert len({id(loss) for loss in module.created_losses}) == len(MICRO_BATCHES) + 1
+    assert all(param.grad is None for param in module.parameters())
+
+
+def test_example_builds_the_megatron_flags() -> None:
+    assert mlm_config().calculate_per_token_loss
+    assert not mlm_ddp_config().average_in_collective
+
+
+def _dp_cp_body() -> None:
+    from megatron.core.utils import get_batch_on_this_cp_rank as megatron_cp_slicer
+
+    batch = _global_batch()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    for step in ("train", "val"):
+        module = _module(val_drop_last=False)
+        ref_loss, ref_grads = _reference(module, batch)
+        micro_batches = DP_MICRO_BATCHES[step][dp_rank]
+        loss, reports = _run(module, batch, micro_batches, step)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        if step == "train":
+            _assert_close_grads(_grads(module), ref_grads)
+        else:
+            # The loss saw this rank's load-balanced chunks, as Megatron's own slicer cuts them.
+            for rows, report in zip(micro_batches, reports, strict=True):
+                full = {key: batch[key][rows] for key in ("labels", "loss_mask")}
+                expected = megatron_cp_slicer(full)
+                for key in full:
+                    torch.testing.assert_close(report["batch"][key], expected[key])
+        local = sum(report["loss_sum_and_microbatch_size"][1] for report in reports)
+        total = torch.as_tensor(local, dtype=torch.float64)
+        dist.all_reduce(
+            total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+        assert int(total) == int(batch["loss_mask"].sum())
+
+
+@pytest.mark.slow
+def test_data_and_context_parallel_ranks_are_the_global_batch_in_one_pass() -> None:
+    """DP=2 x CP=2: each rank its rows and its load-balanced sequence chunks (data_step)."""
+    run_distributed(_dp_cp_body, 4, cp=2)
