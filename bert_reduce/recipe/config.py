@@ -1,0 +1,235 @@
+"""Structured configs of ``train.py``: typed dataclasses registered in Hydra's ConfigStore.
+
+``conf/config.yaml`` starts from ``base_config`` (:class:`TrainConfig`); each group's YAML
+(``conf/model/esm2_tiny.yaml``, ...) starts from its group's schema (``base_model``, ...). So
+every value is type-checked when the config is composed: ``trainer.max_steps=abc`` or an
+unknown key such as ``trainer.max_step=5`` fails with Hydra's error naming the key. Each
+node with a ``_target_`` is built with ``hydra.utils.instantiate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+__all__ = [
+    "CallbacksConfig",
+    "CheckpointConfig",
+    "DataConfig",
+    "LossConfig",
+    "ModelConfig",
+    "NormalizationName",
+    "OptimConfig",
+    "OptimizerConfig",
+    "ProgressBarConfig",
+    "SchedulerConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "ValidationPerplexityConfig",
+    "register_configs",
+]
+
+
+@dataclass
+class ModelConfig:
+    """:class:`bert_reduce.recipe.model.ESM2Model`; see its arguments."""
+
+    _target_: str = "bert_reduce.recipe.model.ESM2Model"
+    vocab_size: int = 33
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_size: int = 256
+    dropout: float = 0.1
+    tie_embeddings: bool = True
+    pad_id: int = 1
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    """:class:`bert_reduce.recipe.datamodule.ESMDataModule`; see its arguments."""
+
+    _target_: str = "bert_reduce.recipe.datamodule.ESMDataModule"
+    global_batch_size: int = 32
+    micro_batch_size: int = 8
+    val_micro_batch_size: int | None = None
+    max_length: int = 128
+    mask_prob: float = 0.15
+    seed: int = "${seed}"  # type: ignore[assignment]
+    train_path: str | None = None
+    val_path: str | None = None
+    column: str = "sequence"
+    val_fraction: float = 0.05
+    num_train_sequences: int = 20_000
+    num_val_sequences: int = 1_003
+    corpus_seed: int = 0
+    shuffle: bool = True
+    pad_to_multiple_of: int = 1
+    num_workers: int = 0
+
+
+class NormalizationName(str, Enum):
+    """The loss normalizations of :mod:`bert_reduce.normalization`, by their config names."""
+
+    per_token = "per_token"
+    per_sequence = "per_sequence"
+    constant = "constant"
+
+
+@dataclass
+class LossConfig:
+    """The training loss, :class:`bert_reduce.BERTMLMLossWithReduction`.
+
+    Validation always reports the per-token mean (``val_loss``, ``val_ppl``).
+    """
+
+    _target_: str = "bert_reduce.BERTMLMLossWithReduction"
+    normalization: NormalizationName = NormalizationName.per_token
+    constant_per_sequence: int | None = None
+
+
+@dataclass
+class OptimizerConfig:
+    """A ``torch.optim`` optimizer, built later on the parameters (``_partial_``)."""
+
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = 2e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass
+class SchedulerConfig:
+    """:func:`bert_reduce.recipe.optim.warmup_cosine_schedule`, built on the optimizer."""
+
+    _target_: str = "bert_reduce.recipe.optim.warmup_cosine_schedule"
+    _partial_: bool = True
+    warmup_steps: int = 20
+    total_steps: int = "${trainer.max_steps}"  # type: ignore[assignment]
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, learning-rate schedule (``null`` for a constant rate) and clipping."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig | None = field(default_factory=SchedulerConfig)
+    gradient_clip_val: float | None = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    """``lightning.pytorch.Trainer``.
+
+    ``precision: auto`` means ``bf16-mixed`` on a GPU that supports it, else ``32-true``.
+    ``use_distributed_sampler`` stays false: the data module's samplers shard the data.
+    """
+
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    precision: str = "auto"
+    max_steps: int = 400
+    max_epochs: int = -1
+    val_check_interval: int = 100
+    check_val_every_n_epoch: int | None = None
+    log_every_n_steps: int = 1
+    num_sanity_val_steps: int = 2
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = True
+    use_distributed_sampler: bool = False
+    deterministic: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    """``ModelCheckpoint``: ``checkpoints/`` of the run directory unless ``dirpath`` is set."""
+
+    _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
+    dirpath: str | None = None
+    filename: str = "step{step:06d}"
+    auto_insert_metric_name: bool = False
+    every_n_train_steps: int = 100
+    save_top_k: int = -1
+    save_last: bool = True
+
+
+@dataclass
+class ValidationPerplexityConfig:
+    """:class:`bert_reduce.lightning.ValidationPerplexityCallback` (``val_loss``, ``val_ppl``)."""
+
+    _target_: str = "bert_reduce.lightning.ValidationPerplexityCallback"
+    loss_key: str = "val_loss"
+    ppl_key: str = "val_ppl"
+    prog_bar: bool = True
+
+
+@dataclass
+class ProgressBarConfig:
+    """``TQDMProgressBar``."""
+
+    _target_: str = "lightning.pytorch.callbacks.TQDMProgressBar"
+    refresh_rate: int = 10
+
+
+@dataclass
+class CallbacksConfig:
+    """The Trainer's callbacks; set one to ``null`` to drop it."""
+
+    checkpoint: CheckpointConfig | None = field(default_factory=CheckpointConfig)
+    val_perplexity: ValidationPerplexityConfig | None = field(
+        default_factory=ValidationPerplexityConfig
+    )
+    progress_bar: ProgressBarConfig | None = field(default_factory=ProgressBarConfig)
+
+
+@dataclass
+class TrainConfig:
+    """The whole run.
+
+    Attributes:
+        seed: Seeds the model initialization, data order, crops and masks.
+        resume: A checkpoint to resume from (e.g. ``<run dir>/checkpoints/last.ckpt``).
+        validate_at_end: Validate after training unless the last step was just validated.
+        tensorboard: Also log to TensorBoard when it is installed.
+        plot: Write ``curves.png`` at the end.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    seed: int = 0
+    resume: str | None = None
+    validate_at_end: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+
+
+_GROUPS: dict[str, Any] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "trainer": TrainerConfig,
+    "callbacks": CallbacksConfig,
+}
+
+
+def register_configs() -> None:
+    """Store ``base_config`` and each group's ``base_<group>`` schema in the ConfigStore."""
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=TrainConfig)
+    for group, node in _GROUPS.items():
+        store.store(group=group, name=f"base_{group}", node=node)

@@ -1,0 +1,249 @@
+"""The recipe's LightningDataModule: the same global batches on any number of ranks.
+
+Training batches come from :class:`bert_reduce.lightning.GlobalBatchSampler`: one dataloader
+batch is this rank's share of one global batch, which :class:`bert_reduce.lightning.
+ExactMLMModule` cuts into micro-batches. Each index travels with its epoch, so a sample's crop
+and mask depend on ``(seed, epoch, index)`` only. Validation batches come from
+:class:`bert_reduce.lightning.ShardedEvalBatchSampler`: every validation sample on exactly one
+rank, none repeated. Run with ``Trainer(use_distributed_sampler=False)``.
+
+The training loader is resumable: a checkpoint stores how many global batches of the epoch
+were consumed, and a resumed run skips exactly those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.recipe.data import MLMCollator, MLMDataset, load_sequences, synthetic_proteins
+from bert_reduce.recipe.tokenizer import ESMTokenizer
+
+__all__ = ["ESMDataModule", "EpochKeyedBatchSampler", "ResumableDataLoader"]
+
+
+class EpochKeyedBatchSampler:
+    """Wraps a :class:`GlobalBatchSampler` to yield ``(epoch, index)`` keys, and to resume.
+
+    Lightning sets the epoch on ``self.sampler`` (the wrapped sampler's order), which is read
+    when iteration starts. After :meth:`resume_from`, the next pass over that epoch skips the
+    batches a previous run already trained on.
+
+    Args:
+        batch_sampler: Yields this rank's indices of each global batch.
+    """
+
+    def __init__(self, batch_sampler: GlobalBatchSampler) -> None:
+        self.batch_sampler = batch_sampler
+        self.sampler = batch_sampler.sampler
+        self._resume: tuple[int, int] | None = None
+
+    def resume_from(self, epoch: int, batches_done: int) -> None:
+        """Skip the first ``batches_done`` batches the next time ``epoch`` is iterated."""
+        self._resume = (epoch, batches_done)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.sampler.epoch
+        skip = 0
+        if self._resume is not None and self._resume[0] == epoch:
+            skip = self._resume[1]
+        self._resume = None
+        for step, indices in enumerate(self.batch_sampler):
+            if step >= skip:
+                yield [(epoch, index) for index in indices]
+
+
+class ResumableDataLoader(DataLoader):
+    """A training DataLoader whose position in the epoch is saved in checkpoints.
+
+    Lightning stores ``state_dict()`` of loaders that have one and hands it back through
+    ``load_state_dict`` before iterating. The position is the trainer's count of processed
+    global batches in the current epoch, read through ``progress`` when the checkpoint is
+    written: what the dataloader prefetched but the model did not see is not counted.
+
+    Args:
+        progress: Returns ``(epoch, global batches processed in it)``.
+        kwargs: Passed to ``DataLoader``; ``batch_sampler`` must be an
+            :class:`EpochKeyedBatchSampler`.
+    """
+
+    def __init__(self, *args: Any, progress: Callable[[], tuple[int, int]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch": ..., "batches_done": ...}`` of the training run."""
+        epoch, batches_done = self.progress()
+        return {"epoch": epoch, "batches_done": batches_done}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resume after ``state_dict["batches_done"]`` batches of ``state_dict["epoch"]``."""
+        self.batch_sampler.resume_from(state_dict["epoch"], state_dict["batches_done"])  # type: ignore[union-attr]
+
+
+class ESMDataModule(pl.LightningDataModule):
+    """Protein MLM data: files or the built-in synthetic corpus, masked per sample.
+
+    Args:
+        global_batch_size: Samples per optimizer step over all ranks.
+        micro_batch_size: Samples per forward pass on one rank; ``global_batch_size`` must be
+            a multiple of ``micro_batch_size`` times the number of ranks.
+        val_micro_batch_size: Samples per validation batch (``micro_batch_size`` when
+            ``None``).
+        max_length: Most tokens per sample, ``<cls>`` and ``<eos>`` included; longer
+            sequences are cropped to a random window.
+        mask_prob: BERT selection probability (80% ``<mask>``, 10% random, 10% kept).
+        seed: Seed of the shuffling, crops and masks.
+        train_path: FASTA/CSV/TSV/Parquet file of training sequences; ``None`` uses the
+            built-in synthetic corpus.
+        val_path: File of validation sequences; ``None`` holds out ``val_fraction`` of
+            ``train_path`` (or makes a separate synthetic set).
+        column: Column of the sequences in CSV/TSV/Parquet files.
+        val_fraction: Share of ``train_path`` held out when there is no ``val_path``.
+        num_train_sequences: Size of the synthetic training corpus.
+        num_val_sequences: Size of the synthetic validation set.
+        corpus_seed: Seed of the synthetic corpus.
+        shuffle: Draw a new order of the training set every epoch.
+        pad_to_multiple_of: Round padded lengths up to a multiple of this.
+        num_workers: DataLoader worker processes.
+
+    Raises:
+        ValueError: If ``val_fraction`` leaves no training or no validation sample.
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int = 32,
+        micro_batch_size: int = 8,
+        val_micro_batch_size: int | None = None,
+        max_length: int = 128,
+        mask_prob: float = 0.15,
+        seed: int = 0,
+        train_path: str | None = None,
+        val_path: str | None = None,
+        column: str = "sequence",
+        val_fraction: float = 0.05,
+        num_train_sequences: int = 20_000,
+        num_val_sequences: int = 1_003,
+        corpus_seed: int = 0,
+        shuffle: bool = True,
+        pad_to_multiple_of: int = 1,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.val_micro_batch_size = val_micro_batch_size or micro_batch_size
+        self.max_length = max_length
+        self.mask_prob = mask_prob
+        self.seed = seed
+        self.train_path = train_path
+        self.val_path = val_path
+        self.column = column
+        self.val_fraction = val_fraction
+        self.num_train_sequences = num_train_sequences
+        self.num_val_sequences = num_val_sequences
+        self.corpus_seed = corpus_seed
+        self.shuffle = shuffle
+        self.num_workers = num_workers
+        self.tokenizer = ESMTokenizer()
+        self.collate = MLMCollator(self.tokenizer.pad_id, pad_to_multiple_of)
+        self.train_dataset: MLMDataset | None = None
+        self.val_dataset: MLMDataset | None = None
+
+    def _sequences(self) -> tuple[list[str], list[str]]:
+        if self.train_path is None:
+            train = synthetic_proteins(self.num_train_sequences, seed=self.corpus_seed)
+            val = (
+                load_sequences(self.val_path, self.column)
+                if self.val_path is not None
+                else synthetic_proteins(self.num_val_sequences, seed=self.corpus_seed + 1)
+            )
+            return train, val
+        sequences = load_sequences(self.train_path, self.column)
+        if self.val_path is not None:
+            return sequences, load_sequences(self.val_path, self.column)
+        num_val = round(len(sequences) * self.val_fraction)
+        if not 0 < num_val < len(sequences):
+            raise ValueError(
+                f"data.val_fraction={self.val_fraction} of the {len(sequences)} sequences in "
+                f"{self.train_path} leaves {num_val} for validation and "
+                f"{len(sequences) - num_val} for training; both must be non-zero "
+                "(or set data.val_path)."
+            )
+        order = np.random.default_rng([self.seed, 0x5B17]).permutation(len(sequences))
+        val = [sequences[i] for i in order[:num_val]]
+        train = [sequences[i] for i in order[num_val:]]
+        return train, val
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Read or generate the sequences (once)."""
+        if self.train_dataset is not None:
+            return
+        train, val = self._sequences()
+        common = {"max_length": self.max_length, "seed": self.seed, "mask_prob": self.mask_prob}
+        self.train_dataset = MLMDataset(train, stream=0, tokenizer=self.tokenizer, **common)
+        self.val_dataset = MLMDataset(val, stream=1, tokenizer=self.tokenizer, **common)
+
+    def _replicas_and_rank(self) -> dict[str, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        return {"num_replicas": trainer.world_size, "rank": trainer.global_rank}
+
+    def _progress(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    @override
+    def train_dataloader(self) -> ResumableDataLoader:
+        """This rank's share of each global batch, one share per optimizer step.
+
+        Raises:
+            ValueError: If ``global_batch_size`` is not a multiple of ``micro_batch_size``
+                times the number of ranks, or the training set is smaller than one global
+                batch.
+        """
+        if self.train_dataset is None:
+            self.setup("fit")
+        assert self.train_dataset is not None
+        batch_sampler = GlobalBatchSampler(
+            len(self.train_dataset),
+            self.global_batch_size,
+            self.micro_batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            **self._replicas_and_rank(),
+        )
+        return ResumableDataLoader(
+            self.train_dataset,
+            batch_sampler=EpochKeyedBatchSampler(batch_sampler),
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+            progress=self._progress,
+        )
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        """This rank's contiguous slice of the validation set, every sample exactly once."""
+        if self.val_dataset is None:
+            self.setup("validate")
+        assert self.val_dataset is not None
+        return DataLoader(
+            self.val_dataset,
+            batch_sampler=ShardedEvalBatchSampler(
+                len(self.val_dataset), self.val_micro_batch_size, **self._replicas_and_rank()
+            ),
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+        )
