@@ -244,3 +244,16 @@ def _cp2_packed_body() -> None:
 @pytest.mark.slow
 def test_real_cp2_on_packed_batch_matches_unpacked_reference() -> None:
     run_distributed(_cp2_packed_body, 2, cp=2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loss_on_packed_batch_has_no_host_sync(mode) -> None:
+    logits, batch, _ = padded_batch(weighted=True)
+    packed = pack_with_logits(batch, logits, 4)
+    bare = {k: v for k, v in packed.items() if not k.startswith("sequence_")}
+    token_logits = packed["logits"].transpose(0, 1).requires_grad_(True)
+    with forbid_host_syncs():
+        loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
+        loss_fn.setup(bare)
+        numerator, _, _ = loss_fn({"token_logits": token_logits})
+        numerator.backward()
