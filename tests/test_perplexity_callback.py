@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from bert_reduce import ValidationPerplexityCallback
-from bert_reduce.lightning import check_no_repeated_samples
+from bert_reduce.lightning import ShardedEvalBatchSampler, check_no_repeated_samples
 from tests.dist_utils import run_distributed
 from tests.perplexity_helpers import (
     MLMSamples,
@@ -231,15 +231,21 @@ def _ddp_body(world_size: int) -> None:
     data, model = MLMSamples(SIZE), TinyMLM()
     _, _, ref_count = reference(model, data)
 
-    # The fix: every sample on exactly one rank (Lightning keeps a DistributedSampler it is
-    # given). Count the collectives: none while batches run, one sync at the end.
-    for size in (SIZE, 9):  # 9: rank 0 runs 2 batches, rank 1 runs 1
+    # The fix: every sample on exactly one rank, with Lightning's UnrepeatedDistributedSampler
+    # (Lightning keeps a DistributedSampler it is given) or bert_reduce's
+    # ShardedEvalBatchSampler. Count the collectives: none while batches run, one sync at the end.
+    for size, sharded in ((SIZE, False), (9, False), (SIZE, True)):  # 9: 2 batches vs 1
         subset = MLMSamples(size)
-        sampler = UnrepeatedDistributedSampler(subset, world_size, rank, shuffle=False)
+        if sharded:
+            batches = ShardedEvalBatchSampler(size, BATCH, num_replicas=world_size, rank=rank)
+            val_loader = DataLoader(subset, batch_sampler=batches)
+        else:
+            sampler = UnrepeatedDistributedSampler(subset, world_size, rank, shuffle=False)
+            val_loader = loader(subset, BATCH, sampler=sampler)
         callback = ValidationPerplexityCallback()
         counter = _CountCollectives()
-        trainer([callback, counter], **ddp).validate(
-            model, loader(subset, BATCH, sampler=sampler), verbose=False
+        trainer([callback, counter], use_distributed_sampler=not sharded, **ddp).validate(
+            model, val_loader, verbose=False
         )
         _assert_matches(callback, model, subset)
         assert counter.during_batches == Counter(), counter.during_batches
