@@ -157,6 +157,11 @@ class ValidationPerplexityCallback(Callback):
         self.metric = TokenPerplexity(process_group=process_group)
         self.result: ValidationResult | None = None
 
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(loss_key=self.loss_key, ppl_key=self.ppl_key)
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         val_loop = trainer.fit_loop.epoch_loop.val_loop
