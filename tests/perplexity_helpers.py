@@ -49,8 +49,10 @@ class TinyMLM(pl.LightningModule):
     """Embedding + linear head in fp64, ``token_logits`` in ``[s, b, v]`` as Megatron's.
 
     ``validation_step`` returns the loss report (the callback's contract) and, to compare with
-    NeMo 2, logs ``nemo_val_loss`` the way NeMo's strategy logs ``val_loss``: each step's mean
-    loss, averaged over steps with equal weights.
+    NeMo 2, logs ``nemo_val_loss`` the way NeMo's ``MegatronStrategy.validation_step`` logs
+    ``val_loss`` (``self.lightning_module.log("val_loss", out, prog_bar=True, on_epoch=True)``
+    with ``out`` the step's reduced mean loss, and no batch size Lightning could read from its
+    dataloader iterator): each step's mean, averaged over steps with equal weights.
     """
 
     def __init__(self, lr: float = 0.0, seed: int = 0) -> None:
