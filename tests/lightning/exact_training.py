@@ -216,11 +216,12 @@ def lightning_train(
     stock: bool = False,
     module_cls: type[ExactMLMModule] = ExactMLMModule,
     mode: str = "per_token",
+    precision: str = "64-true",
     val_size: int = 0,
     steps: int = STEPS,
 ) -> Run:
     """Train with Lightning, then validate on the first ``val_size`` validation samples."""
-    model = initial_model()
+    model = initial_model() if precision == "64-true" else initial_model().float()
     dataset = UnevenMaskDataset()
     sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, micro_batch_size, shuffle=False)
     val_loader = DataLoader(
@@ -232,7 +233,7 @@ def lightning_train(
         "devices": devices,
         "strategy": strategy,
         "max_steps": steps,
-        "precision": "64-true",
+        "precision": precision,
         "logger": False,
         "enable_checkpointing": False,
         "enable_progress_bar": False,

@@ -124,6 +124,27 @@ def test_every_normalization_mode_is_exact(mode: str) -> None:
     torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("precision", "loss_rtol", "param_atol"),
+    [("32-true", 1e-6, 1e-6), ("bf16-mixed", 5e-3, 1e-2)],  # bf16 autocast: close, not exact
+)
+def test_lower_precisions_train_close_to_the_fp64_reference(
+    precision: str, loss_rtol: float, param_atol: float
+) -> None:
+    expected, expected_losses = et.reference_train(et.sgd(), clip=None)
+    run = et.lightning_train(
+        micro_batch_size=2,
+        optimizer=et.sgd(),
+        clip=None,
+        strategy="auto",
+        devices=1,
+        precision=precision,
+    )
+    torch.testing.assert_close(run.losses, expected_losses, rtol=loss_rtol, atol=0)
+    for name, value in expected.items():
+        torch.testing.assert_close(run.params[name].double(), value, rtol=0, atol=param_atol)
+
+
 def test_split_micro_batches_keeps_order_and_shares_non_tensors() -> None:
     batch = {"input_ids": torch.arange(12).view(6, 2), "mask": torch.ones(6, 2), "tag": "x"}
     parts = split_micro_batches(batch, 2)
