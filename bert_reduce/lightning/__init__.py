@@ -14,7 +14,11 @@ from bert_reduce.lightning.exact_module import (
     OptimizerFactory,
     split_micro_batches,
 )
-from bert_reduce.lightning.sampling import GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.lightning.sampling import (
+    GlobalBatchSampler,
+    ShardedEvalBatchSampler,
+    check_sampler_placement,
+)
 
 __all__ = [
     "ExactMLMModule",
@@ -25,5 +29,6 @@ __all__ = [
     "ValidationPerplexityCallback",
     "ValidationResult",
     "check_no_repeated_samples",
+    "check_sampler_placement",
     "split_micro_batches",
 ]

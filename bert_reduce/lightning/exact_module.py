@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from bert_reduce import distributed
 from bert_reduce.functional import safe_divide
+from bert_reduce.lightning.sampling import check_sampler_placement
 from bert_reduce.reduction import BERTMLMLossWithReduction, MegatronLossReduction
 
 __all__ = [
@@ -243,6 +244,20 @@ class ExactMLMModule(pl.LightningModule):
                 "gradient_clip_val with precision='16-mixed' would clip loss-scaled gradients; "
                 "use precision='bf16-mixed' or disable clipping."
             )
+
+    @override
+    def on_train_start(self) -> None:
+        """Check that the training sampler hands this rank its own share of each global batch.
+
+        Raises:
+            ValueError: See :func:`bert_reduce.lightning.sampling.check_sampler_placement`.
+        """
+        loaders = self.trainer.train_dataloader
+        if isinstance(loaders, Mapping):
+            loaders = list(loaders.values())
+        elif not isinstance(loaders, list | tuple):
+            loaders = [loaders]
+        check_sampler_placement(loaders, self.trainer.world_size, self.trainer.global_rank)
 
     def _ddp(self) -> DistributedDataParallel | None:
         model = self.trainer.strategy.model

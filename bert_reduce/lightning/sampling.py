@@ -16,12 +16,12 @@ them, e.g. ``DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
-__all__ = ["GlobalBatchSampler", "ShardedEvalBatchSampler"]
+__all__ = ["GlobalBatchSampler", "ShardedEvalBatchSampler", "check_sampler_placement"]
 
 
 def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -150,3 +150,34 @@ class ShardedEvalBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for begin in range(self.start, self.stop, self.batch_size):
             yield list(range(begin, min(begin + self.batch_size, self.stop)))
+
+
+def check_sampler_placement(dataloaders: Iterable[object], world_size: int, rank: int) -> None:
+    """Raise ``ValueError`` if a loader's :class:`GlobalBatchSampler` has the wrong rank.
+
+    A sampler built before the process group existed (at module level of a script that
+    Lightning's DDP launcher runs once per rank, say) believes it is rank 0 of 1: every rank
+    would then train on the whole global batch. Looks at each loader's ``batch_sampler`` and at
+    a ``batch_sampler`` attribute of it (a wrapper's); other samplers are not checked.
+
+    Args:
+        dataloaders: The training loaders.
+        world_size: The trainer's data-parallel world size.
+        rank: The trainer's global rank.
+
+    Raises:
+        ValueError: Naming the sampler's and the trainer's ranks and world sizes.
+    """
+    for loader in dataloaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for sampler in (batch_sampler, getattr(batch_sampler, "batch_sampler", None)):
+            if not isinstance(sampler, GlobalBatchSampler):
+                continue
+            if (sampler.num_replicas, sampler.rank) != (world_size, rank):
+                raise ValueError(
+                    f"The training GlobalBatchSampler is rank {sampler.rank} of "
+                    f"{sampler.num_replicas}, but this process is rank {rank} of {world_size}. "
+                    "Build the sampler once the process group exists (in train_dataloader() "
+                    "of the LightningDataModule or LightningModule), or pass num_replicas and "
+                    "rank."
+                )

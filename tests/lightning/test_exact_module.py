@@ -195,3 +195,20 @@ def test_scheduler_is_stepped_once_per_optimizer_step() -> None:
     trainer.fit(module, train_dataloaders=loader)
     assert trainer.global_step == 3
     assert module.optimizers().param_groups[0]["lr"] == 0.5 * 0.5**3
+
+
+def test_a_sampler_built_for_another_rank_is_refused() -> None:
+    module = ExactMLMModule(et.initial_model(), micro_batch_size=1, optimizer=et.sgd())
+    dataset = et.UnevenMaskDataset()
+    sampler = GlobalBatchSampler(len(dataset), 8, 1, num_replicas=2, rank=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    with pytest.raises(ValueError, match=r"is rank 1 of 2, but this process is rank 0 of 1"):
+        trainer.fit(module, train_dataloaders=DataLoader(dataset, batch_sampler=sampler))

@@ -6,7 +6,11 @@ import pytest
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from torch.utils.data import DataLoader
 
-from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.lightning import (
+    GlobalBatchSampler,
+    ShardedEvalBatchSampler,
+    check_sampler_placement,
+)
 
 
 def _global_batches(world_size: int, micro_batch_size: int, epoch: int) -> list[list[int]]:
@@ -94,3 +98,21 @@ def test_eval_sampler_places_every_sample_on_exactly_one_rank(
     for rank in range(world_size):
         sampler = ShardedEvalBatchSampler(dataset_size, 4, num_replicas=world_size, rank=rank)
         assert len(sampler) == len(batches[rank])
+
+
+class _Wrapper:
+    def __init__(self, batch_sampler: GlobalBatchSampler) -> None:
+        self.batch_sampler = batch_sampler
+
+    def __iter__(self):
+        return iter(self.batch_sampler)
+
+
+def test_sampler_placement_is_checked_through_one_wrapper() -> None:
+    right = GlobalBatchSampler(20, 4, 1, num_replicas=2, rank=1)
+    wrong = GlobalBatchSampler(20, 4, 1, num_replicas=1, rank=0)
+    check_sampler_placement([DataLoader(range(20), batch_sampler=right)], world_size=2, rank=1)
+    with pytest.raises(ValueError, match=r"is rank 0 of 1, but this process is rank 1 of 2"):
+        check_sampler_placement(
+            [DataLoader(range(20), batch_sampler=_Wrapper(wrong))], world_size=2, rank=1
+        )
