@@ -146,6 +146,7 @@ class TrainerConfig:
     num_sanity_val_steps: int = 2
     enable_progress_bar: bool = True
     enable_model_summary: bool = True
+    enable_checkpointing: bool = True
     use_distributed_sampler: bool = False
     deterministic: bool = False
 

@@ -17,9 +17,14 @@ class ESM2MLMModule(ExactMLMModule):
     """Exact global-batch MLM training of a model called as ``model(input_ids, attention_mask)``.
 
     Everything but the call is :class:`bert_reduce.lightning.ExactMLMModule`'s (same
-    arguments). Also logs ``lr``, the learning rate of each step, on the row of its
-    ``train_loss``, and remembers the optimizer step of the last validation epoch, so the entry
-    point can validate at the end without validating the same weights twice.
+    arguments). On top of it:
+
+    * ``lr``, the learning rate of each step, is logged on the row of its ``train_loss``;
+    * ``step`` is written as the number of optimizer steps done when a row (training or
+      validation) is logged: step ``k``'s ``train_loss`` is that of the ``k``-th global batch,
+      and ``val_*`` at step ``k`` are those of the weights after ``k`` steps;
+    * the step of the last validation epoch is kept in ``last_validation_step``, so the entry
+      point can validate at the end without validating the same weights twice.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -37,9 +42,23 @@ class ESM2MLMModule(ExactMLMModule):
         lr = self.optimizers().param_groups[0]["lr"]
         loss = super().training_step(batch, batch_idx)
         self.log("lr", lr, on_step=True, on_epoch=False, batch_size=1)
+        self._log_step(in_training_step=True)
         return loss
+
+    def _log_step(self, in_training_step: bool) -> None:
+        # Lightning writes a logged "step" as the row's step: the optimizer steps done so far,
+        # for training and validation rows alike (its own counter lags by one in validation
+        # during fit, and not in a standalone validate).
+        self.log(
+            "step",
+            float(self.trainer.global_step),
+            on_step=in_training_step,
+            on_epoch=not in_training_step,
+            batch_size=1,
+        )
 
     @override
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
             self.last_validation_step = self.trainer.global_step
+            self._log_step(in_training_step=False)

@@ -1,0 +1,134 @@
+"""The data module: the same global batches and masks for any split, resumable, no duplicates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.recipe.datamodule import EpochKeyedBatchSampler, ESMDataModule
+
+
+def datamodule(**kwargs) -> ESMDataModule:
+    defaults = {"num_train_sequences": 48, "num_val_sequences": 11, "max_length": 32}
+    dm = ESMDataModule(**{**defaults, **kwargs})
+    dm.setup("fit")
+    return dm
+
+
+def unpad(batch: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], ...]]:
+    """Each sample's (input_ids, labels, loss_mask) without padding, in batch order."""
+    samples = []
+    for row in range(batch["input_ids"].shape[0]):
+        keep = batch["attention_mask"][row]
+        samples.append(
+            tuple(
+                tuple(batch[key][row][keep].tolist())
+                for key in ("input_ids", "labels", "loss_mask")
+            )
+        )
+    return samples
+
+
+def global_batches(dm: ESMDataModule, micro: int, ranks: int, epoch: int) -> list[list]:
+    """The global batch of every step: ranks' shares concatenated, cut into micro-batches."""
+    per_rank = []
+    for rank in range(ranks):
+        sampler = EpochKeyedBatchSampler(
+            GlobalBatchSampler(
+                len(dm.train_dataset),
+                dm.global_batch_size,
+                micro,
+                num_replicas=ranks,
+                rank=rank,
+                seed=dm.seed,
+            )
+        )
+        sampler.sampler.set_epoch(epoch)
+        steps = []
+        for keys in sampler:
+            share = dm.collate([dm.train_dataset[key] for key in keys])
+            micro_batches = [
+                dm.collate([dm.train_dataset[key] for key in keys[i : i + micro]])
+                for i in range(0, len(keys), micro)
+            ]
+            assert unpad(share) == [s for mb in micro_batches for s in unpad(mb)]
+            steps.append(unpad(share))
+        per_rank.append(steps)
+    return [[s for steps in per_rank for s in steps[step]] for step in range(len(per_rank[0]))]
+
+
+def test_same_global_batches_and_masks_for_every_split() -> None:
+    dm = datamodule(global_batch_size=8)
+    reference = global_batches(dm, micro=8, ranks=1, epoch=1)
+    assert len(reference) == 48 // 8
+    for micro, ranks in [(4, 1), (1, 1), (2, 2), (4, 2), (1, 4)]:
+        assert global_batches(dm, micro, ranks, epoch=1) == reference, (micro, ranks)
+    # Another epoch: another order and other masks.
+    assert global_batches(dm, micro=8, ranks=1, epoch=2) != reference
+
+
+def test_global_batch_not_divisible_is_a_clear_error() -> None:
+    dm = datamodule(global_batch_size=12, micro_batch_size=8)
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=12 is not divisible by micro_batch_size"
+    ):
+        dm.train_dataloader()
+
+
+def test_train_loader_resumes_mid_epoch() -> None:
+    dm = datamodule(global_batch_size=8, micro_batch_size=4)
+    loader = dm.train_dataloader()
+    loader.batch_sampler.sampler.set_epoch(3)
+    full = [unpad(batch) for batch in loader]
+    assert len(full) == 6
+    loader.progress = lambda: (3, 4)  # the trainer had processed 4 global batches of epoch 3
+    state = loader.state_dict()
+    assert state == {"epoch": 3, "batches_done": 4}
+    resumed = dm.train_dataloader()
+    resumed.batch_sampler.sampler.set_epoch(3)
+    resumed.load_state_dict(state)
+    assert [unpad(batch) for batch in resumed] == full[4:]
+    assert [unpad(batch) for batch in resumed] == full  # the skip applies once
+    other_epoch = dm.train_dataloader()
+    other_epoch.load_state_dict(state)
+    other_epoch.batch_sampler.sampler.set_epoch(4)
+    assert len(list(other_epoch)) == 6  # a state of another epoch skips nothing
+
+
+def test_validation_covers_every_sample_once() -> None:
+    dm = datamodule(micro_batch_size=4)
+    size = len(dm.val_dataset)
+    assert size % 2 and size % 4  # divides neither ranks nor the batch size
+    seen = []
+    for rank in range(2):
+        sampler = ShardedEvalBatchSampler(size, 4, num_replicas=2, rank=rank)
+        seen += [index for batch in sampler for index in batch]
+    assert sorted(seen) == list(range(size))
+    loader = dm.val_dataloader()
+    assert sum(batch["input_ids"].shape[0] for batch in loader) == size
+    # The same masks every time validation runs.
+    assert unpad(next(iter(loader))) == unpad(next(iter(dm.val_dataloader())))
+
+
+def test_files_and_held_out_split(tmp_path: Path) -> None:
+    fasta = tmp_path / "train.fasta"
+    fasta.write_text("".join(f">s{i}\nMKV{'A' * (i % 7)}LG\n" for i in range(40)))
+    dm = datamodule(train_path=str(fasta), val_fraction=0.1)
+    assert (len(dm.train_dataset), len(dm.val_dataset)) == (36, 4)
+    assert (
+        set(dm.train_dataset.sequences).isdisjoint(dm.val_dataset.sequences)
+        or len(set(dm.train_dataset.sequences) | set(dm.val_dataset.sequences)) == 7
+    )  # sequences repeat in this file; the split is by record
+    val = tmp_path / "val.csv"
+    val.write_text("sequence\nMKVLG\nMKAVLG\n")
+    dm = datamodule(train_path=str(fasta), val_path=str(val))
+    assert (len(dm.train_dataset), len(dm.val_dataset)) == (40, 2)
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.001 .* leaves 0 for validation"):
+        datamodule(train_path=str(fasta), val_fraction=0.001)
+    bad = tmp_path / "bad.fasta"
+    bad.write_text(">a\nMKV\n>b\nMK#\n")
+    with pytest.raises(ValueError, match=r"bad\.fasta, line 4"):
+        datamodule(train_path=str(bad))
