@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "unreduced_token_loss_fn": "bert_reduce.functional",
     "validate_masked_labels": "bert_reduce.functional",
     "get_batch_on_this_cp_rank": "bert_reduce.distributed",
+    "masked_cross_entropy": "bert_reduce.cross_entropy",
+    "masked_token_losses": "bert_reduce.cross_entropy",
     "TokenPerplexity": "bert_reduce.metrics",
     "ValidationPerplexityCallback": "bert_reduce.lightning.callbacks",
     "Normalization": "bert_reduce.normalization",
@@ -44,7 +46,9 @@ __all__ = [
     "ValidationPerplexityCallback",
     "get_batch_on_this_cp_rank",
     "get_packed_batch_on_this_cp_rank",
+    "masked_cross_entropy",
     "masked_token_loss",
+    "masked_token_losses",
     "normalized_loss_terms",
     "pack_batch",
     "packed_context_parallel_indices",
@@ -56,6 +60,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from bert_reduce.cross_entropy import masked_cross_entropy, masked_token_losses
     from bert_reduce.distributed import get_batch_on_this_cp_rank
     from bert_reduce.functional import (
         masked_token_loss,

@@ -10,12 +10,13 @@ same for the logged value with a single all-reduce.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, TypedDict, TypeVar
+from typing import Any, Generic, Literal, TypedDict, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from bert_reduce import distributed
+from bert_reduce.cross_entropy import Capacity, masked_token_losses
 from bert_reduce.functional import (
     safe_divide,
     unreduced_token_loss_fn,
@@ -193,7 +194,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         val_drop_last: Accepted for BioNeMo compatibility; the reduction is exact either way.
         send_train_output: In training, also return the detached batch and model outputs.
         send_val_output: In validation, also return the detached batch and model outputs.
-        cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy.
+        cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy
+            (implies ``cross_entropy="megatron"``).
         check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary. This
             reads the labels on the host (a device sync): meant for debugging. Without it, such
             a label makes the loss NaN.
@@ -208,6 +210,14 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             multiples of ``1 / weight_resolution`` so the denominator is an exact integer.
             Needed under Megatron-Core's schedule, whose int32 token counter raises on a
             float denominator; without it the denominator is the fp64 sum of the weights.
+        cross_entropy: ``"masked"`` (default): :func:`bert_reduce.masked_token_losses`, which
+            normalizes only the rows the mask selects, never copies or modifies the logits and
+            runs one collective under TP; ``"megatron"``: Megatron-Core's vocab-parallel
+            cross-entropy on every position (:func:`bert_reduce.unreduced_token_loss_fn`).
+        mask_capacity: Which rows ``"masked"`` computes: ``"all"`` (default; exact for any
+            mask, no host sync), a static row count or fraction of ``b * s`` (faster; exact up
+            to that many masked tokens, NaN beyond), or ``"nonzero"`` (exact, one host sync).
+            See :mod:`bert_reduce.cross_entropy`.
 
     Per-sequence and constant modes need to know which tokens form a sequence. By default each
     ``[b, s]`` row is one, or, when the batch holds ``cu_seqlens_padded`` or ``cu_seqlens``
@@ -229,6 +239,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         normalization: Normalization | str = Normalization.PER_TOKEN,
         constant_per_sequence: int | None = None,
         weight_resolution: int | None = None,
+        cross_entropy: Literal["masked", "megatron"] = "masked",
+        mask_capacity: Capacity = "all",
     ) -> None:
         super().__init__()
         self.validation_step = validation_step
@@ -247,6 +259,12 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             )
         self.constant_per_sequence = constant_per_sequence
         self.weight_resolution = weight_resolution
+        if cross_entropy not in ("masked", "megatron"):
+            raise ValueError(
+                f"cross_entropy must be 'masked' or 'megatron', got {cross_entropy!r}."
+            )
+        self.cross_entropy = cross_entropy
+        self.mask_capacity = mask_capacity
 
     def forward(
         self, batch: Mapping[str, Any], forward_out: Mapping[str, Any]
@@ -262,7 +280,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
 
         Returns:
             ``(loss_sum, num_tokens, report)``: the mode's 0-dim numerator in fp32 that carries
-            the gradient (fp64 for fp64 logits without Megatron), its 0-dim denominator (int64;
+            the gradient (fp64 for fp64 logits, unless
+            ``cross_entropy="megatron"`` under Megatron), its 0-dim denominator (int64;
             fp64 only for a float mask in per-token mode without ``weight_resolution``), and
             the detached report ``[numerator, denominator]`` for :meth:`reduce`.
 
@@ -283,9 +302,14 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
             validate_masked_labels(labels, loss_mask, vocab_size)
 
-        per_token_loss = unreduced_token_loss_fn(
-            logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
-        )
+        if self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion:
+            per_token_loss = masked_token_losses(
+                logits, labels, loss_mask, capacity=self.mask_capacity
+            )
+        else:
+            per_token_loss = unreduced_token_loss_fn(
+                logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
+            )
         loss_sum, num_tokens = normalized_loss_terms(
             per_token_loss,
             loss_mask,

@@ -1,0 +1,376 @@
+"""Masked cross-entropy that computes only what the loss mask needs.
+
+An MLM loss scores ~15% of the positions, yet a dense cross-entropy (``F.cross_entropy``,
+Megatron-Core's ``vocab_parallel_cross_entropy``) normalizes every row of the ``[s, b, v]``
+logits, keeps full-size fp32 softmax buffers alive for backward, and masks afterwards.
+:func:`masked_cross_entropy` instead
+
+* reads only the rows it has to score, in chunks of about ``chunk_elements`` values, in fp32
+  (fp64 for fp64 logits), and keeps no more than one ``[rows]`` log-sum-exp for backward;
+* writes the gradient of the selected rows only: every other row of the gradient is zero, so the
+  only full-size allocation is the gradient itself (or nothing, with ``in_place=True``);
+* under tensor parallelism (vocab-sharded logits) runs exactly one collective: each rank's
+  per-row ``(log-sum-exp, target logit)`` goes into its slot of a ``[tp, 2, rows]`` buffer that
+  one all-reduce completes; the global log-sum-exp is the log-sum-exp of the shards'.
+
+Which rows are computed (``capacity``) is the one trade-off, because on an accelerator a
+data-dependent number of rows needs a device-to-host sync:
+
+* ``"all"`` (default): every position is computed; unmasked ones get weight 0. Static shapes,
+  exact for any mask, no sync. Saves memory, not arithmetic.
+* an ``int`` (rows) or a ``float`` in ``(0, 1]`` (fraction of ``b * s``, rounded up): a static
+  capacity. The masked positions are moved to the front by a stable sort of the mask (no sync)
+  and the first ``capacity`` rows are computed. Exact whenever at most ``capacity`` positions
+  are masked; otherwise the loss **and** the gradient are NaN (checked on the device, no sync),
+  so an overflow can never pass silently (Megatron's NaN checks stop the step). With Bernoulli
+  masking at rate ``p`` over ``n`` positions, choose ``capacity >= n * p + 6 * sqrt(n * p *
+  (1 - p))``, e.g. ``0.2`` for ``p = 0.15`` and ``n >= 2000``.
+* ``"nonzero"``: exactly the rows where the mask is non-zero: exact for any mask and minimal
+  work, at the price of one host sync per call on an accelerator (their number is read back,
+  as ``nonzero`` would).
+
+This module is pure torch; Megatron-Core is only consulted (through
+:mod:`bert_reduce.distributed`) when its parallel state is initialized.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from bert_reduce import distributed
+from bert_reduce.functional import (
+    accumulation_dtype,
+    check_logits_and_labels,
+    masked_token_loss,
+)
+
+__all__ = ["Capacity", "masked_cross_entropy", "masked_token_losses", "resolve_capacity"]
+
+Capacity = int | float | Literal["all", "nonzero"]
+"""How many rows :func:`masked_cross_entropy` computes; see the module docstring."""
+
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def resolve_capacity(capacity: Capacity, num_positions: int) -> int | None:
+    """The static number of rows a ``capacity`` stands for, or ``None`` for ``"nonzero"``.
+
+    Args:
+        capacity: ``"all"``, ``"nonzero"``, a row count, or a fraction of the positions.
+        num_positions: ``b * s``, the number of positions in the micro-batch.
+
+    Returns:
+        The row count, clipped to ``[0, num_positions]``, or ``None`` for ``"nonzero"``.
+
+    Raises:
+        ValueError: On an unknown string, a negative count or a fraction outside ``(0, 1]``.
+    """
+    if capacity == "all":
+        return num_positions
+    if capacity == "nonzero":
+        return None
+    if isinstance(capacity, bool) or not isinstance(capacity, int | float):
+        raise ValueError(
+            f"capacity must be 'all', 'nonzero', a row count or a fraction in (0, 1]; "
+            f"got {capacity!r}."
+        )
+    if isinstance(capacity, float):
+        if not 0.0 < capacity <= 1.0:
+            raise ValueError(f"A fractional capacity must lie in (0, 1], got {capacity}.")
+        return min(num_positions, math.ceil(capacity * num_positions))
+    if capacity < 0:
+        raise ValueError(f"capacity must be non-negative, got {capacity}.")
+    return min(num_positions, capacity)
+
+
+def _tensor_parallel() -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, world_size, rank)`` of the tensor-parallel group (``(None, 1, 0)`` without)."""
+    world_size = distributed.tensor_parallel_world_size()
+    if world_size == 1:
+        return None, 1, 0
+    group = distributed.tensor_parallel_group()
+    return group, world_size, dist.get_rank(group)
+
+
+def _vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
+    """First vocab id of this rank's shard, by Megatron-Core's own rule when sharded."""
+    if tp_size == 1:
+        return 0
+    from megatron.core.tensor_parallel.utils import VocabUtility
+
+    return VocabUtility.vocab_range_from_per_partition_vocab_size(shard, tp_rank, tp_size)[0]
+
+
+class _Rows:
+    """Reads and writes rows ``r = i_s * b + i_b`` of ``[s, b, v]`` tensors, by chunk.
+
+    ``index`` is ``None`` for "every row, in order" (chunks are then slices, views when the
+    tensor is contiguous), else an int64 ``[rows]`` tensor of flat row numbers.
+    """
+
+    def __init__(self, shape: torch.Size, index: Tensor | None, chunk_elements: int) -> None:
+        self.seq_len, self.batch_size, self.vocab = shape
+        self.index = index
+        self.count = self.seq_len * self.batch_size if index is None else index.numel()
+        self.chunk = max(1, chunk_elements // max(1, self.vocab))
+
+    def chunks(self) -> list[tuple[int, int]]:
+        return [(a, min(a + self.chunk, self.count)) for a in range(0, self.count, self.chunk)]
+
+    def _rows(self, start: int, end: int, device: torch.device) -> Tensor:
+        if self.index is None:
+            return torch.arange(start, end, device=device)
+        return self.index[start:end]
+
+    def _coordinates(self, start: int, end: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        rows = self._rows(start, end, device)
+        return rows.div(self.batch_size, rounding_mode="floor"), rows.remainder(self.batch_size)
+
+    def read(self, tensor: Tensor, start: int, end: int) -> Tensor:
+        """Rows ``[start, end)`` as a ``[c, v]`` tensor: a view when possible, else a copy."""
+        if not tensor.is_contiguous():
+            return tensor[self._coordinates(start, end, tensor.device)]
+        flat = tensor.view(-1, self.vocab)
+        if self.index is None:
+            return flat[start:end]
+        return flat.index_select(0, self.index[start:end])
+
+    def write(self, tensor: Tensor, start: int, end: int, values: Tensor) -> None:
+        """Store ``values`` (``[c, v]``) into rows ``[start, end)`` of ``tensor``."""
+        values = values.to(tensor.dtype)
+        if not tensor.is_contiguous():
+            tensor.index_put_(self._coordinates(start, end, tensor.device), values)
+        elif self.index is None:
+            tensor.view(-1, self.vocab)[start:end].copy_(values)
+        else:
+            tensor.view(-1, self.vocab).index_copy_(0, self.index[start:end], values)
+
+    def zero(self, tensor: Tensor, rows: Tensor) -> None:
+        """Zero the given flat rows of ``tensor``, touching no other row."""
+        if tensor.is_contiguous():
+            tensor.view(-1, self.vocab).index_fill_(0, rows, 0)
+        else:
+            where = (rows.div(self.batch_size, rounding_mode="floor"), rows % self.batch_size)
+            tensor.index_put_(where, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+
+    def writes_in_place(self, tensor: Tensor, dtype: torch.dtype) -> bool:
+        """Whether a chunk of ``tensor`` read as a view can be computed into directly."""
+        return self.index is None and tensor.is_contiguous() and tensor.dtype == dtype
+
+
+class _MaskedTokenLosses(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: Tensor,
+        targets: Tensor,
+        scored: Tensor,
+        rows: _Rows,
+        unselected: Tensor | None,
+        overflow: Tensor | None,
+        in_place: bool,
+    ) -> Tensor:
+        """``[b, s]`` losses of the selected rows, 0 elsewhere (see :func:`masked_token_losses`).
+
+        ``targets`` and ``scored`` are ``[rows]``, aligned with ``rows``; a selected row that is
+        not scored gets loss 0 and no gradient. ``unselected`` (int64) lists the flat rows
+        whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
+        true on every scored row when more rows are scored than selected, else all false.
+        """
+        group, tp_size, tp_rank = _tensor_parallel()
+        acc = accumulation_dtype(logits.dtype)
+        seq_len, batch_size, shard = logits.shape
+        local = targets - _vocab_start(shard, tp_rank, tp_size)
+        in_shard = (local >= 0) & (local < shard)
+        local = torch.where(in_shard, local, 0).unsqueeze(1)
+
+        # Slot tp_rank holds this shard's (log-sum-exp, target logit) per row; the other slots
+        # stay 0 so that a single SUM all-reduce fills in every shard's.
+        stats = torch.zeros(tp_size, 2, rows.count, dtype=acc, device=logits.device)
+        for start, end in rows.chunks():
+            x = rows.read(logits, start, end).to(acc)
+            stats[tp_rank, 0, start:end] = torch.logsumexp(x, dim=-1)
+            stats[tp_rank, 1, start:end] = x.gather(1, local[start:end]).squeeze(1)
+        stats[tp_rank, 1] = torch.where(in_shard, stats[tp_rank, 1], 0)
+        if group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        lse = torch.logsumexp(stats[:, 0], dim=0)
+        target_logit = stats[:, 1].sum(dim=0)
+
+        in_vocab = (targets >= 0) & (targets < shard * tp_size)
+        loss = torch.where(in_vocab, lse - target_logit, torch.nan)
+        # `where`, not a product: whatever an unscored row holds must not reach the output.
+        loss = torch.where(scored, loss, 0)
+        losses = torch.zeros(seq_len * batch_size, dtype=acc, device=logits.device)
+        if rows.index is None:
+            losses = loss
+        else:
+            losses.index_copy_(0, rows.index, loss)
+        if overflow is not None:
+            # Scored rows past the capacity have no loss: poison every scored row instead.
+            losses = torch.where(overflow, torch.nan, losses)
+            scored = scored & ~overflow.any()
+        ctx.rows, ctx.in_place = rows, in_place
+        ctx.save_for_backward(logits, lse, local, in_shard, scored, unselected, overflow)
+        return losses.view(seq_len, batch_size).t().contiguous()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
+        logits, lse, local, in_shard, scored, unselected, overflow = ctx.saved_tensors
+        rows: _Rows = ctx.rows
+        acc = lse.dtype
+        coef = grad_losses.t().reshape(-1).to(acc)
+        if rows.index is not None:
+            coef = coef[rows.index]
+        coef = torch.where(scored, coef, 0)
+        if overflow is not None:
+            coef = torch.where(overflow.any(), torch.nan, coef)
+        coef = coef.unsqueeze(1)
+        hit = -in_shard.to(acc).unsqueeze(1)
+        grad = (
+            logits
+            if ctx.in_place
+            else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        )
+        # Compute straight into the gradient's own rows when they are a view of the right
+        # dtype; else into one chunk-sized buffer.
+        direct = rows.writes_in_place(grad, acc)
+        for start, end in rows.chunks():
+            x = rows.read(logits, start, end).to(acc)
+            out = rows.read(grad, start, end) if direct else None
+            p = torch.sub(x, lse[start:end].unsqueeze(1), out=out)
+            p.exp_()
+            p.scatter_add_(1, local[start:end], hit[start:end])
+            p.mul_(coef[start:end])
+            if not direct:
+                rows.write(grad, start, end, p)
+        if unselected is not None:
+            rows.zero(grad, unselected)
+        return grad, None, None, None, None, None, None
+
+
+def masked_token_losses(
+    logits: Tensor,
+    labels: Tensor,
+    loss_mask: Tensor,
+    *,
+    capacity: Capacity = "all",
+    in_place: bool = False,
+    chunk_elements: int = _CHUNK_ELEMENTS,
+) -> Tensor:
+    """Per-token cross-entropy on the scored positions, computing only what the mask needs.
+
+    Where ``loss_mask`` is non-zero this equals (up to rounding)
+    ``F.cross_entropy(logits, labels, reduction="none")`` and so does its gradient; elsewhere
+    the loss is 0 and carries no gradient, whatever the label. A ``[b, s]`` output lets any
+    weighting or normalization (e.g. :func:`bert_reduce.normalized_loss_terms`) follow, while
+    the caller's logits are never copied whole, never modified (unless ``in_place``), and no
+    row outside the selection is normalized. See the module docstring for ``capacity``.
+
+    ``in_place=True`` writes the gradient into the logits' own storage during backward, so the
+    gradient costs no memory at all. That is only safe when nothing reads the logits after the
+    loss: they must be a non-leaf tensor (e.g. the output projection's result) consumed by this
+    loss alone, with no other reference read after backward (no detached copy in a report or
+    a metric, no ``retain_graph``). Under tensor parallelism it applies to this rank's shard.
+
+    Args:
+        logits: ``[s, b, v]`` logits, any float dtype; under tensor parallelism ``v`` is this
+            rank's contiguous vocab shard (Megatron-Core's ``VocabUtility`` layout: rank ``r``
+            holds ids ``[r * v, (r + 1) * v)``).
+        labels: ``[b, s]`` integer token ids; unscored positions may hold anything (``-100``).
+        loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
+        capacity: ``"all"`` (default), ``"nonzero"``, a row count or a fraction of ``b * s``.
+        in_place: Write the gradient into ``logits`` (see above).
+        chunk_elements: About how many logits one chunk reads at a time: bounds the extra
+            memory (a few fp32 chunks) against per-chunk overhead.
+
+    Returns:
+        ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
+        the vocabulary, and on every scored position when more positions are scored than a
+        static ``capacity`` holds (the gradient is then NaN too).
+
+    Raises:
+        ValueError: On mismatched shapes, a bad ``capacity`` or ``chunk_elements``, or
+            ``in_place`` on a leaf tensor that requires grad.
+    """
+    check_logits_and_labels(logits, labels)
+    if loss_mask.shape != labels.shape:
+        raise ValueError(
+            f"loss_mask of shape {tuple(loss_mask.shape)} must match labels of shape "
+            f"{tuple(labels.shape)} ([b, s])."
+        )
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}.")
+    if in_place and logits.requires_grad and logits.is_leaf:
+        raise ValueError(
+            "in_place=True would write the gradient into a leaf tensor's data; pass the "
+            "non-leaf logits of the model instead."
+        )
+    # Flat row r = i_s * b + i_b follows the [s, b, v] memory order of the logits.
+    scored = (loss_mask != 0).transpose(0, 1).reshape(-1)
+    targets = labels.transpose(0, 1).reshape(-1)
+
+    limit = resolve_capacity(capacity, scored.numel())
+    index = overflow = unselected = None
+    if limit is None or limit < scored.numel():
+        # A stable sort puts the scored rows first, each group in memory order. Static shapes
+        # and no host sync, unless the split point is read back ("nonzero").
+        order = torch.sort(scored.to(torch.uint8), descending=True, stable=True).indices
+        count = scored.sum(dtype=torch.int64)
+        if limit is None:
+            limit = int(count)
+        else:
+            overflow = scored & (count > limit)
+        index, unselected = order[:limit], order[limit:]
+        targets, scored = targets[index], scored[index]
+    rows = _Rows(logits.shape, index, chunk_elements)
+    return _MaskedTokenLosses.apply(logits, targets, scored, rows, unselected, overflow, in_place)
+
+
+def masked_cross_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    loss_mask: Tensor,
+    *,
+    capacity: Capacity = "all",
+    in_place: bool = False,
+    chunk_elements: int = _CHUNK_ELEMENTS,
+) -> tuple[Tensor, Tensor]:
+    """Cross-entropy summed over the scored tokens, and their number.
+
+    :func:`masked_token_losses` followed by :func:`bert_reduce.masked_token_loss`: equal (up
+    to rounding) to ``sum(w * F.cross_entropy(logits[mask], labels[mask], reduction="none"))``
+    with its gradient, for a bool, integer or float (weighting) ``loss_mask``.
+
+    Args:
+        logits: ``[s, b, v]`` logits, vocab-sharded under tensor parallelism.
+        labels: ``[b, s]`` integer token ids.
+        loss_mask: ``[b, s]``; non-zero where scored, float entries weight the loss.
+        capacity: Which rows are computed; see :func:`masked_token_losses`.
+        in_place: Write the gradient into ``logits``; see :func:`masked_token_losses`.
+        chunk_elements: About how many logits one chunk reads at a time.
+
+    Returns:
+        ``(loss_sum, num_tokens)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
+        carrying the gradient, NaN on an out-of-vocabulary scored label or a capacity
+        overflow; and the 0-dim int64 number of scored positions.
+
+    Raises:
+        ValueError: As :func:`masked_token_losses`.
+    """
+    losses = masked_token_losses(
+        logits,
+        labels,
+        loss_mask,
+        capacity=capacity,
+        in_place=in_place,
+        chunk_elements=chunk_elements,
+    )
+    return masked_token_loss(losses, loss_mask)

@@ -1,0 +1,245 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bert_reduce.cross_entropy import masked_cross_entropy, resolve_capacity
+from tests.dist_utils import run_distributed
+from tests.reference import make_mlm_batch
+from tests.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
+
+# Small chunks, so that every test also crosses chunk boundaries.
+CHUNK = 3 * 13
+
+
+def weighted_reference(
+    logits_sbv: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum(w * F.cross_entropy) over the scored tokens and its gradient w.r.t. the logits, fp64."""
+    logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
+    scored = mask != 0
+    per_token = F.cross_entropy(logits.transpose(0, 1)[scored], labels[scored], reduction="none")
+    loss = (per_token * mask[scored].to(torch.float64)).sum()
+    loss.backward()
+    assert logits.grad is not None
+    return loss.detach(), logits.grad
+
+
+def run(
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss sum, count and gradient of masked_cross_entropy on non-leaf logits."""
+    leaf = logits.detach().clone().requires_grad_(True)
+    loss_sum, num_tokens = masked_cross_entropy(leaf * 1, labels, mask, **kwargs)
+    loss_sum.backward()
+    assert leaf.grad is not None
+    return loss_sum.detach(), num_tokens, leaf.grad
+
+
+CAPACITIES = ["all", "nonzero", 15, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_matches_dense_cross_entropy_fp64(capacity, in_place, weighted) -> None:
+    logits, labels, mask = make_mlm_batch(4, 9, 13, mask_prob=0.3, empty_rows=(2,))
+    assert int(mask.sum()) <= 15
+    if weighted:
+        mask = mask * torch.rand(mask.shape, dtype=torch.float64)
+    loss, count, grad = run(
+        logits, labels, mask, capacity=capacity, in_place=in_place, chunk_elements=CHUNK
+    )
+    ref_loss, ref_grad = weighted_reference(logits, labels, mask)
+    assert loss.dtype == torch.float64 and grad.dtype == torch.float64
+    assert count.dtype == torch.int64 and int(count) == int((mask != 0).sum())
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
+    unscored = (mask == 0).transpose(0, 1)
+    assert torch.equal(grad[unscored], torch.zeros_like(grad[unscored]))
+
+
+@pytest.mark.parametrize("capacity", ["all", 0.5])
+def test_gradcheck_with_float_weights(capacity) -> None:
+    logits, labels, mask = make_mlm_batch(2, 5, 6, mask_prob=0.4)
+    weights = mask * torch.rand(mask.shape, dtype=torch.float64)
+    leaf = logits.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda x: masked_cross_entropy(x, labels, weights, capacity=capacity, chunk_elements=12)[0],
+        (leaf,),
+    )
+
+
+@pytest.mark.parametrize("capacity", ["all", "nonzero", 0.5])
+def test_non_contiguous_logits_and_caller_logits_untouched(capacity) -> None:
+    logits, labels, mask = make_mlm_batch(6, 8, 11)
+    rows = slice(1, 4)
+    view = logits[:, rows]
+    assert not view.is_contiguous()
+    before = logits.clone()
+    leaf_view = logits.clone().requires_grad_(True)
+    loss_sum, _ = masked_cross_entropy(
+        leaf_view[:, rows], labels[rows], mask[rows], capacity=capacity, chunk_elements=CHUNK
+    )
+    loss_sum.backward()
+    ref_loss, ref_grad = weighted_reference(view, labels[rows], mask[rows])
+    torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
+    torch.testing.assert_close(leaf_view.grad[:, rows], ref_grad, rtol=1e-12, atol=1e-15)
+    assert torch.equal(leaf_view.detach(), before)
+
+
+def test_in_place_writes_the_gradient_into_the_logits() -> None:
+    logits, labels, mask = make_mlm_batch(4, 8, 9, dtype=torch.float32)
+    leaf = logits.clone().requires_grad_(True)
+    buffer = leaf * 1
+    grads: list[torch.Tensor] = []
+    buffer.register_hook(grads.append)
+    loss_sum, _ = masked_cross_entropy(buffer, labels, mask, capacity=0.5, in_place=True)
+    loss_sum.backward()
+    assert grads[0].data_ptr() == buffer.data_ptr()
+    _, ref_grad = weighted_reference(logits, labels, mask)
+    torch.testing.assert_close(buffer.detach(), ref_grad.float(), rtol=1e-5, atol=1e-7)
+
+
+def test_in_place_rejects_a_leaf() -> None:
+    logits, labels, mask = make_mlm_batch(2, 4, 5)
+    with pytest.raises(ValueError, match="leaf"):
+        masked_cross_entropy(logits.requires_grad_(True), labels, mask, in_place=True)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_bf16_accumulates_in_fp32(in_place) -> None:
+    logits, labels, mask = make_mlm_batch(4, 32, 33)
+    loss, _, grad = run(logits.bfloat16(), labels, mask, capacity=0.5, in_place=in_place)
+    ref_loss, ref_grad = weighted_reference(logits.bfloat16(), labels, mask)
+    assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("capacity", ["all", "nonzero", 4])
+def test_empty_mask_gives_zero_loss_and_gradient(capacity) -> None:
+    logits, labels, mask = make_mlm_batch(3, 5, 7, empty_rows=(0, 1, 2))
+    loss, count, grad = run(logits, labels, mask, capacity=capacity)
+    assert loss.item() == 0.0 and count.item() == 0
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_capacity_overflow_is_nan_in_loss_and_gradient_without_sync(in_place) -> None:
+    logits, labels, mask = make_mlm_batch(4, 9, 13, mask_prob=0.5)
+    leaf = logits.clone().requires_grad_(True)
+    count = int(mask.sum())
+    with forbid_host_syncs():
+        loss_sum, _ = masked_cross_entropy(
+            leaf * 1, labels, mask, capacity=count - 1, in_place=in_place
+        )
+        loss_sum.backward()
+    assert loss_sum.isnan()
+    assert leaf.grad.isnan().any()
+    exact, _ = masked_cross_entropy(logits, labels, mask, capacity=count)
+    assert not exact.isnan()
+
+
+def test_masked_label_outside_vocab_is_nan_unmasked_is_ignored() -> None:
+    logits, labels, mask = make_mlm_batch(2, 8, 9)
+    assert (labels[~mask] == -100).all()
+    assert not masked_cross_entropy(logits, labels, mask)[0].isnan()
+    labels[mask.nonzero()[0].unbind()] = 9
+    for capacity in CAPACITIES:
+        assert masked_cross_entropy(logits, labels, mask, capacity=capacity)[0].isnan()
+
+
+@pytest.mark.parametrize("capacity", ["all", 20, 0.3])
+def test_static_capacities_never_sync_with_the_host(capacity) -> None:
+    logits, labels, mask = make_mlm_batch(4, 8, 9)
+    leaf = logits.clone().requires_grad_(True)
+    with forbid_host_syncs(), count_collectives() as calls:
+        loss_sum, _ = masked_cross_entropy(leaf * 1, labels, mask, capacity=capacity)
+        loss_sum.backward()
+    assert sum(calls.values()) == 0
+
+
+def test_nonzero_capacity_syncs_as_documented() -> None:
+    logits, labels, mask = make_mlm_batch(4, 8, 9)
+    with forbid_host_syncs(), pytest.raises(HostSyncError, match="__int__"):
+        masked_cross_entropy(logits, labels, mask, capacity="nonzero")
+
+
+def test_resolve_capacity() -> None:
+    assert resolve_capacity("all", 4096) == 4096
+    assert resolve_capacity("nonzero", 4096) is None
+    assert resolve_capacity(0.2, 4096) == math.ceil(0.2 * 4096) == 820
+    assert resolve_capacity(5000, 4096) == 4096
+    assert resolve_capacity(0, 10) == 0
+    for bad, match in [("some", "capacity must be"), (0.0, r"\(0, 1\]"), (1.5, r"\(0, 1\]")]:
+        with pytest.raises(ValueError, match=match):
+            resolve_capacity(bad, 10)
+    with pytest.raises(ValueError, match="non-negative"):
+        resolve_capacity(-1, 10)
+    with pytest.raises(ValueError, match="capacity must be"):
+        resolve_capacity(True, 10)
+
+
+def test_shape_errors_name_the_shapes() -> None:
+    logits, labels, mask = make_mlm_batch(2, 8, 9)
+    with pytest.raises(ValueError, match=r"\(2, 4\).*\(2, 8\)"):
+        masked_cross_entropy(logits, labels, mask[:, :4])
+    with pytest.raises(ValueError, match=r"\(8, 2, 9\).*\(2, 7\)"):
+        masked_cross_entropy(logits, labels[:, :7], mask[:, :7])
+    with pytest.raises(ValueError, match="chunk_elements"):
+        masked_cross_entropy(logits, labels, mask, chunk_elements=0)
+
+
+def _tensor_parallel_body() -> None:
+    from megatron.core import parallel_state
+
+    from bert_reduce import BERTMLMLossWithReduction
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    vocab, shard = 14, 7
+    cols = slice(tp_rank * shard, (tp_rank + 1) * shard)
+    logits, labels, mask = make_mlm_batch(3, 10, vocab, mask_prob=0.4, seed=3)
+    weights = mask * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grad = weighted_reference(logits, labels, weights)
+    for capacity in ["all", "nonzero", 0.6]:
+        for in_place in (False, True):
+            leaf = logits[..., cols].clone().requires_grad_(True)
+            with count_collectives() as calls:
+                loss_sum, _ = masked_cross_entropy(
+                    leaf * 1,
+                    labels,
+                    weights,
+                    capacity=capacity,
+                    in_place=in_place,
+                    chunk_elements=20,
+                )
+            assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
+            loss_sum.backward()
+            torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
+            torch.testing.assert_close(leaf.grad, ref_grad[..., cols], rtol=1e-12, atol=1e-15)
+
+    # Through the loss reduction: one collective in forward (the CE's; Megatron-Core's takes
+    # three), none in reduce (DP x CP is a single rank here).
+    logits.requires_grad_(True)
+    with forbid_host_syncs(), count_collectives() as forward_calls:
+        loss_fn = BERTMLMLossWithReduction()
+        loss_fn.setup({"labels": labels, "loss_mask": mask})
+        loss_sum, num_tokens, report = loss_fn({"token_logits": logits[..., cols]})
+        loss_sum.backward()
+    with forbid_host_syncs(), count_collectives() as reduce_calls:
+        reduced = BERTMLMLossWithReduction().reduce([report])
+    assert dict(forward_calls) == {"all_reduce": 1} and dict(reduce_calls) == {}
+    ref_sum, ref_sum_grad = weighted_reference(logits, labels, mask)
+    # Both TP ranks belong to one data-parallel rank: reduce sums over DP x CP only.
+    torch.testing.assert_close(reduced, ref_sum / num_tokens, rtol=1e-13, atol=0)
+    grad = logits.grad[..., cols]
+    torch.testing.assert_close(grad, ref_sum_grad[..., cols], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks_match_full_vocab_reference() -> None:
+    run_distributed(_tensor_parallel_body, 2, tp=2)
