@@ -3,9 +3,9 @@
 ``forward_backward_no_pipelining`` runs the micro-batches, back-propagates what the loss
 returns and hands the summed token count to the real ``finalize_model_grads``, which
 all-reduces it over data x context ranks and scales the gradients by ``1 / count``
-(see tests/megatron_cpu.py for the two CPU shims). The model is fp64; Megatron's
-vocab-parallel cross-entropy computes in fp32 and ``finalize_model_grads`` computes
-``1.0 / num_tokens`` from an int32 tensor, i.e. in fp32. So:
+(see tests/megatron_cpu.py for the two CPU shims). The model is fp64, but
+``finalize_model_grads`` computes ``1.0 / num_tokens`` from an int32 tensor, i.e. in fp32 (and
+Megatron's vocab-parallel cross-entropy, when used, computes in fp32). So:
 
 * grads of different splits agree to fp64 round-off (same per-token values, same scale);
 * against ``F.cross_entropy`` in fp64 on the whole batch they agree to fp32 precision.
