@@ -23,12 +23,18 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
+from nemo.lightning import MegatronStrategy
 from nemo.lightning import megatron_parallel as nemo_mp
 from torch import Tensor
 
 import bert_reduce
 from bert_reduce import BERTMLMLossWithReduction
-from examples.nemo2_esm2_loss import MLMLightningModule, mlm_config, mlm_ddp_config
+from examples.nemo2_esm2_loss import (
+    MLMLightningModule,
+    mlm_config,
+    mlm_ddp_config,
+    nemo_trainer,
+)
 from tests.dist_utils import run_distributed
 from tests.nemo.cpu_megatron import (
     CPUGradSync,
@@ -218,6 +224,10 @@ def test_validation_step_is_the_global_batch_in_one_pass() -> None:
 def test_example_builds_the_megatron_flags() -> None:
     assert mlm_config().calculate_per_token_loss
     assert not mlm_ddp_config().average_in_collective
+    trainer = nemo_trainer(context_parallel_size=2, accelerator="cpu")
+    assert isinstance(trainer.strategy, MegatronStrategy)
+    assert trainer.strategy.context_parallel_size == 2
+    assert not trainer.strategy.ddp_config.average_in_collective
 
 
 def _dp_cp_body() -> None:
