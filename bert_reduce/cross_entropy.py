@@ -141,6 +141,14 @@ class _Rows:
             return flat[start:end]
         return flat.index_select(0, self.index[start:end])
 
+    def read_as(self, tensor: Tensor, start: int, end: int, dtype: torch.dtype) -> Tensor:
+        """Rows ``[start, end)`` in ``dtype``: a private copy unless :meth:`is_view` says so."""
+        return self.read(tensor, start, end).to(dtype)
+
+    def is_view(self, tensor: Tensor, dtype: torch.dtype) -> bool:
+        """Whether :meth:`read_as` returns a view of ``tensor`` (else a copy it may overwrite)."""
+        return self.index is None and tensor.is_contiguous() and tensor.dtype == dtype
+
     def write(self, tensor: Tensor, start: int, end: int, values: Tensor) -> None:
         """Store ``values`` (``[c, v]``) into rows ``[start, end)`` of ``tensor``."""
         values = values.to(tensor.dtype)
@@ -159,9 +167,13 @@ class _Rows:
             where = (rows.div(self.batch_size, rounding_mode="floor"), rows % self.batch_size)
             tensor.index_put_(where, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
 
-    def writes_in_place(self, tensor: Tensor, dtype: torch.dtype) -> bool:
-        """Whether a chunk of ``tensor`` read as a view can be computed into directly."""
-        return self.index is None and tensor.is_contiguous() and tensor.dtype == dtype
+
+def _logsumexp_(x: Tensor) -> Tensor:
+    """``x.logsumexp(dim=-1)`` for a ``[c, v]`` buffer it may overwrite: no temporary."""
+    shift = x.amax(dim=-1, keepdim=True)
+    # A row of -inf (or +inf) keeps logsumexp's answer instead of inf - inf = NaN.
+    shift = torch.where(shift.isfinite(), shift, 0)
+    return x.sub_(shift).exp_().sum(dim=-1).log_().add_(shift.squeeze(-1))
 
 
 class _MaskedTokenLosses(torch.autograd.Function):
@@ -193,10 +205,11 @@ class _MaskedTokenLosses(torch.autograd.Function):
         # Slot tp_rank holds this shard's (log-sum-exp, target logit) per row; the other slots
         # stay 0 so that a single SUM all-reduce fills in every shard's.
         stats = torch.zeros(tp_size, 2, rows.count, dtype=acc, device=logits.device)
+        private = not rows.is_view(logits, acc)
         for start, end in rows.chunks():
-            x = rows.read(logits, start, end).to(acc)
-            stats[tp_rank, 0, start:end] = torch.logsumexp(x, dim=-1)
+            x = rows.read_as(logits, start, end, acc)
             stats[tp_rank, 1, start:end] = x.gather(1, local[start:end]).squeeze(1)
+            stats[tp_rank, 0, start:end] = _logsumexp_(x) if private else x.logsumexp(dim=-1)
         stats[tp_rank, 1] = torch.where(in_shard, stats[tp_rank, 1], 0)
         if group is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
@@ -240,11 +253,12 @@ class _MaskedTokenLosses(torch.autograd.Function):
             else torch.empty_like(logits, memory_format=torch.contiguous_format)
         )
         # Compute straight into the gradient's own rows when they are a view of the right
-        # dtype; else into one chunk-sized buffer.
-        direct = rows.writes_in_place(grad, acc)
+        # dtype, else into the chunk's private copy of the logits, else into a new buffer.
+        direct = rows.is_view(grad, acc)
+        private = not rows.is_view(logits, acc)
         for start, end in rows.chunks():
-            x = rows.read(logits, start, end).to(acc)
-            out = rows.read(grad, start, end) if direct else None
+            x = rows.read_as(logits, start, end, acc)
+            out = rows.read(grad, start, end) if direct else x if private else None
             p = torch.sub(x, lse[start:end].unsqueeze(1), out=out)
             p.exp_()
             p.scatter_add_(1, local[start:end], hit[start:end])

@@ -243,3 +243,15 @@ def _tensor_parallel_body() -> None:
 @pytest.mark.slow
 def test_tensor_parallel_two_ranks_match_full_vocab_reference() -> None:
     run_distributed(_tensor_parallel_body, 2, tp=2)
+
+
+@pytest.mark.parametrize("capacity", ["all", 0.5])
+def test_minus_inf_logits_like_banned_tokens(capacity) -> None:
+    logits, labels, mask = make_mlm_batch(3, 8, 10)
+    logits[..., :3] = -torch.inf
+    labels = torch.where(mask, labels.clamp(min=3), labels)
+    loss, _, grad = run(logits, labels, mask, capacity=capacity, chunk_elements=CHUNK)
+    ref_loss, ref_grad = weighted_reference(logits, labels, mask)
+    assert ref_loss.isfinite()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
