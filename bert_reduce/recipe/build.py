@@ -7,6 +7,8 @@ wires them together, picks the precision, adds the loggers and writes the run's 
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,15 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         The trainer's final logged metrics as floats (``val_loss``, ``val_ppl``, ...).
     """
     run_dir = Path(run_dir)
+    if cfg.cpu_threads is not None and not torch.cuda.is_available():
+        # The environment variable reaches DDP's worker processes, and Lightning keeps it.
+        os.environ["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
+        torch.set_num_threads(cfg.cpu_threads)
+    # ExactMLMModule steps the optimizer inside training_step, so a checkpoint holds the state
+    # after the step: what resuming needs (tests/recipe/test_train_e2e.py checks it).
+    warnings.filterwarnings(
+        "ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps"
+    )
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: ESMDataModule = instantiate(cfg.data)
     module = build_module(cfg)
