@@ -43,6 +43,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
+from typing_extensions import override
 
 from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank
 
@@ -162,11 +163,13 @@ class MLMLightningModule(pl.LightningModule):
         self.val_drop_last = val_drop_last
         self.module: TokenMLP | None = None
 
+    @override
     def configure_model(self) -> None:
         """Build the network; NeMo's strategy calls this once the parallel state is set up."""
         if self.module is None:
             self.module = TokenMLP(self.config, self.vocab_size)
 
+    @override
     def forward(self, text: Tensor) -> dict[str, Tensor]:
         """Logits ``{"token_logits": [s, b, v]}`` for ``[b, s]`` token ids."""
         if self.module is None:
@@ -181,12 +184,14 @@ class MLMLightningModule(pl.LightningModule):
         """See :func:`mlm_forward_step`."""
         return mlm_forward_step(self, batch)
 
+    @override
     def training_step(
         self, batch: Mapping[str, Tensor], batch_idx: int | None = None
     ) -> dict[str, Tensor]:
         """NeMo calls this per micro-batch on the last pipeline stage: the forward pass."""
         return self.forward_step(batch)
 
+    @override
     def validation_step(
         self, batch: Mapping[str, Tensor], batch_idx: int | None = None
     ) -> dict[str, Tensor]:

@@ -32,6 +32,7 @@ from bert_reduce import BERTMLMLossWithReduction
 from examples.nemo2_esm2_loss import (
     MLMLightningModule,
     mlm_config,
+    mlm_data_step,
     mlm_ddp_config,
     nemo_trainer,
 )
@@ -228,6 +229,11 @@ def test_example_builds_the_megatron_flags() -> None:
     assert isinstance(trainer.strategy, MegatronStrategy)
     assert trainer.strategy.context_parallel_size == 2
     assert not trainer.strategy.ddp_config.average_in_collective
+    # NeMo's strategy hands data_step (batch, batch_idx, dataloader_idx) triples.
+    batch = _global_batch()
+    stepped = mlm_data_step(iter([(batch, 0, 0)]))
+    assert stepped.keys() == batch.keys()
+    assert all(stepped[key] is batch[key] for key in batch)
 
 
 def _dp_cp_body() -> None:
