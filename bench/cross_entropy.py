@@ -1,7 +1,7 @@
 """Masked cross-entropy: bert_reduce vs Megatron-Core vs F.cross_entropy, time and peak memory.
 
-    python bench/cross_entropy.py               # the full table, ~4 min on 2 CPU cores
-    python bench/cross_entropy.py --quick       # vocab 33 only, seconds
+    python bench/cross_entropy.py               # the full table, ~4-5 min on 2 CPU cores
+    python bench/cross_entropy.py --quick       # vocab 33 only, about a minute
 
 For each logits shape ``[s, b, v]`` and dtype, every variant computes the loss sum over the
 masked tokens (15% by default) and its gradient w.r.t. the logits:
@@ -9,6 +9,8 @@ masked tokens (15% by default) and its gradient w.r.t. the logits:
 * ``megatron``: Megatron-Core's ``vocab_parallel_cross_entropy`` on every position, then the
   mask (BioNeMo's reference path; it overwrites fp32 logits in place).
 * ``F.cross_entropy``: ``F.cross_entropy(reduction="none")`` in fp32, then the mask.
+* ``floor: zero gradient``: no loss at all, a backward that returns ``torch.zeros`` of the
+  logits' shape: what merely materializing a fresh gradient costs (on CPU mostly page faults).
 * ``bert_reduce[...]``: :func:`bert_reduce.cross_entropy.masked_cross_entropy` with
   ``capacity="all"`` (the default: exact for any mask, sync-free), ``capacity=0.2`` (static:
   exact up to 20% masked, sync-free), ``capacity="nonzero"`` (exact, one host sync on a GPU),
@@ -18,7 +20,8 @@ The logits come out of a stand-in "model" (an autograd Function with a free back
 gradient w.r.t. the logits is materialized, consumed, and not copied anywhere: what is timed
 is the loss's forward and backward alone, as inside a training step.
 
-Time: median over interleaved repeats in this process. Peak memory: one fresh subprocess per
+Time: median and minimum over repeats interleaved across variants, in this process (the
+minimum is the least disturbed by other load on the machine). Peak memory: one fresh subprocess per
 variant runs one forward+backward; peak extra = high-water RSS during the step (the kernel's
 ``VmHWM``, reset through ``/proc/self/clear_refs``) minus the RSS before it, with glibc told to
 return every freed block of 64 KiB or more to the system so that RSS tracks live tensors.
@@ -48,6 +51,7 @@ from bert_reduce.cross_entropy import masked_cross_entropy
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "megatron": None,
     "F.cross_entropy": None,
+    "floor: zero gradient": None,
     "bert_reduce[all]": {"capacity": "all"},
     "bert_reduce[0.2]": {"capacity": 0.2},
     "bert_reduce[nonzero]": {"capacity": "nonzero"},
@@ -67,6 +71,19 @@ class _Model(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return torch.zeros(()), None
+
+
+class _ZeroGradient(torch.autograd.Function):
+    """Computes nothing and returns a zero gradient: the cost of the gradient buffer alone."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor) -> Tensor:
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return logits.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return torch.zeros(ctx.shape, dtype=ctx.dtype)
 
 
 def _init_megatron() -> None:
@@ -109,6 +126,8 @@ def loss_fn(variant: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
             return (loss * mask.t().reshape(-1)).sum()
 
         return dense
+    if variant == "floor: zero gradient":
+        return lambda logits, labels, mask: _ZeroGradient.apply(logits)
     options = VARIANTS[variant]
     assert options is not None
 
@@ -172,8 +191,8 @@ def peak_memory(
 
 def time_variants(
     shape: tuple[int, int, int], dtype: str, mask_prob: float, repeats: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median seconds per forward+backward, and each variant's loss, interleaved."""
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Seconds per forward+backward of every repeat, and each variant's loss, interleaved."""
     logits, labels, mask = make_inputs(*shape, DTYPES[dtype], mask_prob)
     fns = {variant: loss_fn(variant) for variant in VARIANTS}
     times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
@@ -188,7 +207,7 @@ def time_variants(
             times[variant].append(time.perf_counter() - start)
             losses[variant] = float(loss)
             del prepared
-    return {v: statistics.median(t) for v, t in times.items()}, losses
+    return times, losses
 
 
 def main() -> None:
@@ -216,25 +235,32 @@ def main() -> None:
     peaks = {variant: peak_memory(variant, configs, args.mask_prob) for variant in VARIANTS}
 
     print(f"torch {torch.__version__}, {args.threads} threads, {args.mask_prob:.0%} masked")
+    print("time: median (min) ms of interleaved repeats; ratios of medians (of minima)")
     header = (
-        f"{'shape':<16} {'dtype':<5} {'variant':<26} {'ms':>9} {'vs Megatron':>11} "
-        f"{'vs F.ce':>8} {'peak extra / logits':>20} {'loss rel. err':>14}"
+        f"{'shape':<13} {'dtype':<5} {'variant':<26} {'ms':>15} {'vs Megatron':>15} "
+        f"{'vs F.ce':>15} {'peak extra/logits':>18} {'loss rel.err':>12}"
     )
     print(header)
     print("-" * len(header))
     for i, (*shape, dtype) in enumerate(configs):
         repeats = 9 if shape[2] < 1000 else 3
-        seconds, losses = time_variants(tuple(shape), dtype, args.mask_prob, repeats)
+        times, losses = time_variants(tuple(shape), dtype, args.mask_prob, repeats)
+        med = {variant: statistics.median(t) for variant, t in times.items()}
+        low = {variant: min(t) for variant, t in times.items()}
         logits_bytes = shape[0] * shape[1] * shape[2] * DTYPES[dtype].itemsize
+        losses["floor: zero gradient"] = losses["F.cross_entropy"]
         reference = losses["F.cross_entropy"]
         for variant in VARIANTS:
+            ratios = [
+                f"{med[variant] / med[anchor]:.2f}x ({low[variant] / low[anchor]:.2f}x)"
+                for anchor in ("megatron", "F.cross_entropy")
+            ]
             print(
-                f"{'x'.join(map(str, shape)):<16} {dtype:<5} {variant:<26} "
-                f"{seconds[variant] * 1e3:>9.1f} "
-                f"{seconds[variant] / seconds['megatron']:>10.2f}x "
-                f"{seconds[variant] / seconds['F.cross_entropy']:>7.2f}x "
-                f"{peaks[variant][i] / logits_bytes:>19.2f}x "
-                f"{abs(losses[variant] - reference) / abs(reference):>14.1e}",
+                f"{'x'.join(map(str, shape)):<13} {dtype:<5} {variant:<26} "
+                f"{f'{med[variant] * 1e3:.3g} ({low[variant] * 1e3:.3g})':>15} "
+                f"{ratios[0]:>15} {ratios[1]:>15} "
+                f"{peaks[variant][i] / logits_bytes:>17.2f}x "
+                f"{abs(losses[variant] - reference) / abs(reference):>12.1e}",
                 flush=True,
             )
 
