@@ -5,7 +5,8 @@ Megatron-Core's ``vocab_parallel_cross_entropy``) normalizes every row of the ``
 logits, keeps full-size fp32 softmax buffers alive for backward, and masks afterwards.
 :func:`masked_cross_entropy` instead
 
-* reads only the rows it has to score, in chunks of about ``chunk_elements`` values, in fp32
+* reads only the rows it has to score, in chunks (by default 1/32 of the logits' bytes once
+  in fp32, at least 2**20 values: few large kernels, little extra memory), in fp32
   (fp64 for fp64 logits), and keeps no more than one ``[rows]`` log-sum-exp for backward;
 * writes the gradient of the selected rows only: every other row of the gradient is zero, so the
   only full-size allocation is the gradient itself (or nothing, with ``in_place=True``);
@@ -55,7 +56,14 @@ __all__ = ["Capacity", "masked_cross_entropy", "masked_token_losses", "resolve_c
 Capacity = int | float | Literal["all", "nonzero"]
 """How many rows :func:`masked_cross_entropy` computes; see the module docstring."""
 
-_CHUNK_ELEMENTS = 1 << 20
+_MIN_CHUNK_ELEMENTS = 1 << 20
+_CHUNKS_PER_LOGITS = 32
+
+
+def _default_chunk_elements(logits: Tensor, acc: torch.dtype) -> int:
+    """Chunks whose fp32 copy is 1/32 of the logits' bytes, and never tiny."""
+    per_chunk = logits.numel() * logits.element_size() // (_CHUNKS_PER_LOGITS * acc.itemsize)
+    return max(_MIN_CHUNK_ELEMENTS, per_chunk)
 
 
 def resolve_capacity(capacity: Capacity, num_positions: int) -> int | None:
@@ -277,7 +285,7 @@ def masked_token_losses(
     *,
     capacity: Capacity = "all",
     in_place: bool = False,
-    chunk_elements: int = _CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> Tensor:
     """Per-token cross-entropy on the scored positions, computing only what the mask needs.
 
@@ -302,8 +310,9 @@ def masked_token_losses(
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
         capacity: ``"all"`` (default), ``"nonzero"``, a row count or a fraction of ``b * s``.
         in_place: Write the gradient into ``logits`` (see above).
-        chunk_elements: About how many logits one chunk reads at a time: bounds the extra
-            memory (a few fp32 chunks) against per-chunk overhead.
+        chunk_elements: About how many logits one chunk reads at a time: trades the extra
+            memory (a few fp32 chunks) against per-chunk overhead (kernel launches, thread
+            barriers). ``None``: 1/32 of the logits' bytes in fp32, at least 2**20 values.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
@@ -320,6 +329,8 @@ def masked_token_losses(
             f"loss_mask of shape {tuple(loss_mask.shape)} must match labels of shape "
             f"{tuple(labels.shape)} ([b, s])."
         )
+    if chunk_elements is None:
+        chunk_elements = _default_chunk_elements(logits, accumulation_dtype(logits.dtype))
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be positive, got {chunk_elements}.")
     if in_place and logits.requires_grad and logits.is_leaf:
@@ -355,7 +366,7 @@ def masked_cross_entropy(
     *,
     capacity: Capacity = "all",
     in_place: bool = False,
-    chunk_elements: int = _CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Cross-entropy summed over the scored tokens, and their number.
 
@@ -369,7 +380,7 @@ def masked_cross_entropy(
         loss_mask: ``[b, s]``; non-zero where scored, float entries weight the loss.
         capacity: Which rows are computed; see :func:`masked_token_losses`.
         in_place: Write the gradient into ``logits``; see :func:`masked_token_losses`.
-        chunk_elements: About how many logits one chunk reads at a time.
+        chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
 
     Returns:
         ``(loss_sum, num_tokens)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
