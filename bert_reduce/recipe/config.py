@@ -70,6 +70,7 @@ class DataConfig:
     shuffle: bool = True
     pad_to_multiple_of: int = 1
     num_workers: int = 0
+    pack_sequences: bool = False
 
 
 class NormalizationName(str, Enum):

@@ -19,12 +19,14 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from bert_reduce.packing import pack_batch
 from bert_reduce.recipe.tokenizer import ESMTokenizer
 
 __all__ = [
     "BACKGROUND_FREQUENCIES",
     "MLMCollator",
     "MLMDataset",
+    "PackedMicroBatchCollator",
     "load_sequences",
     "mask_tokens",
     "read_fasta",
@@ -359,3 +361,43 @@ class MLMCollator:
             batch["labels"][row, :size] = sample["labels"]
             batch["loss_mask"][row, :size] = sample["loss_mask"]
         return batch
+
+
+class PackedMicroBatchCollator:
+    """Cuts this rank's share of a global batch into micro-batches, each packed into one row.
+
+    Packing happens here, in the data pipeline, where the lengths are plain host integers, so
+    the training step reads nothing back from the device. Each micro-batch is what
+    :func:`bert_reduce.pack_batch` makes of ``micro_batch_size`` consecutive samples: one
+    ``[1, T]`` row without padding (unless ``pad_to_multiple_of > 1``), with ``cu_seqlens``,
+    ``cu_seqlens_padded`` and the per-sequence normalizers.
+
+    Args:
+        micro_batch_size: Samples per packed micro-batch.
+        pad_id: The ``<pad>`` id.
+        pad_to_multiple_of: Pad each sequence to a multiple of this inside the row (``2 *
+            cp_size`` for context parallelism).
+
+    Returns (when called):
+        ``{"micro_batches": [packed micro-batch, ...]}``, in sample order.
+    """
+
+    def __init__(self, micro_batch_size: int, pad_id: int = 1, pad_to_multiple_of: int = 1) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
+        self.micro_batch_size = micro_batch_size
+        self.collate = MLMCollator(pad_id)
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(
+        self, samples: Sequence[Mapping[str, Tensor]]
+    ) -> dict[str, list[dict[str, Tensor]]]:
+        """Pack ``samples`` micro-batch by micro-batch; see the class docstring."""
+        micro_batches = []
+        for start in range(0, len(samples), self.micro_batch_size):
+            chunk = samples[start : start + self.micro_batch_size]
+            lengths = [sample["input_ids"].numel() for sample in chunk]
+            micro_batches.append(
+                pack_batch(self.collate(chunk), lengths, pad_to_multiple_of=self.pad_to_multiple_of)
+            )
+        return {"micro_batches": micro_batches}

@@ -22,7 +22,13 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
-from bert_reduce.recipe.data import MLMCollator, MLMDataset, load_sequences, synthetic_proteins
+from bert_reduce.recipe.data import (
+    MLMCollator,
+    MLMDataset,
+    PackedMicroBatchCollator,
+    load_sequences,
+    synthetic_proteins,
+)
 from bert_reduce.recipe.tokenizer import ESMTokenizer
 
 __all__ = ["ESMDataModule", "EpochKeyedBatchSampler", "ResumableDataLoader"]
@@ -115,6 +121,9 @@ class ESMDataModule(pl.LightningDataModule):
         shuffle: Draw a new order of the training set every epoch.
         pad_to_multiple_of: Round padded lengths up to a multiple of this.
         num_workers: DataLoader worker processes.
+        pack_sequences: Pack each training micro-batch into one row without padding
+            (:class:`~bert_reduce.recipe.data.PackedMicroBatchCollator`); validation stays
+            padded. Same losses as unpacked, less compute on padding.
 
     Raises:
         ValueError: If ``val_fraction`` leaves no training or no validation sample.
@@ -138,6 +147,7 @@ class ESMDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         pad_to_multiple_of: int = 1,
         num_workers: int = 0,
+        pack_sequences: bool = False,
     ) -> None:
         super().__init__()
         self.global_batch_size = global_batch_size
@@ -157,6 +167,11 @@ class ESMDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.tokenizer = ESMTokenizer()
         self.collate = MLMCollator(self.tokenizer.pad_id, pad_to_multiple_of)
+        self.train_collate = (
+            PackedMicroBatchCollator(micro_batch_size, self.tokenizer.pad_id)
+            if pack_sequences
+            else self.collate
+        )
         self.train_dataset: MLMDataset | None = None
         self.val_dataset: MLMDataset | None = None
 
@@ -228,7 +243,7 @@ class ESMDataModule(pl.LightningDataModule):
         return ResumableDataLoader(
             self.train_dataset,
             batch_sampler=EpochKeyedBatchSampler(batch_sampler),
-            collate_fn=self.collate,
+            collate_fn=self.train_collate,
             num_workers=self.num_workers,
             progress=self._progress,
         )

@@ -35,11 +35,25 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotate ``q`` and ``k`` (both ``[b, heads, s, head_dim]``) by their positions."""
-        positions = torch.arange(q.size(-2), device=q.device, dtype=self.inv_freq.dtype)
-        angles = torch.outer(positions, self.inv_freq)
+    def forward(
+        self, q: Tensor, k: Tensor, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate ``q`` and ``k`` (both ``[b, heads, s, head_dim]``) by their positions.
+
+        Args:
+            q: Queries.
+            k: Keys.
+            positions: ``[s]`` or ``[b, s]`` integer positions; ``0 .. s - 1`` when ``None``.
+
+        Returns:
+            The rotated ``(q, k)``.
+        """
+        if positions is None:
+            positions = torch.arange(q.size(-2), device=q.device)
+        angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
+        if angles.dim() == 3:
+            angles = angles[:, None]  # [b, 1, s, head_dim]: one rotation for every head
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -59,17 +73,17 @@ class _SelfAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim)
         self.dropout = dropout
 
-    def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Tensor, positions: Tensor | None) -> Tensor:
         batch, seq, hidden = x.shape
         q, k, v = (
             self.qkv(x).view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         )
-        q, k = self.rotary(q, k)
+        q, k = self.rotary(q, k, positions)
         attended = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=key_mask[:, None, None, :],
+            attn_mask=attn_mask,
             dropout_p=self.dropout if self.training else 0.0,
         )
         return self.out(attended.transpose(1, 2).reshape(batch, seq, hidden))
@@ -86,8 +100,8 @@ class _Block(nn.Module):
         )
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), key_mask))
+    def forward(self, x: Tensor, attn_mask: Tensor, positions: Tensor | None) -> Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), attn_mask, positions))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
 
@@ -165,33 +179,74 @@ class ESM2Model(nn.Module):
             nn.init.normal_(block.attn.out.weight, std=std / math.sqrt(2 * num_layers))
             nn.init.normal_(block.ffn[2].weight, std=std / math.sqrt(2 * num_layers))
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> dict[str, Tensor]:
-        """Logits for every position.
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+        cu_seqlens_padded: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """Logits for every position, of a padded ``[b, s]`` batch or one packed ``[1, T]`` row.
 
         Args:
-            input_ids: ``[b, s]`` int token ids.
+            input_ids: ``[b, s]`` int token ids, or ``[1, T]`` packed sequences.
             attention_mask: ``[b, s]``, true (non-zero) for real tokens and false for padding;
-                padding is never attended to. All true when ``None``.
+                padding is never attended to. All true when ``None``. Not used when packed.
+            cu_seqlens: ``[n + 1]`` boundaries of the ``n`` real sequences packed in the row
+                (as :func:`bert_reduce.pack_batch` returns them): each token attends only to
+                its own sequence, and rotary positions restart at 0 with every sequence.
+            cu_seqlens_padded: ``[n + 1]`` where each sequence starts in the row when they are
+                padded (``cu_seqlens`` when ``None``); padding slots are never attended to.
 
         Returns:
-            ``{"token_logits": [s, b, v]}``, sequence first as in Megatron.
+            ``{"token_logits": [s, b, v]}``, sequence first as in Megatron (``[T, 1, v]``
+            when packed).
 
         Raises:
-            ValueError: If ``input_ids`` is not ``[b, s]`` or the mask's shape differs.
+            ValueError: If ``input_ids`` is not ``[b, s]``, the mask's shape differs, or a
+                packed row has ``b != 1``.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [b, s], got shape {tuple(input_ids.shape)}.")
-        if attention_mask is None:
-            key_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        positions = None
+        if cu_seqlens is not None:
+            if input_ids.size(0) != 1:
+                raise ValueError(
+                    f"Packed input_ids must be one [1, T] row, got shape {tuple(input_ids.shape)}."
+                )
+            attn_mask, positions = _packed_attention(
+                input_ids.size(1), cu_seqlens, cu_seqlens_padded
+            )
+        elif attention_mask is None:
+            attn_mask = torch.ones_like(input_ids, dtype=torch.bool)[:, None, None, :]
         elif attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask of shape {tuple(attention_mask.shape)} must match input_ids "
                 f"of shape {tuple(input_ids.shape)} ([b, s])."
             )
         else:
-            key_mask = attention_mask.bool()
+            attn_mask = attention_mask.bool()[:, None, None, :]
         x = self.embed_tokens(input_ids)
         for block in self.layers:
-            x = block(x, key_mask)
+            x = block(x, attn_mask, positions)
         x = self.lm_norm(F.gelu(self.lm_dense(self.final_norm(x))))
         return {"token_logits": self.lm_decoder(x).transpose(0, 1)}
+
+
+def _packed_attention(
+    total: int, cu_seqlens: Tensor, cu_seqlens_padded: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Block-diagonal ``[1, 1, T, T]`` attention mask and ``[T]`` positions of a packed row."""
+    starts = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    starts, cu_seqlens = starts.long(), cu_seqlens.long()
+    num_sequences = starts.numel() - 1
+    token = torch.arange(total, device=starts.device)
+    sequence = torch.searchsorted(starts[1:].contiguous(), token, right=True)
+    clamped = sequence.clamp(max=num_sequences - 1)
+    position = token - starts[clamped]
+    real = (sequence < num_sequences) & (position < cu_seqlens.diff()[clamped])
+    mask = (sequence[:, None] == sequence[None, :]) & real[None, :]
+    # A padding slot past the last sequence has no key of its own: let it see itself rather
+    # than give attention a row of -inf (NaN); its output is never scored.
+    mask |= torch.eye(total, dtype=torch.bool, device=mask.device)
+    return mask[None, None], position

@@ -33,8 +33,29 @@ class ESM2MLMModule(ExactMLMModule):
 
     @override
     def forward(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``{"token_logits": [s, b, v]}`` from ``input_ids`` and ``attention_mask`` ([b, s])."""
+        """``{"token_logits": [s, b, v]}`` of a padded or a packed micro-batch.
+
+        Padded: ``input_ids`` and ``attention_mask`` of shape ``[b, s]``. Packed: one
+        ``[1, T]`` row of ``input_ids`` with ``cu_seqlens`` (and ``cu_seqlens_padded``).
+        """
+        if "cu_seqlens" in batch:
+            return self.model(
+                batch["input_ids"],
+                cu_seqlens=batch["cu_seqlens"],
+                cu_seqlens_padded=batch.get("cu_seqlens_padded"),
+            )
         return self.model(batch["input_ids"], batch["attention_mask"])
+
+    @override
+    def micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Packed micro-batches as the data pipeline made them, else ``[b, s]`` splits.
+
+        Packed ones come in ``batch["micro_batches"]``, from
+        :class:`~bert_reduce.recipe.data.PackedMicroBatchCollator`.
+        """
+        if "micro_batches" in batch:
+            return list(batch["micro_batches"])
+        return super().micro_batches(batch)
 
     @override
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:

@@ -156,3 +156,20 @@ def test_collator_pads() -> None:
     assert fixed["input_ids"].shape == (1, 12)
     with pytest.raises(ValueError, match="pad_to_length=6"):
         MLMCollator(pad_to_length=6)([dataset[0]])
+
+
+def test_packed_micro_batches_hold_the_same_tokens() -> None:
+    from bert_reduce.recipe.data import PackedMicroBatchCollator
+
+    dataset = MLMDataset(synthetic_proteins(6, seed=2), max_length=40, seed=0)
+    samples = [dataset[(0, i)] for i in range(6)]
+    packed = PackedMicroBatchCollator(micro_batch_size=4)(samples)["micro_batches"]
+    assert len(packed) == 2  # 4 + 2 samples
+    for micro_batch, chunk in zip(packed, (samples[:4], samples[4:]), strict=True):
+        assert micro_batch["input_ids"].shape == (1, sum(s["input_ids"].numel() for s in chunk))
+        for key in ("input_ids", "labels", "loss_mask"):
+            assert torch.equal(micro_batch[key][0], torch.cat([s[key] for s in chunk]))
+        assert micro_batch["cu_seqlens"].tolist() == [
+            0,
+            *np.cumsum([len(s["labels"]) for s in chunk]),
+        ]

@@ -98,3 +98,33 @@ def test_input_shape_errors() -> None:
         model(torch.zeros(5, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 4\)"):
         model(torch.zeros(2, 5, dtype=torch.int64), torch.ones(2, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("pad_to_multiple_of", [1, 4])
+def test_packed_row_equals_padded_batch(pad_to_multiple_of: int) -> None:
+    from bert_reduce.packing import pack_batch
+
+    model = ESM2Model(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64).double().eval()
+    lengths = [5, 9, 2, 7]
+    ids = torch.randint(4, 24, (4, 9))
+    mask = torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]
+    ids[~mask] = 1
+    padded = model(ids, mask)["token_logits"]  # [s, b, v]
+    packed = pack_batch(
+        {"input_ids": ids, "attention_mask": mask}, pad_to_multiple_of=pad_to_multiple_of
+    )
+    out = model(
+        packed["input_ids"],
+        cu_seqlens=packed["cu_seqlens"],
+        cu_seqlens_padded=packed["cu_seqlens_padded"],
+    )["token_logits"]
+    assert out.shape[1] == 1
+    starts = packed["cu_seqlens_padded"].tolist()
+    for row, length in enumerate(lengths):
+        torch.testing.assert_close(
+            out[starts[row] : starts[row] + length, 0], padded[:length, row], rtol=1e-12, atol=1e-12
+        )
+    assert torch.isfinite(out).all()
+    # Without the boundaries, the row is one long sequence: the check above can fail.
+    merged = model(packed["input_ids"])["token_logits"]
+    assert not torch.allclose(merged[: lengths[0], 0], padded[: lengths[0], 0])

@@ -31,6 +31,7 @@ TINY = [
     "plot=false",
 ]
 SPLITS = [(16, 1), (4, 1), (2, 2), (8, 2)]  # (micro_batch_size, devices)
+PACKED = (4, 2)  # also packing each micro-batch into one row: the same losses again
 
 
 def train(run_dir: Path, *overrides: str, multirun: bool = False) -> None:
@@ -65,7 +66,7 @@ def validations(run_dir: Path) -> dict[int, tuple[float, float]]:
 
 
 @pytest.fixture(scope="module")
-def split_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], Path]:
+def split_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int] | str, Path]:
     # One Hydra multirun sweeps the single-process splits (its jobs share one interpreter,
     # which saves a start-up); DDP runs launch their own processes, one run each.
     sweep = tmp_path_factory.mktemp("sweep")
@@ -83,10 +84,20 @@ def split_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int]
                 f"trainer.devices={devices}",
             )
             runs[micro, devices] = run_dir
+    micro, devices = PACKED
+    run_dir = tmp_path_factory.mktemp("packed")
+    train(
+        run_dir,
+        "trainer.max_steps=3",
+        f"data.micro_batch_size={micro}",
+        f"trainer.devices={devices}",
+        "data.pack_sequences=true",
+    )
+    runs["packed"] = run_dir
     return runs
 
 
-def test_same_losses_for_every_split(split_runs: dict[tuple[int, int], Path]) -> None:
+def test_same_losses_for_every_split(split_runs: dict[tuple[int, int] | str, Path]) -> None:
     reference = split_runs[SPLITS[0]]
     ref_losses = train_losses(reference)
     ref_val = validations(reference)
@@ -104,7 +115,7 @@ def test_same_losses_for_every_split(split_runs: dict[tuple[int, int], Path]) ->
         assert val_loss == pytest.approx(ref_loss, rel=1e-5), split
 
 
-def test_run_directory_outputs(split_runs: dict[tuple[int, int], Path]) -> None:
+def test_run_directory_outputs(split_runs: dict[tuple[int, int] | str, Path]) -> None:
     run_dir = split_runs[2, 2]
     header = next(csv.reader(open(run_dir / "metrics.csv")))
     assert {"step", "train_loss", "val_loss", "val_ppl"} <= set(header)
@@ -115,7 +126,7 @@ def test_run_directory_outputs(split_runs: dict[tuple[int, int], Path]) -> None:
 
 
 def test_resume_gives_the_rows_of_an_uninterrupted_run(
-    split_runs: dict[tuple[int, int], Path], tmp_path: Path
+    split_runs: dict[tuple[int, int] | str, Path], tmp_path: Path
 ) -> None:
     # The uninterrupted run: 3 steps, micro-batch 16, one process. Stop it after step 1
     # (same schedule: total_steps stays 3) and resume on 2 processes with micro-batch 8:
@@ -142,8 +153,9 @@ def test_resume_gives_the_rows_of_an_uninterrupted_run(
 
 
 def test_multirun_wrote_one_run_directory_per_job(
-    split_runs: dict[tuple[int, int], Path],
+    split_runs: dict[tuple[int, int] | str, Path],
 ) -> None:
-    for (micro, devices), run_dir in split_runs.items():
+    for split, run_dir in split_runs.items():
+        micro, devices = PACKED if split == "packed" else split
         resolved = (run_dir / "config.yaml").read_text()
         assert f"micro_batch_size: {micro}" in resolved and f"devices: {devices}" in resolved
