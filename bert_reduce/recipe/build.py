@@ -117,6 +117,11 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     warnings.filterwarnings(
         "ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps"
     )
+    # The run directory always holds Hydra's files already; the CSV logger only writes its
+    # metrics.csv there, so its "directory exists and is not empty" warning would always fire.
+    warnings.filterwarnings(
+        "ignore", message="Experiment logs directory .* exists and is not empty"
+    )
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: ESMDataModule = instantiate(cfg.data)
     module = build_module(cfg)
@@ -141,5 +146,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             if key in metrics
         )
         print(f"Finished {trainer.global_step} steps: {summary}")
-        print(f"Run directory {run_dir}: {', '.join(outputs)}")
+        cwd = Path.cwd()
+        shown = run_dir.relative_to(cwd) if run_dir.is_relative_to(cwd) else run_dir
+        print(f"Run directory {shown}: {', '.join(outputs)}")
     return metrics
