@@ -23,6 +23,7 @@ from bert_reduce import distributed
 __all__ = [
     "accumulation_dtype",
     "check_logits_and_labels",
+    "check_same_shape",
     "masked_token_loss",
     "safe_divide",
     "unreduced_token_loss_fn",
@@ -44,6 +45,28 @@ def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
     denominator = denominator.to(numerator.dtype)
     nonzero = denominator != 0
     return torch.where(nonzero, numerator / torch.where(nonzero, denominator, 1), 0)
+
+
+def check_same_shape(
+    first: Tensor, second: Tensor, names: tuple[str, str], layout: str = ""
+) -> None:
+    """Raise ``ValueError`` naming both tensors and shapes unless the shapes are equal.
+
+    Args:
+        first: A tensor.
+        second: The tensor whose shape must equal ``first``'s.
+        names: How the error message calls the two tensors.
+        layout: The expected layout, e.g. ``"[b, s]"``, quoted in the message.
+
+    Raises:
+        ValueError: When the shapes differ.
+    """
+    if first.shape != second.shape:
+        expected = f"the same {layout} shape" if layout else "the same shape"
+        raise ValueError(
+            f"{names[0]} of shape {tuple(first.shape)} and {names[1]} of shape "
+            f"{tuple(second.shape)} must have {expected}."
+        )
 
 
 def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
@@ -157,11 +180,7 @@ def masked_token_loss(per_token_loss: Tensor, loss_mask: Tensor) -> tuple[Tensor
     Raises:
         ValueError: When the two shapes differ.
     """
-    if per_token_loss.shape != loss_mask.shape:
-        raise ValueError(
-            f"per_token_loss of shape {tuple(per_token_loss.shape)} and loss_mask of shape "
-            f"{tuple(loss_mask.shape)} must have the same [b, s] shape."
-        )
+    check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
     scored = loss_mask != 0
     weights = loss_mask.to(accumulation_dtype(per_token_loss.dtype))
     # `where` rather than a product: a NaN or inf loss on an unscored position (padding
@@ -184,11 +203,7 @@ def validate_masked_labels(labels: Tensor, loss_mask: Tensor, vocab_size: int) -
     Raises:
         ValueError: Naming how many scored labels are invalid and the first offending one.
     """
-    if labels.shape != loss_mask.shape:
-        raise ValueError(
-            f"labels of shape {tuple(labels.shape)} and loss_mask of shape "
-            f"{tuple(loss_mask.shape)} must have the same [b, s] shape."
-        )
+    check_same_shape(labels, loss_mask, ("labels", "loss_mask"), "[b, s]")
     bad = (loss_mask != 0) & ((labels < 0) | (labels >= vocab_size))
     num_bad = int(bad.sum())
     if num_bad:

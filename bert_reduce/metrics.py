@@ -22,7 +22,12 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from bert_reduce import distributed
-from bert_reduce.functional import masked_token_loss, safe_divide, unreduced_token_loss_fn
+from bert_reduce.functional import (
+    check_same_shape,
+    masked_token_loss,
+    safe_divide,
+    unreduced_token_loss_fn,
+)
 
 __all__ = [
     "REPORT_KEY",
@@ -49,11 +54,7 @@ def perplexity_from_sums(loss_sum: Tensor, num_tokens: Tensor) -> Tensor:
     Raises:
         ValueError: When the two shapes differ.
     """
-    if loss_sum.shape != num_tokens.shape:
-        raise ValueError(
-            f"loss_sum of shape {tuple(loss_sum.shape)} and num_tokens of shape "
-            f"{tuple(num_tokens.shape)} must have the same shape."
-        )
+    check_same_shape(loss_sum, num_tokens, ("loss_sum", "num_tokens"))
     return torch.exp(safe_divide(loss_sum.to(torch.float64), num_tokens))
 
 
@@ -77,11 +78,7 @@ def token_loss_sums(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> tuple[
     Raises:
         ValueError: On mismatched shapes (the message names them).
     """
-    if labels.shape != loss_mask.shape:
-        raise ValueError(
-            f"labels of shape {tuple(labels.shape)} and loss_mask of shape "
-            f"{tuple(loss_mask.shape)} must have the same [b, s] shape."
-        )
+    check_same_shape(labels, loss_mask, ("labels", "loss_mask"), "[b, s]")
     with torch.no_grad():
         per_token_loss = unreduced_token_loss_fn(logits, labels)
         loss_sum, num_tokens = masked_token_loss(per_token_loss, loss_mask)
@@ -205,11 +202,7 @@ class TokenPerplexity(Metric):
         Raises:
             ValueError: When the two shapes differ.
         """
-        if loss_sum.shape != num_tokens.shape:
-            raise ValueError(
-                f"loss_sum of shape {tuple(loss_sum.shape)} and num_tokens of shape "
-                f"{tuple(num_tokens.shape)} must have the same shape."
-            )
+        check_same_shape(loss_sum, num_tokens, ("loss_sum", "num_tokens"))
         if num_tokens.dtype.is_floating_point:
             num_tokens = num_tokens.detach().round()
         self.loss_sum += loss_sum.detach().to(self.loss_sum).sum()

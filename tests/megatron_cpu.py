@@ -1,6 +1,6 @@
 """Run Megatron-Core's real pipeline schedules and ``finalize_model_grads`` on CPU, in tests.
 
-Two small shims, nothing in Megatron is modified:
+Small shims, nothing in Megatron is modified:
 
 * ``schedule_counter_on_cpu()``: ``forward_backward_no_pipelining`` allocates its token
   counter once as ``torch.zeros([], dtype=torch.int, device="cuda")``. Inside the context,
@@ -12,11 +12,15 @@ Two small shims, nothing in Megatron is modified:
   gradients over the data x context parallel group, after multiplying them by ``1 / dp_cp``
   unless ``calculate_per_token_loss`` (DDP's ``gradient_scaling_factor``), and
   ``scale_gradients`` multiplies them in place, as ``grad_data *= scaling_factor`` does.
+* ``single_process_megatron()``: a one-rank gloo group with Megatron's parallel state in the
+  test process itself, torn down afterwards (no spawn).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -83,3 +87,20 @@ class GradSyncShell(nn.Module):
         for param in self.parameters():
             if param.grad is not None:
                 param.grad *= scaling_factor
+
+
+@contextlib.contextmanager
+def single_process_megatron() -> Iterator[None]:
+    """A one-rank gloo group with Megatron's parallel state (TP = PP = CP = DP = 1)."""
+    from megatron.core import parallel_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0, world_size=1
+        )
+        try:
+            parallel_state.initialize_model_parallel()
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()

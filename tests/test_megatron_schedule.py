@@ -13,20 +13,16 @@ Megatron's vocab-parallel cross-entropy, when used, computes in fp32). So:
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from bert_reduce import BERTMLMLossWithReduction
 from tests.dist_utils import run_distributed
-from tests.megatron_cpu import GradSyncShell, schedule_counter_on_cpu
+from tests.megatron_cpu import GradSyncShell, schedule_counter_on_cpu, single_process_megatron
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
 EMPTY_ROWS = (2, 3, 6)  # the 4 x 2 split has an empty micro-batch, 8 x 1 has three
@@ -158,23 +154,6 @@ def assert_grads_close(actual: dict, expected: dict, **tol) -> None:
         torch.testing.assert_close(
             actual[name], expected[name], **tol, msg=lambda m, name=name: f"{name}: {m}"
         )
-
-
-@contextlib.contextmanager
-def single_process_megatron() -> Iterator[None]:
-    """A one-rank gloo group with Megatron's parallel state, torn down afterwards."""
-    from megatron.core import parallel_state
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}", rank=0, world_size=1
-        )
-        try:
-            parallel_state.initialize_model_parallel()
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 import torch
 
@@ -12,37 +10,9 @@ from bert_reduce import (
     PerTokenLossDict,
     SameSizeLossDict,
 )
+from tests.mode_reference import run_mode_microbatches as run_microbatches
 from tests.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
 from tests.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
-
-
-def run_microbatches(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    mask: torch.Tensor,
-    sizes: Sequence[int],
-    **loss_kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drive the loss the way NeMo does: a fresh object per micro-batch and one for reduce.
-
-    Returns the reduced loss and the gradient w.r.t. ``logits`` that Megatron's
-    ``calculate_per_token_loss=True`` produces: d(sum of loss_sums) / global count.
-    """
-    assert sum(sizes) == labels.shape[0]
-    logits = logits.detach().requires_grad_(True)
-    reports, total_tokens, start = [], torch.zeros((), dtype=torch.int64), 0
-    for size in sizes:
-        rows = slice(start, start + size)
-        start += size
-        loss_fn = BERTMLMLossWithReduction(**loss_kwargs)
-        loss_fn.setup({"labels": labels[rows], "loss_mask": mask[rows]})
-        loss_sum, num_tokens, report = loss_fn({"token_logits": logits[:, rows]})
-        loss_sum.backward()
-        total_tokens += num_tokens
-        reports.append(report)
-    reduced = BERTMLMLossWithReduction(**loss_kwargs).reduce(reports)
-    grad = logits.grad / total_tokens.clamp(min=1)
-    return reduced, grad
 
 
 def test_public_api_is_importable_and_typed() -> None:

@@ -37,11 +37,8 @@ from examples.nemo2_esm2_loss import (
     nemo_trainer,
 )
 from tests.dist_utils import run_distributed
-from tests.nemo.cpu_megatron import (
-    CPUGradSync,
-    megatron_step_on_cpu,
-    single_process_megatron,
-)
+from tests.megatron_cpu import single_process_megatron
+from tests.nemo.cpu_megatron import CPUGradSync, megatron_step_on_cpu
 from tests.reference import reference_loss
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, MASK_ID = 8, 16, 33, 32
