@@ -25,6 +25,7 @@ __all__ = [
     "check_logits_and_labels",
     "check_same_shape",
     "masked_token_loss",
+    "masked_weighted_sum",
     "safe_divide",
     "unreduced_token_loss_fn",
     "validate_masked_labels",
@@ -183,10 +184,23 @@ def masked_token_loss(per_token_loss: Tensor, loss_mask: Tensor) -> tuple[Tensor
     check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
     scored = loss_mask != 0
     weights = loss_mask.to(accumulation_dtype(per_token_loss.dtype))
+    return masked_weighted_sum(per_token_loss, weights, scored), scored.sum(dtype=torch.int64)
+
+
+def masked_weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor) -> Tensor:
+    """``sum(weights * per_token_loss)`` over the ``scored`` positions, in ``weights``' dtype.
+
+    Args:
+        per_token_loss: ``[b, s]`` per-token losses.
+        weights: ``[b, s]`` float weights; their dtype is the accumulation dtype.
+        scored: ``[b, s]`` bool; only these positions reach the sum and the gradient.
+
+    Returns:
+        The 0-dim weighted sum, carrying gradients.
+    """
     # `where` rather than a product: a NaN or inf loss on an unscored position (padding
     # labels, say) must not leak into the sum, nor into the gradient.
-    weighted = torch.where(scored, per_token_loss.to(weights.dtype) * weights, 0)
-    return weighted.sum(), scored.sum(dtype=torch.int64)
+    return torch.where(scored, per_token_loss.to(weights.dtype) * weights, 0).sum()
 
 
 def validate_masked_labels(labels: Tensor, loss_mask: Tensor, vocab_size: int) -> None:

@@ -32,7 +32,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from bert_reduce.functional import accumulation_dtype
+from bert_reduce.functional import accumulation_dtype, check_same_shape, masked_weighted_sum
 
 __all__ = [
     "Normalization",
@@ -47,14 +47,6 @@ class Normalization(str, Enum):
     PER_TOKEN = "per_token"
     PER_SEQUENCE = "per_sequence"
     CONSTANT = "constant"
-
-
-def _check_token_tensor(name: str, tensor: Tensor, shape: torch.Size) -> None:
-    if tensor.shape != shape:
-        raise ValueError(
-            f"{name} of shape {tuple(tensor.shape)} must match loss_mask of shape "
-            f"{tuple(shape)} ([b, s])."
-        )
 
 
 def sequence_normalizers(
@@ -160,24 +152,24 @@ def normalized_loss_terms(
             ``constant_per_sequence`` in ``constant`` mode.
     """
     normalization = Normalization(normalization)
-    _check_token_tensor("per_token_loss", per_token_loss, loss_mask.shape)
+    check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
     acc = accumulation_dtype(per_token_loss.dtype)
     scored = loss_mask != 0
 
     if normalization is Normalization.PER_TOKEN:
         if loss_mask.dtype.is_floating_point and weight_resolution is not None:
             int_weights = torch.round(loss_mask.to(torch.float64) * weight_resolution).long()
-            numerator = _weighted_sum(per_token_loss, int_weights.to(acc), int_weights != 0)
+            numerator = masked_weighted_sum(per_token_loss, int_weights.to(acc), int_weights != 0)
             return numerator, int_weights.sum()
-        numerator = _weighted_sum(per_token_loss, loss_mask.to(acc), scored)
+        numerator = masked_weighted_sum(per_token_loss, loss_mask.to(acc), scored)
         if loss_mask.dtype.is_floating_point:
             return numerator, loss_mask.to(torch.float64).sum()
         return numerator, _widened_weights(loss_mask).sum()
 
     if sequence_weight is None or sequence_start is None:
         sequence_weight, sequence_start = sequence_normalizers(loss_mask)
-    _check_token_tensor("sequence_weight", sequence_weight, loss_mask.shape)
-    _check_token_tensor("sequence_start", sequence_start, loss_mask.shape)
+    check_same_shape(sequence_weight, loss_mask, ("sequence_weight", "loss_mask"), "[b, s]")
+    check_same_shape(sequence_start, loss_mask, ("sequence_start", "loss_mask"), "[b, s]")
     sequence_start = sequence_start != 0
 
     if normalization is Normalization.PER_SEQUENCE:
@@ -185,7 +177,7 @@ def normalized_loss_terms(
         # A scored token's sequence weight is non-zero; the `where` keeps the division safe on
         # the others without a host-side check.
         per_token_weight = loss_mask.to(acc) / torch.where(has_tokens, sequence_weight, 1).to(acc)
-        numerator = _weighted_sum(per_token_loss, per_token_weight, scored & has_tokens)
+        numerator = masked_weighted_sum(per_token_loss, per_token_weight, scored & has_tokens)
         return numerator, (sequence_start & has_tokens).sum(dtype=torch.int64)
 
     if constant_per_sequence is None or constant_per_sequence <= 0:
@@ -193,11 +185,5 @@ def normalized_loss_terms(
             "Normalization 'constant' needs a positive constant_per_sequence (e.g. the maximum "
             f"sequence length), got {constant_per_sequence!r}."
         )
-    numerator = _weighted_sum(per_token_loss, loss_mask.to(acc), scored)
+    numerator = masked_weighted_sum(per_token_loss, loss_mask.to(acc), scored)
     return numerator, sequence_start.sum(dtype=torch.int64) * constant_per_sequence
-
-
-def _weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor) -> Tensor:
-    # `where` rather than a product alone: a NaN or inf loss on an unscored position (padding
-    # labels, say) must not leak into the sum, nor into the gradient.
-    return torch.where(scored, per_token_loss.to(weights.dtype) * weights, 0).sum()
