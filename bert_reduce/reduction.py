@@ -25,6 +25,7 @@ from bert_reduce.functional import (
 from bert_reduce.normalization import Normalization, normalized_loss_terms, sequence_normalizers
 
 __all__ = [
+    "FORWARD_OUT_LAYOUTS",
     "BERTMLMLossWithReduction",
     "DataParallelGroupLossAndIO",
     "MegatronLossReduction",
@@ -75,6 +76,14 @@ class SameSizeLossDict(TypedDict):
 
 
 LossReport = PerTokenLossDict | DataParallelGroupLossAndIO | SameSizeLossDict
+
+ForwardOutKey = Literal["token_logits", "logits", "lm_loss"]
+#: What :meth:`BERTMLMLossWithReduction.forward` reads from the model's outputs, by key.
+FORWARD_OUT_LAYOUTS: dict[str, str] = {
+    "token_logits": "[s, b, v] logits",
+    "logits": "[b, s, v] logits",
+    "lm_loss": "[b, s] per-token losses",
+}
 
 DataT = TypeVar("DataT")
 ReductionT = TypeVar("ReductionT")
@@ -194,6 +203,11 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         val_drop_last: Accepted for BioNeMo compatibility; the reduction is exact either way.
         send_train_output: In training, also return the detached batch and model outputs.
         send_val_output: In validation, also return the detached batch and model outputs.
+            Off by default (it was on before 0.2, as in BioNeMo): NeMo keeps every report of
+            a validation step until ``reduce``, so each would hold its micro-batch's logits.
+            Turn it on for metrics that need them.
+        forward_out_key: Which entry of ``forward_out`` to score (see ``forward``); by
+            default the one of ``token_logits``, ``logits``, ``lm_loss`` present.
         cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy
             (implies ``cross_entropy="megatron"``).
         check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary. This
@@ -232,8 +246,9 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         validation_step: bool = False,
         val_drop_last: bool = True,
         send_train_output: bool = False,
-        send_val_output: bool = True,
+        send_val_output: bool = False,
         *,
+        forward_out_key: ForwardOutKey | None = None,
         cross_entropy_loss_fusion: bool = False,
         check_labels: bool = False,
         normalization: Normalization | str = Normalization.PER_TOKEN,
@@ -247,6 +262,12 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         self.val_drop_last = val_drop_last
         self.send_train_output = send_train_output
         self.send_val_output = send_val_output
+        if forward_out_key is not None and forward_out_key not in FORWARD_OUT_LAYOUTS:
+            raise ValueError(
+                f"forward_out_key must be one of {sorted(FORWARD_OUT_LAYOUTS)}, got "
+                f"{forward_out_key!r}."
+            )
+        self.forward_out_key = forward_out_key
         self.cross_entropy_loss_fusion = cross_entropy_loss_fusion
         self.check_labels = check_labels
         self.normalization = Normalization(normalization)
@@ -276,7 +297,11 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 non-zero where scored, or float weights); under context parallelism, this
                 rank's shard. Optionally ``sequence_weight`` and ``sequence_start`` (``[b, s]``)
                 or ``cu_seqlens``/``cu_seqlens_padded`` for the per-sequence and constant modes.
-            forward_out: ``token_logits`` of shape ``[s, b, v]`` (``v`` sharded under TP).
+            forward_out: One of (see :data:`FORWARD_OUT_LAYOUTS`): ``token_logits`` of shape
+                ``[s, b, v]`` (Megatron, BioNeMo; ``v`` sharded under TP), ``logits`` of shape
+                ``[b, s, v]`` (NeMo's BERT), or ``lm_loss``, per-token losses ``[b, s]``
+                (Megatron's and NeMo's BERT given labels). The key, never the shape, says the
+                layout, so a ``[b, s, v]`` tensor with ``b == s`` is not read as ``[s, b, v]``.
 
         Returns:
             ``(loss_sum, num_tokens, report)``: the mode's 0-dim numerator in fp32 that carries
@@ -286,30 +311,33 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             the detached report ``[numerator, denominator]`` for :meth:`reduce`.
 
         Raises:
-            KeyError: If a required key is missing (the message names it).
+            KeyError: If a required key is missing (the message names it), or
+                ``forward_out`` holds none or several of the keys above and no
+                ``forward_out_key`` says which to use.
             ValueError: On mismatched shapes (the message names both), or, with
                 ``check_labels``, on masked labels outside the vocabulary.
         """
         labels = _require(batch, "labels", "batch")
         loss_mask = _require(batch, "loss_mask", "batch")
-        logits = _require(forward_out, "token_logits", "forward_out")
         if loss_mask.shape != labels.shape:
             raise ValueError(
                 f"loss_mask of shape {tuple(loss_mask.shape)} must match labels of shape "
                 f"{tuple(labels.shape)} ([b, s])."
             )
-        if self.check_labels:
-            vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
-            validate_masked_labels(labels, loss_mask, vocab_size)
-
-        if self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion:
-            per_token_loss = masked_token_losses(
-                logits, labels, loss_mask, capacity=self.mask_capacity
-            )
+        key = self._forward_out_key(forward_out)
+        if key == "lm_loss":
+            per_token_loss = _require(forward_out, key, "forward_out")
+            if per_token_loss.shape != labels.shape:
+                raise ValueError(
+                    f"forward_out['lm_loss'] of shape {tuple(per_token_loss.shape)} must match "
+                    f"labels of shape {tuple(labels.shape)} ([b, s] per-token losses)."
+                )
         else:
-            per_token_loss = unreduced_token_loss_fn(
-                logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
-            )
+            logits = _require(forward_out, key, "forward_out")
+            if key == "logits":
+                # NeMo's BERT layout [b, s, v]; a transposed view is [s, b, v] without a copy.
+                logits = logits.transpose(0, 1)
+            per_token_loss = self._per_token_loss(logits, labels, loss_mask)
         loss_sum, num_tokens = normalized_loss_terms(
             per_token_loss,
             loss_mask,
@@ -331,6 +359,29 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 forward_out=_detached(forward_out),
             )
         return loss_sum, num_tokens, report
+
+    def _forward_out_key(self, forward_out: Mapping[str, Any]) -> ForwardOutKey:
+        if self.forward_out_key is not None:
+            return self.forward_out_key
+        present = [key for key in FORWARD_OUT_LAYOUTS if key in forward_out]
+        if len(present) != 1:
+            raise KeyError(
+                f"forward_out must hold exactly one of {list(FORWARD_OUT_LAYOUTS)} "
+                f"({', '.join(FORWARD_OUT_LAYOUTS.values())}); it has {sorted(forward_out)}. "
+                "Pass forward_out_key= to say which one to use."
+            )
+        return present[0]
+
+    def _per_token_loss(self, logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
+        """``[b, s]`` cross-entropy of ``[s, b, v]`` logits (scored positions only if masked)."""
+        if self.check_labels:
+            vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
+            validate_masked_labels(labels, loss_mask, vocab_size)
+        if self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion:
+            return masked_token_losses(logits, labels, loss_mask, capacity=self.mask_capacity)
+        return unreduced_token_loss_fn(
+            logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
+        )
 
     def _sequence_normalizers(
         self, batch: Mapping[str, Any], loss_mask: Tensor
@@ -356,8 +407,14 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         return {}
 
     def reduce(self, losses_reduced_per_micro_batch: Sequence[LossReport]) -> Tensor:
-        """Exact mean loss over every masked token of the global batch.
+        """Exact mean loss over every masked token of the global batch, as a float32 scalar.
 
-        See :func:`reduce_loss_reports`.
+        The sums stay fp64 (:func:`reduce_loss_reports`); only the quotient is cast. float32
+        on every pipeline stage: NeMo broadcasts the last stage's value into a float32
+        ``torch.tensor(0.0)`` on the others (``_sync_from_last_pipeline_stage``), and gloo
+        aborts on a size mismatch (8 bytes vs 4).
+
+        Returns:
+            A 0-dim float32 tensor (0.0 when the global batch has no scored token).
         """
-        return reduce_loss_reports(losses_reduced_per_micro_batch)
+        return reduce_loss_reports(losses_reduced_per_micro_batch).to(torch.float32)

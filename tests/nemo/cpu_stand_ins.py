@@ -1,0 +1,173 @@
+"""CPU stand-ins for the CUDA-only plumbing of NeMo 2 and Megatron-Core, for tests only.
+
+A real ``nl.Trainer(strategy=nl.MegatronStrategy(...)).fit(...)`` runs on CPU/gloo with these,
+and nothing else is replaced: the model, the loss reductions, Megatron's schedules, Megatron's
+``DistributedDataParallel`` and its grad buffers, ``finalize_model_grads``, Megatron's
+optimizer, NeMo's ``MegatronParallel`` (``nemo.collections.llm`` import included), its
+callbacks, logging and checkpointing all run as on a GPU.
+
+Each stand-in swaps the ``torch`` name of *one* upstream module for :class:`_CpuTorch`, which is
+``torch`` except for the CUDA calls listed here (file:line in megatron-core 0.15.3 and
+nemo-toolkit 2.7.3, the versions of ``requirements/constraints-nemo.txt``):
+
+* ``nemo/lightning/megatron_parallel.py:617``: ``with torch.cuda.stream(torch.cuda.Stream()):``
+  around ``init_ddp`` (for CUDA graphs): no stream on CPU.
+* ``nemo/lightning/megatron_parallel.py:348``, ``:1847``, ``:1857``:
+  ``torch.tensor(0.0, device=torch.cuda.current_device())``, the reduced loss of non-last
+  pipeline stages and of NeMo's own reductions: the current device is the CPU.
+* ``nemo/lightning/pytorch/strategies/megatron_strategy.py:801``, ``:850``, ``:881``, ``:888``:
+  ``torch.tensor(x, pin_memory=True).to("cuda", non_blocking=True)`` before logging: a tensor
+  that stays on the CPU (pinning needs CUDA).
+* ``megatron/core/pipeline_parallel/schedules.py:…``: the token counter
+  ``torch.zeros([], dtype=torch.int, device="cuda")``: allocated on the CPU.
+
+What only a GPU shows is listed in ``docs/nemo.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+from unittest import mock
+
+import torch
+from megatron.core.optimizer import optimizer as megatron_optimizer
+from megatron.core.tensor_parallel import random
+
+__all__ = ["megatron_on_cpu"]
+
+
+def _cpu(device: Any) -> Any:
+    """``device`` with CUDA replaced by the CPU."""
+    if device is None:
+        return None
+    if isinstance(device, int) or torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _stay_on_cpu(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``Tensor.cuda`` on a machine without CUDA: the tensor itself."""
+    return tensor
+
+
+class _CpuTensor(torch.Tensor):
+    """A CPU tensor whose ``.to("cuda", ...)`` stays on the CPU (see the module docstring)."""
+
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        plain = self.as_subclass(torch.Tensor)
+        if args and isinstance(args[0], str | torch.device | int):
+            args = (_cpu(args[0]), *args[1:])
+        kwargs.pop("non_blocking", None)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        return plain.to(*args, **kwargs)
+
+
+class _CpuCuda:
+    """``torch.cuda``, except the few functions the listed lines call (no CUDA here)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def Stream() -> None:
+        return None
+
+    @staticmethod
+    def stream(stream: None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def default_stream() -> None:
+        return None
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+class _CpuTorch(ModuleType):
+    """``torch``, with CUDA devices mapped to the CPU in the calls the listed lines make."""
+
+    cuda = _CpuCuda()
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs["device"] = _cpu(kwargs.get("device"))
+        return torch.zeros(*args, **kwargs)
+
+    @staticmethod
+    def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs["device"] = _cpu(kwargs.get("device"))
+        kwargs.pop("pin_memory", None)
+        return torch.tensor(data, *args, **kwargs).as_subclass(_CpuTensor)
+
+
+def _clip_grad_by_total_norm_fp32(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assertion.
+
+    The same scale as upstream (``megatron/core/optimizer/clip_grads.py:173-178``): every fp32
+    gradient times ``max_norm / (total_norm + 1e-6)`` when that is below 1.
+    """
+    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [
+        getattr(param, attribute)
+        for param in parameters
+        if getattr(param, attribute, None) is not None
+    ]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_([grad.detach() for grad in grads], clip_coeff)
+
+
+_MODULES_WITH_CUDA_CALLS = (
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.utils",
+    "megatron.core.timers",
+    "nemo.lightning.megatron_parallel",
+    "nemo.lightning.pytorch.strategies.megatron_strategy",
+    "nemo.lightning.pytorch.plugins.data_sampler",
+    "megatron.core.pipeline_parallel.schedules",
+)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """Within the context, the listed upstream modules see :class:`_CpuTorch` as ``torch``."""
+    with contextlib.ExitStack() as stack:
+        for name in _MODULES_WITH_CUDA_CALLS:
+            module = importlib.import_module(name)
+            stack.enter_context(mock.patch.object(module, "torch", _CpuTorch()))
+        stack.enter_context(
+            mock.patch.object(
+                megatron_optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32
+            )
+        )
+        # Tied embeddings under pipeline parallelism: the last stage's output weight is moved to
+        # the GPU before the all-reduce that copies the first stage's embedding into it.
+        stack.enter_context(mock.patch.object(torch.Tensor, "cuda", _stay_on_cpu))
+        stack.callback(random.initialize_rng_tracker, force_reset=True)
+        # Megatron's own tracker for inference forks no CUDA RNG state; NeMo's set-up keeps a
+        # tracker that is already initialized.
+        random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        yield

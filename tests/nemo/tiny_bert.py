@@ -1,0 +1,277 @@
+"""A tiny BERT trained by a real NeMo 2 fit with bert_reduce's loss, and its PyTorch reference.
+
+The network is Megatron-Core's own ``BertModel`` (local layer spec: it runs on CPU), with tied
+input/output embeddings and pipeline-stage splitting as on a GPU. :class:`TinyBertMLM` is the
+LightningModule NeMo's ``MegatronStrategy`` drives, written the way NeMo's and BioNeMo's BERT
+modules are: ``io.IOMixin`` (its constructor arguments, the loss class included, go to
+``io.json``), ``configure_model``, ``data_step``, ``forward_step`` and loss reductions built
+from ``loss_reduction_class``. :func:`reference_training` trains the same weights in one
+process with plain PyTorch on whole global batches: ``F.cross_entropy`` over their masked
+tokens, ``clip_grad_norm_``, ``torch.optim.SGD``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from nemo import lightning as nl
+from nemo.lightning import io
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from bert_reduce import BERTMLMLossWithReduction
+
+VOCAB, SEQ_LEN, MASK_ID = 32, 12, 3
+GLOBAL_BATCH, MICRO_BATCH = 8, 2
+# In every global batch, samples 2 and 3 have no masked token: with micro-batches of 2, one
+# micro-batch of each step scores nothing (on rank 1 at DP=2, on rank 0 at DP=1).
+EMPTY_IN_GLOBAL_BATCH = (2, 3)
+LR, MOMENTUM, CLIP_GRAD = 0.5, 0.9, 1.0
+
+
+def tiny_bert_config(**overrides: Any) -> TransformerConfig:
+    """Two layers, no dropout, fp32, and the flag the exact per-token reduction needs."""
+    fields: dict[str, Any] = {
+        "num_layers": 2,
+        "hidden_size": 16,
+        "num_attention_heads": 2,
+        "ffn_hidden_size": 32,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "calculate_per_token_loss": True,
+        "use_cpu_initialization": True,
+        "pipeline_dtype": torch.float32,
+    }
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_bert(config: TransformerConfig) -> BertModel:
+    """This pipeline stage's part of the BERT, with weights that do not depend on the split.
+
+    Every parameter is drawn from a generator seeded by its *global* name (layer numbers
+    counted over all stages), so PP=1 and PP=2 models hold the same weights; the last stage's
+    copy of the tied output weight is the first stage's word embedding.
+    """
+    model = BertModel(
+        config=config,
+        num_tokentypes=0,
+        transformer_layer_spec=bert_layer_local_spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ_LEN,
+        add_binary_head=False,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=True,
+    )
+    with torch.no_grad():
+        for name, param in global_named_parameters(model).items():
+            tied = name == "output_layer.weight"
+            seed_name = "embedding.word_embeddings.weight" if tied else name
+            gen = torch.Generator().manual_seed(zlib.crc32(seed_name.encode()))
+            param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def global_named_parameters(model: BertModel) -> dict[str, nn.Parameter]:
+    """Parameters by name, with ``encoder.layers.<i>`` numbered over all pipeline stages."""
+    offset = 0
+    if model.encoder.layers:
+        offset = model.encoder.layers[0].layer_number - 1
+    named = {}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["encoder", "layers"]:
+            parts[2] = str(int(parts[2]) + offset)
+        named[".".join(parts)] = param
+    return named
+
+
+class MLMDataset(Dataset):
+    """Deterministic ``[s]`` samples: masked ``text``, ``labels``, ``loss_mask``, attention.
+
+    Args:
+        num_samples: Number of samples.
+        seed: Generator seed.
+        empty: Sample indices modulo ``GLOBAL_BATCH`` whose loss mask is all False.
+    """
+
+    def __init__(self, num_samples: int, seed: int, empty: tuple[int, ...] = ()) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(MASK_ID + 1, VOCAB, (num_samples, SEQ_LEN), generator=gen)
+        self.loss_mask = torch.rand(num_samples, SEQ_LEN, generator=gen) < 0.3
+        for index in range(num_samples):
+            if index % GLOBAL_BATCH in empty:
+                self.loss_mask[index] = False
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        mask = self.loss_mask[index]
+        return {
+            "text": torch.where(mask, MASK_ID, self.tokens[index]),
+            "labels": self.tokens[index],
+            "loss_mask": mask,
+            "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long),
+        }
+
+    def batch(self, start: int, stop: int) -> dict[str, Tensor]:
+        """Samples ``start`` to ``stop`` stacked into one ``[b, s]`` batch."""
+        samples = [self[index] for index in range(start, stop)]
+        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def train_dataset(steps: int) -> MLMDataset:
+    """``steps`` global batches, each with an empty micro-batch (``EMPTY_IN_GLOBAL_BATCH``)."""
+    return MLMDataset(steps * GLOBAL_BATCH, seed=0, empty=EMPTY_IN_GLOBAL_BATCH)
+
+
+class TinyBertDataModule(pl.LightningDataModule):
+    """Training data cut by NeMo's ``MegatronDataSampler`` into micro-batches per DP rank."""
+
+    def __init__(self, steps: int, val_samples: int = 0) -> None:
+        super().__init__()
+        self.steps = steps
+        self.val_samples = val_samples
+        self.data_sampler = nl.MegatronDataSampler(
+            seq_len=SEQ_LEN, micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH
+        )
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(train_dataset(self.steps), batch_size=MICRO_BATCH)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(MLMDataset(max(self.val_samples, 1), seed=1), batch_size=MICRO_BATCH)
+
+
+class TinyBertMLM(pl.LightningModule, io.IOMixin):
+    """The LightningModule NeMo 2 drives: BERT + bert_reduce's loss, NeMo/BioNeMo-style.
+
+    Args:
+        config: Megatron config (``calculate_per_token_loss=True``).
+        loss_reduction_class: Builds the training loss (``()``) and the validation loss
+            (``(validation_step=True)``), as BioNeMo's ``loss_reduction_class``.
+        output: What the last stage hands the loss: ``"logits"`` (``[b, s, v]``, NeMo's BERT)
+            or ``"lm_loss"`` (``[b, s]`` per-token losses from Megatron's BERT given labels).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        loss_reduction_class: Callable[..., BERTMLMLossWithReduction] = BERTMLMLossWithReduction,
+        output: str = "logits",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.loss_reduction_class = loss_reduction_class
+        self.output = output
+        self.module: BertModel | None = None
+
+    @override
+    def configure_model(self) -> None:
+        if self.module is None:
+            self.module = build_bert(self.config)
+
+    @override
+    def forward(self, batch: Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
+        """Hidden states ``[s, b, h]`` on a non-last stage, else the loss's input."""
+        assert self.module is not None
+        labels = batch["labels"] if self.output == "lm_loss" else None
+        out = self.module(batch["text"], batch["attention_mask"], lm_labels=labels)
+        if not isinstance(out, tuple):
+            return out
+        return {self.output: out[0]}
+
+    def data_step(self, dataloader_iter: Iterator[Any]) -> dict[str, Tensor]:
+        batch = next(dataloader_iter)
+        return batch[0] if isinstance(batch, tuple) else batch
+
+    def forward_step(self, batch: Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
+        return self(batch)
+
+    @override
+    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int | None = None) -> Any:
+        return self.forward_step(batch)
+
+    @override
+    def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int | None = None) -> Any:
+        return self.forward_step(batch)
+
+    def training_loss_reduction(self) -> BERTMLMLossWithReduction:
+        return self.loss_reduction_class()
+
+    def validation_loss_reduction(self) -> BERTMLMLossWithReduction:
+        return self.loss_reduction_class(validation_step=True)
+
+
+def reference_training(
+    steps: int, config: TransformerConfig | None = None
+) -> tuple[list[float], dict[str, Tensor]]:
+    """Plain PyTorch, one process: the losses of each step and the final weights.
+
+    Each step is one whole global batch: ``F.cross_entropy`` over its masked tokens (fp64 on
+    the fp32 logits), backward, ``clip_grad_norm_(CLIP_GRAD)``, ``SGD(LR, MOMENTUM)``. Needs
+    Megatron's parallel state (one rank) to build the model.
+    """
+    model = build_bert(config or tiny_bert_config())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    data = train_dataset(steps)
+    losses = []
+    for step in range(steps):
+        batch = data.batch(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        logits, _ = model(batch["text"], batch["attention_mask"])
+        mask = batch["loss_mask"]
+        loss = F.cross_entropy(logits[mask].double(), batch["labels"][mask])
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in global_named_parameters(model).items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, body: Callable[..., None], args: Any) -> None:
+    # What a launcher (torchrun, SLURM) sets; Lightning then creates no processes itself.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    torch.set_num_threads(1)
+    body(*args)
+
+
+def run_processes(body: Callable[..., None], world_size: int, *args: Any) -> None:
+    """``body(*args)`` in ``world_size`` fresh processes set up as a launcher would."""
+    mp.spawn(_worker, args=(world_size, _free_port(), body, args), nprocs=world_size, join=True)
+
+
+def scratch_dir() -> tempfile.TemporaryDirectory:
+    """A temporary directory for what the processes write back."""
+    return tempfile.TemporaryDirectory()
