@@ -48,7 +48,8 @@ from bert_reduce import distributed
 from bert_reduce.functional import (
     accumulation_dtype,
     check_logits_and_labels,
-    masked_token_loss,
+    check_same_shape,
+    masked_loss_sum,
 )
 
 __all__ = ["Capacity", "masked_cross_entropy", "masked_token_losses", "resolve_capacity"]
@@ -292,8 +293,8 @@ def masked_token_losses(
     Where ``loss_mask`` is non-zero this equals (up to rounding)
     ``F.cross_entropy(logits, labels, reduction="none")`` and so does its gradient; elsewhere
     the loss is 0 and carries no gradient, whatever the label. A ``[b, s]`` output lets any
-    weighting or normalization (e.g. :func:`bert_reduce.normalized_loss_terms`) follow, while
-    the caller's logits are never copied whole, never modified (unless ``in_place``), and no
+    weighting or normalization (:mod:`bert_reduce.normalization`) follow, while the caller's
+    logits are never copied whole, never modified (unless ``in_place``), and no
     row outside the selection is normalized. See the module docstring for ``capacity``.
 
     ``in_place=True`` writes the gradient into the logits' own storage during backward, so the
@@ -324,11 +325,7 @@ def masked_token_losses(
             ``in_place`` on a leaf tensor that requires grad.
     """
     check_logits_and_labels(logits, labels)
-    if loss_mask.shape != labels.shape:
-        raise ValueError(
-            f"loss_mask of shape {tuple(loss_mask.shape)} must match labels of shape "
-            f"{tuple(labels.shape)} ([b, s])."
-        )
+    check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
     if chunk_elements is None:
         chunk_elements = _default_chunk_elements(logits, accumulation_dtype(logits.dtype))
     if chunk_elements < 1:
@@ -368,11 +365,12 @@ def masked_cross_entropy(
     in_place: bool = False,
     chunk_elements: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Cross-entropy summed over the scored tokens, and their number.
+    """Cross-entropy summed over the scored tokens, and its denominator.
 
-    :func:`masked_token_losses` followed by :func:`bert_reduce.masked_token_loss`: equal (up
-    to rounding) to ``sum(w * F.cross_entropy(logits[mask], labels[mask], reduction="none"))``
-    with its gradient, for a bool, integer or float (weighting) ``loss_mask``.
+    :func:`masked_token_losses` followed by :func:`bert_reduce.functional.masked_loss_sum`:
+    equal (up to rounding) to ``sum(w * F.cross_entropy(logits[mask], labels[mask],
+    reduction="none"))`` with its gradient, for a bool, integer or float (weighting)
+    ``loss_mask``, and the mask's :func:`bert_reduce.functional.token_denominator`.
 
     Args:
         logits: ``[s, b, v]`` logits, vocab-sharded under tensor parallelism.
@@ -383,9 +381,9 @@ def masked_cross_entropy(
         chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
 
     Returns:
-        ``(loss_sum, num_tokens)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
+        ``(loss_sum, denominator)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
         carrying the gradient, NaN on an out-of-vocabulary scored label or a capacity
-        overflow; and the 0-dim int64 number of scored positions.
+        overflow; and the 0-dim denominator (int64 token count, or fp64 sum of float weights).
 
     Raises:
         ValueError: As :func:`masked_token_losses`.
@@ -398,4 +396,4 @@ def masked_cross_entropy(
         in_place=in_place,
         chunk_elements=chunk_elements,
     )
-    return masked_token_loss(losses, loss_mask)
+    return masked_loss_sum(losses, loss_mask)

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from bert_reduce.cross_entropy import masked_cross_entropy, resolve_capacity
-from tests.dist_utils import run_distributed
-from tests.reference import make_mlm_batch
-from tests.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.reference import make_mlm_batch
+from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
 # Small chunks, so that every test also crosses chunk boundaries.
 CHUNK = 3 * 13
@@ -31,7 +31,7 @@ def weighted_reference(
 def run(
     logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss sum, count and gradient of masked_cross_entropy on non-leaf logits."""
+    """Loss sum, denominator and gradient of masked_cross_entropy on non-leaf logits."""
     leaf = logits.detach().clone().requires_grad_(True)
     loss_sum, num_tokens = masked_cross_entropy(leaf * 1, labels, mask, **kwargs)
     loss_sum.backward()
@@ -55,7 +55,9 @@ def test_matches_dense_cross_entropy_fp64(capacity, in_place, weighted) -> None:
     )
     ref_loss, ref_grad = weighted_reference(logits, labels, mask)
     assert loss.dtype == torch.float64 and grad.dtype == torch.float64
-    assert count.dtype == torch.int64 and int(count) == int((mask != 0).sum())
+    # The denominator is the sum of the weights (token_denominator): the count for a 0/1 mask.
+    assert count.dtype == (torch.float64 if weighted else torch.int64)
+    torch.testing.assert_close(count, mask.sum().to(count.dtype), rtol=1e-15, atol=0)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
     unscored = (mask == 0).transpose(0, 1)

@@ -6,17 +6,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bert_reduce import (
-    BERTMLMLossWithReduction,
+from bert_reduce import BERTMLMLossWithReduction, pack_batch
+from bert_reduce.context_parallel import (
     get_packed_batch_on_this_cp_rank,
-    pack_batch,
     packed_context_parallel_indices,
-    unpack_sequences,
 )
-from tests.dist_utils import run_distributed
-from tests.mode_reference import reference_mode_loss, reference_mode_loss_and_grad
-from tests.reference import make_mlm_batch
-from tests.sync_guard import forbid_host_syncs
+from bert_reduce.packing import unpack_sequences
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.mode_reference import reference_mode_loss, reference_mode_loss_and_grad
+from tests.helpers.reference import make_mlm_batch
+from tests.helpers.sync_guard import forbid_host_syncs
 
 MODES = ["per_token", "per_sequence", "constant"]
 LENGTHS = [5, 12, 1, 9, 12, 3]

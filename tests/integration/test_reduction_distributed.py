@@ -13,13 +13,10 @@ import torch
 import torch.distributed as dist
 
 from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank
-from bert_reduce.distributed import (
-    context_parallel_indices,
-    slice_for_context_parallel,
-)
-from tests.dist_utils import run_distributed
-from tests.reference import make_mlm_batch, reference_loss_and_grad
-from tests.sync_guard import count_collectives, forbid_host_syncs
+from bert_reduce.context_parallel import context_parallel_indices, slice_for_context_parallel
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 pytestmark = pytest.mark.slow
 
