@@ -10,7 +10,7 @@ same for the logged value with a single all-reduce.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, Literal, TypedDict, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -18,11 +18,19 @@ from torch import Tensor, nn
 from bert_reduce import distributed
 from bert_reduce.cross_entropy import Capacity, masked_token_losses
 from bert_reduce.functional import (
-    safe_divide,
+    check_same_shape,
     unreduced_token_loss_fn,
     validate_masked_labels,
 )
 from bert_reduce.normalization import Normalization, normalized_loss_terms, sequence_normalizers
+from bert_reduce.reports import (
+    DataParallelGroupLossAndIO,
+    LossReport,
+    PerTokenLossDict,
+    SameSizeLossDict,
+    make_report,
+    reduce_reports,
+)
 
 __all__ = [
     "FORWARD_OUT_LAYOUTS",
@@ -31,59 +39,16 @@ __all__ = [
     "MegatronLossReduction",
     "PerTokenLossDict",
     "SameSizeLossDict",
-    "reduce_loss_reports",
 ]
 
 
-class PerTokenLossDict(TypedDict):
-    """What one micro-batch reports on one rank, before any reduction.
-
-    Attributes:
-        loss_sum_and_microbatch_size: ``[2]`` fp64 tensor ``(sum of masked-token losses,
-            number of masked tokens)``, detached. fp64 holds token counts exactly up to 2**53.
-    """
-
-    loss_sum_and_microbatch_size: Tensor
-
-
-class DataParallelGroupLossAndIO(PerTokenLossDict):
-    """A :class:`PerTokenLossDict` that also carries the micro-batch and the model's outputs.
-
-    Produced when ``send_train_output`` / ``send_val_output`` ask for it, for downstream
-    metrics. Tensors are detached (not copied: the loss never writes to them).
-
-    Attributes:
-        batch: The micro-batch, e.g. ``labels`` and ``loss_mask`` of shape ``[b, s]``.
-        forward_out: The model's outputs, e.g. ``token_logits`` of shape ``[s, b, v]``.
-    """
-
-    batch: dict[str, Any]
-    forward_out: dict[str, Any]
-
-
-class SameSizeLossDict(TypedDict):
-    """A legacy report: a micro-batch mean already averaged over data-parallel ranks.
-
-    BioNeMo's and NeMo's older reductions emit it; :func:`reduce_loss_reports` averages such
-    reports the way NeMo does (a plain mean over micro-batches), which is only exact when all
-    micro-batches hold the same number of tokens.
-
-    Attributes:
-        avg: ``[1]`` or 0-dim loss.
-    """
-
-    avg: Tensor
-
-
-LossReport = PerTokenLossDict | DataParallelGroupLossAndIO | SameSizeLossDict
-
 ForwardOutKey = Literal["token_logits", "logits", "lm_loss"]
-#: What :meth:`BERTMLMLossWithReduction.forward` reads from the model's outputs, by key.
 FORWARD_OUT_LAYOUTS: dict[str, str] = {
     "token_logits": "[s, b, v] logits",
     "logits": "[b, s, v] logits",
     "lm_loss": "[b, s] per-token losses",
 }
+"""What :meth:`BERTMLMLossWithReduction.forward` reads from the model's outputs, by key."""
 
 DataT = TypeVar("DataT")
 ReductionT = TypeVar("ReductionT")
@@ -135,43 +100,6 @@ def _detached(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v.detach() if isinstance(v, Tensor) else v for k, v in mapping.items()}
 
 
-def reduce_loss_reports(reports: Sequence[LossReport]) -> Tensor:
-    """The exact mean loss over every masked token of the global batch.
-
-    Sums the ``(loss_sum, num_tokens)`` of every micro-batch locally, then over the data x
-    context parallel group in one all-reduce, then divides once:
-
-        loss = global_loss_sum / global_num_tokens   (0.0 when global_num_tokens == 0)
-
-    Legacy :class:`SameSizeLossDict` reports are averaged as NeMo does, without a collective.
-
-    Args:
-        reports: One report per micro-batch of this rank's step; may be empty (a non-last
-            pipeline stage, say), which gives 0.0 on the current device.
-
-    Returns:
-        A 0-dim fp64 tensor (the dtype of legacy reports for those).
-
-    Raises:
-        ValueError: If per-token and legacy reports are mixed, or a report is neither.
-    """
-    if len(reports) == 0:
-        return torch.zeros((), dtype=torch.float64, device=distributed.default_device())
-    if all("loss_sum_and_microbatch_size" in report for report in reports):
-        local = torch.stack(
-            [report["loss_sum_and_microbatch_size"] for report in reports]  # type: ignore[typeddict-item]
-        ).sum(dim=0)
-        totals = distributed.all_reduce_sum_(local, distributed.loss_reduction_group())
-        loss_sum, num_tokens = totals.unbind()
-        return safe_divide(loss_sum, num_tokens)
-    if all("avg" in report for report in reports):
-        return torch.cat([report["avg"].reshape(1) for report in reports]).mean()  # type: ignore[typeddict-item]
-    raise ValueError(
-        "Cannot reduce these reports: expected all with 'loss_sum_and_microbatch_size' or all "
-        f"with 'avg', got keys {[sorted(report) for report in reports]}."
-    )
-
-
 class BERTMLMLossWithReduction(MegatronLossReduction):
     """Masked-language-model loss over the masked tokens, exact under any split of the batch.
 
@@ -203,8 +131,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         val_drop_last: Accepted for BioNeMo compatibility; the reduction is exact either way.
         send_train_output: In training, also return the detached batch and model outputs.
         send_val_output: In validation, also return the detached batch and model outputs.
-            Off by default (it was on before 0.2, as in BioNeMo): NeMo keeps every report of
-            a validation step until ``reduce``, so each would hold its micro-batch's logits.
+            Off by default (it was on before, as in BioNeMo): NeMo keeps every report of a
+            validation step until ``reduce``, so each would hold its micro-batch's logits.
             Turn it on for metrics that need them.
         forward_out_key: Which entry of ``forward_out`` to score (see ``forward``); by
             default the one of ``token_logits``, ``logits``, ``lm_loss`` present.
@@ -237,8 +165,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     ``[b, s]`` row is one, or, when the batch holds ``cu_seqlens_padded`` or ``cu_seqlens``
     (a packed ``[1, T]`` row), each packed segment. Under context parallelism a shard cannot
     see whole sequences: the batch must then carry ``sequence_weight`` and ``sequence_start``
-    (``[b, s]``, from :func:`bert_reduce.sequence_normalizers` on the unsliced batch, sliced
-    with it; :func:`bert_reduce.pack_batch` adds them to packed batches).
+    (``[b, s]``, from :func:`bert_reduce.normalization.sequence_normalizers` on the unsliced
+    batch, sliced with it; :func:`bert_reduce.pack_batch` adds them to packed batches).
     """
 
     def __init__(
@@ -319,23 +247,15 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         """
         labels = _require(batch, "labels", "batch")
         loss_mask = _require(batch, "loss_mask", "batch")
-        if loss_mask.shape != labels.shape:
-            raise ValueError(
-                f"loss_mask of shape {tuple(loss_mask.shape)} must match labels of shape "
-                f"{tuple(labels.shape)} ([b, s])."
-            )
+        check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
         key = self._forward_out_key(forward_out)
         if key == "lm_loss":
             per_token_loss = _require(forward_out, key, "forward_out")
-            if per_token_loss.shape != labels.shape:
-                raise ValueError(
-                    f"forward_out['lm_loss'] of shape {tuple(per_token_loss.shape)} must match "
-                    f"labels of shape {tuple(labels.shape)} ([b, s] per-token losses)."
-                )
+            check_same_shape(per_token_loss, labels, ("forward_out['lm_loss']", "labels"), "[b, s]")
         else:
             logits = _require(forward_out, key, "forward_out")
             if key == "logits":
-                # NeMo's BERT layout [b, s, v]; a transposed view is [s, b, v] without a copy.
+                # NeMo's BERT layout [b, s, v]; the transposed view is [s, b, v], no copy.
                 logits = logits.transpose(0, 1)
             per_token_loss = self._per_token_loss(logits, labels, loss_mask)
         loss_sum, num_tokens = normalized_loss_terms(
@@ -347,9 +267,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             weight_resolution=self.weight_resolution,
         )
         report: PerTokenLossDict | DataParallelGroupLossAndIO = {
-            "loss_sum_and_microbatch_size": torch.stack(
-                [loss_sum.detach().to(torch.float64), num_tokens.to(torch.float64)]
-            )
+            "loss_sum_and_microbatch_size": make_report(loss_sum, num_tokens)
         }
         send_output = self.send_val_output if self.validation_step else self.send_train_output
         if send_output:
@@ -370,10 +288,10 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 f"({', '.join(FORWARD_OUT_LAYOUTS.values())}); it has {sorted(forward_out)}. "
                 "Pass forward_out_key= to say which one to use."
             )
-        return present[0]
+        return present[0]  # type: ignore[return-value]
 
     def _per_token_loss(self, logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
-        """``[b, s]`` cross-entropy of ``[s, b, v]`` logits (scored positions only if masked)."""
+        """``[b, s]`` cross-entropy of ``[s, b, v]`` logits."""
         if self.check_labels:
             vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
             validate_masked_labels(labels, loss_mask, vocab_size)
@@ -397,8 +315,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             raise ValueError(
                 f"normalization={self.normalization.value!r} under context parallelism needs "
                 "batch['sequence_weight'] and batch['sequence_start'], computed on the unsliced "
-                "batch (bert_reduce.sequence_normalizers) and sliced with it; the batch has "
-                f"{sorted(batch)}."
+                "batch (bert_reduce.normalization.sequence_normalizers) and sliced with it; the "
+                f"batch has {sorted(batch)}."
             )
         for key in ("cu_seqlens_padded", "cu_seqlens"):
             if key in batch:
@@ -409,12 +327,13 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     def reduce(self, losses_reduced_per_micro_batch: Sequence[LossReport]) -> Tensor:
         """Exact mean loss over every masked token of the global batch, as a float32 scalar.
 
-        The sums stay fp64 (:func:`reduce_loss_reports`); only the quotient is cast. float32
-        on every pipeline stage: NeMo broadcasts the last stage's value into a float32
-        ``torch.tensor(0.0)`` on the others (``_sync_from_last_pipeline_stage``), and gloo
-        aborts on a size mismatch (8 bytes vs 4).
+        The sums stay fp64 (:func:`bert_reduce.reports.reduce_reports`, over the default
+        loss-reduction group); only the quotient is cast. float32 because NeMo broadcasts the
+        last pipeline stage's value into a float32 ``torch.tensor(0.0)`` on the other stages
+        (``_sync_from_last_pipeline_stage``), and gloo aborts on the size mismatch (8 bytes vs
+        4); every stage then logs the same dtype.
 
         Returns:
             A 0-dim float32 tensor (0.0 when the global batch has no scored token).
         """
-        return reduce_loss_reports(losses_reduced_per_micro_batch).to(torch.float32)
+        return reduce_reports(losses_reduced_per_micro_batch).to(torch.float32)

@@ -34,10 +34,12 @@ from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import random
 
-__all__ = ["megatron_on_cpu"]
+__all__ = ["CPUGradSync", "megatron_on_cpu"]
 
 
 def _cpu(device: Any) -> Any:
@@ -171,3 +173,27 @@ def megatron_on_cpu() -> Iterator[None]:
         # tracker that is already initialized.
         random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         yield
+
+
+class CPUGradSync:
+    """Megatron DDP's ``finish_grad_sync`` / ``scale_gradients`` for a plain ``nn.Module``.
+
+    For the tests that drive ``MegatronParallel`` by hand without wrapping the module in
+    Megatron's DDP (the real fits use Megatron's DDP itself). ``finalize_model_grads`` calls
+    these two methods on each model chunk (``megatron/core/distributed/finalize_model_grads.py``
+    ``model_chunk.finish_grad_sync()`` and ``model_chunk.scale_gradients(...)``); they do what
+    Megatron's DDP does with ``calculate_per_token_loss=True``: a sum (not a mean) over the
+    data x context group, then a scale by ``1 / global token count``. Mix in before the module
+    class.
+    """
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        for param in self.parameters():  # type: ignore[attr-defined]
+            if param.grad is not None:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        for param in self.parameters():  # type: ignore[attr-defined]
+            if param.grad is not None:
+                param.grad.mul_(scaling_factor)

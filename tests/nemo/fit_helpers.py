@@ -91,7 +91,8 @@ def bert_of(module: pl.LightningModule) -> BertModel:
 
 def save_rank_result(out_dir: str, module: pl.LightningModule, **extra: Any) -> None:
     """Write this rank's parameters and ``extra`` to ``<out_dir>/rank<r>.pt``."""
-    params = {name: p.detach().clone() for name, p in global_named_parameters(bert_of(module)).items()}
+    named = global_named_parameters(bert_of(module))
+    params = {name: param.detach().clone() for name, param in named.items()}
     result = {
         "params": params,
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),

@@ -36,10 +36,10 @@ from examples.nemo2_esm2_loss import (
     mlm_ddp_config,
     nemo_trainer,
 )
-from tests.dist_utils import run_distributed
-from tests.megatron_cpu import single_process_megatron
-from tests.nemo.cpu_megatron import CPUGradSync, megatron_step_on_cpu
-from tests.reference import reference_loss
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.megatron_cpu import single_process_megatron
+from tests.helpers.reference import reference_loss
+from tests.nemo.cpu_stand_ins import CPUGradSync, megatron_on_cpu
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, MASK_ID = 8, 16, 33, 32
 EMPTY_ROW = 3
@@ -122,7 +122,7 @@ def _run(
     )
     step_fn = parallel.training_step if step == "train" else parallel.validation_step
     data = iter([{key: value[rows] for key, value in batch.items()} for rows in micro_batches])
-    with megatron_step_on_cpu():
+    with megatron_on_cpu():
         loss = step_fn(
             data,
             num_microbatches=len(micro_batches),
