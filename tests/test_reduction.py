@@ -102,19 +102,27 @@ def test_logits_unchanged_after_loss_and_backward() -> None:
 
 
 def test_reports_by_default_hold_only_two_numbers() -> None:
+    # Validation included: NeMo keeps every report of a validation step until reduce, so
+    # retaining logits is opt-in (send_val_output=True).
     logits, labels, mask = make_mlm_batch(2, 8, 9)
-    for validation_step, expect_io in [(False, False), (True, True)]:
+    for validation_step in (False, True):
         loss_fn = BERTMLMLossWithReduction(validation_step=validation_step)
         loss_fn.setup({"labels": labels, "loss_mask": mask})
         _, _, report = loss_fn({"token_logits": logits.requires_grad_(True)})
+        assert set(report) == {"loss_sum_and_microbatch_size"}
         assert report["loss_sum_and_microbatch_size"].shape == (2,)
         assert report["loss_sum_and_microbatch_size"].dtype == torch.float64
-        assert ("forward_out" in report) is expect_io and ("batch" in report) is expect_io
-        if expect_io:
-            assert not report["forward_out"]["token_logits"].requires_grad
-            assert report["batch"]["labels"] is not labels and torch.equal(
-                report["batch"]["labels"], labels
-            )
+
+
+def test_send_val_output() -> None:
+    logits, labels, mask = make_mlm_batch(2, 8, 9)
+    loss_fn = BERTMLMLossWithReduction(validation_step=True, send_val_output=True)
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    _, _, report = loss_fn({"token_logits": logits.requires_grad_(True)})
+    assert set(report) == {"loss_sum_and_microbatch_size", "batch", "forward_out"}
+    assert not report["forward_out"]["token_logits"].requires_grad
+    assert report["batch"]["labels"] is not labels
+    assert torch.equal(report["batch"]["labels"], labels)
 
 
 def test_send_train_output() -> None:
@@ -130,7 +138,7 @@ def test_send_train_output() -> None:
     [
         (("loss_mask",), "token_logits", "batch has no 'labels' key"),
         (("labels",), "token_logits", "batch has no 'loss_mask' key"),
-        (("labels", "loss_mask"), "logits", "forward_out has no 'token_logits' key"),
+        (("labels", "loss_mask"), "scores", "forward_out must hold exactly one of"),
     ],
 )
 def test_missing_key_is_named(batch_keys, out_key, match) -> None:
@@ -215,3 +223,74 @@ def test_all_matches_exports() -> None:
     assert sorted(bert_reduce.__all__) == sorted(bert_reduce._EXPORTS)
     for name in bert_reduce.__all__:
         assert getattr(bert_reduce, name) is not None
+
+
+def _nemo_outputs(logits_sbv, labels):
+    """The same micro-batch as each model family emits it: keyed by layout."""
+    per_token = torch.nn.functional.cross_entropy(
+        logits_sbv.permute(1, 2, 0), labels.clamp(min=0), reduction="none"
+    )
+    return {
+        "token_logits": {"token_logits": logits_sbv},
+        "logits": {"logits": logits_sbv.transpose(0, 1).contiguous()},
+        "lm_loss": {"lm_loss": per_token},
+    }
+
+
+@pytest.mark.parametrize("key", ["token_logits", "logits", "lm_loss"])
+def test_every_forward_out_layout_is_the_reference(key) -> None:
+    # b == s: a [b, s, v] tensor read as [s, b, v] would give another, wrong, loss.
+    logits, labels, mask = make_mlm_batch(6, 6, 11, empty_rows=(2,))
+    ref = reference_loss(logits, labels, mask)
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    loss_sum, num_tokens, report = loss_fn(_nemo_outputs(logits, labels)[key])
+    torch.testing.assert_close(loss_sum / num_tokens, ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss_fn.reduce([report]), ref.float(), rtol=0, atol=0)
+
+
+def test_bsv_logits_under_the_sbv_key_are_a_different_loss() -> None:
+    logits, labels, mask = make_mlm_batch(6, 6, 11)
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    wrong, count, _ = loss_fn({"token_logits": logits.transpose(0, 1).contiguous()})
+    assert not torch.isclose(wrong / count, reference_loss(logits, labels, mask))
+
+
+def test_forward_out_key_chooses_among_several_outputs() -> None:
+    logits, labels, mask = make_mlm_batch(3, 5, 7)
+    both = {**_nemo_outputs(logits, labels)["logits"], **_nemo_outputs(logits, labels)["lm_loss"]}
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    with pytest.raises(KeyError, match=r"exactly one of .*forward_out_key"):
+        loss_fn(both)
+    ref = reference_loss(logits, labels, mask)
+    for key in ("logits", "lm_loss"):
+        loss_fn = BERTMLMLossWithReduction(forward_out_key=key)
+        loss_fn.setup({"labels": labels, "loss_mask": mask})
+        loss_sum, num_tokens, _ = loss_fn(both)
+        torch.testing.assert_close(loss_sum / num_tokens, ref, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="forward_out_key must be one of"):
+        BERTMLMLossWithReduction(forward_out_key="token_logit")
+
+
+def test_lm_loss_of_another_shape_is_rejected() -> None:
+    _, labels, mask = make_mlm_batch(3, 5, 7)
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    with pytest.raises(ValueError, match=r"forward_out\['lm_loss'\]"):
+        loss_fn({"lm_loss": torch.zeros(5, 3)})
+
+
+def test_reduce_returns_float32_of_the_fp64_sums() -> None:
+    # NeMo broadcasts the last pipeline stage's value into a float32 tensor on the others.
+    reports = [
+        PerTokenLossDict(
+            loss_sum_and_microbatch_size=torch.tensor([1.0, 3.0], dtype=torch.float64)
+        ),
+        {"loss_sum_and_ub_size": torch.tensor([2.0, 4.0], dtype=torch.float64)},
+    ]
+    reduced = BERTMLMLossWithReduction().reduce(reports)
+    assert reduced.dtype == torch.float32 and reduced.shape == ()
+    assert reduced.item() == torch.tensor(3.0 / 7.0).item()
+    assert BERTMLMLossWithReduction().reduce([]).dtype == torch.float32

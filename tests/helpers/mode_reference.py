@@ -7,12 +7,28 @@ here shares code with bert_reduce.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from bert_reduce import BERTMLMLossWithReduction
+from bert_reduce.reports import reduce_reports
+
+
+def checked_reduce(reports: Sequence[Any]) -> Tensor:
+    """``BERTMLMLossWithReduction().reduce(reports)``, as the fp64 exact value.
+
+    ``reduce`` returns the fp64 quotient of the summed reports cast to float32 (what NeMo's
+    pipeline broadcast accepts); this checks exactly that, and returns the fp64 quotient so
+    that callers can keep fp64 tolerances.
+    """
+    exact = reduce_reports(reports)
+    reduced = BERTMLMLossWithReduction().reduce(reports)
+    assert reduced.dtype == torch.float32
+    assert torch.equal(reduced, exact.to(torch.float32))
+    return exact
 
 
 def reference_mode_loss(
@@ -86,7 +102,7 @@ def run_mode_microbatches(
         numerator.backward()
         total += denominator
         reports.append(report)
-    reduced = BERTMLMLossWithReduction(**loss_kwargs).reduce(reports)
+    reduced = checked_reduce(reports)
     assert logits.grad is not None
     grad = logits.grad / total if total != 0 else logits.grad
     return reduced, grad

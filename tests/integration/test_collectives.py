@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from bert_reduce import BERTMLMLossWithReduction
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.mode_reference import checked_reduce
 from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
@@ -36,7 +37,8 @@ def _training_step(
             loss_sum.backward()
             reports.append(report)
     with count_collectives() as reduce_calls:
-        reduced = BERTMLMLossWithReduction(**loss_kwargs).reduce(reports)
+        BERTMLMLossWithReduction(**loss_kwargs).reduce(reports)
+    reduced = checked_reduce(reports)
     assert leaf.grad is not None
     return forward_calls, reduce_calls, reduced, leaf.grad
 

@@ -27,6 +27,7 @@ from tests.helpers.megatron_cpu import (
     schedule_counter_on_cpu,
     single_process_megatron,
 )
+from tests.helpers.mode_reference import checked_reduce
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
 EMPTY_ROWS = (2, 3, 6)  # the 4 x 2 split has an empty micro-batch, 8 x 1 has three
@@ -123,7 +124,7 @@ def schedule_step(
             micro_batch_size=micro_batch_size,
         )
     grads = {name: param.grad.clone() for name, param in model.module.named_parameters()}
-    return grads, BERTMLMLossWithReduction().reduce(reports), reports
+    return grads, checked_reduce(reports), reports
 
 
 def reference_grads(per_micro_batch_rows: list[list[int]] | None = None, weighted: bool = False):

