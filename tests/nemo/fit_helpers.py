@@ -47,6 +47,22 @@ class LossRecorder(pl.Callback):
         self.losses.append(float(trainer.callback_metrics["reduced_train_loss"]))
 
 
+class ResultSaver(LossRecorder):
+    """A :class:`LossRecorder` that saves this rank's result at the end of the fit.
+
+    For runs built elsewhere (a ``nemo_run`` recipe): ``<out_dir>/rank<r>.pt`` as
+    :func:`save_rank_result` writes it, with the logged losses.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        save_rank_result(self.out_dir, pl_module, losses=self.losses)
+
+
 def optimizer_module() -> MegatronOptimizerModule:
     """Megatron's SGD with momentum and clipping, as :func:`reference_training` runs it."""
     return MegatronOptimizerModule(

@@ -148,6 +148,10 @@ class TinyBertDataModule(pl.LightningDataModule):
         super().__init__()
         self.steps = steps
         self.val_samples = val_samples
+        # What NeMo's llm.pretrain checks on a data module.
+        self.micro_batch_size, self.global_batch_size = MICRO_BATCH, GLOBAL_BATCH
+        self.seq_length = SEQ_LEN
+        self.tokenizer = None  # token ids are made here; llm.pretrain hands it to the model
         self.data_sampler = nl.MegatronDataSampler(
             seq_len=SEQ_LEN, micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH
         )
