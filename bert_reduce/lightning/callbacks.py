@@ -166,7 +166,8 @@ class ValidationPerplexityCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         val_loop = trainer.fit_loop.epoch_loop.val_loop
-        if val_loop.restarted_mid_evaluation:
+        # Lightning < 2.5 (NeMo 2 pins 2.4) has no restarted_mid_evaluation.
+        if getattr(val_loop, "restarted_mid_evaluation", False):
             val_loop.batch_progress.reset_on_run()
 
     @override

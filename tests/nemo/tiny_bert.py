@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from bert_reduce import BERTMLMLossWithReduction
+from bert_reduce.nemo import ExactValidationDataSampler
 
 VOCAB, SEQ_LEN, MASK_ID = 32, 12, 3
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
@@ -141,10 +142,15 @@ def train_dataset(steps: int) -> MLMDataset:
     return MLMDataset(steps * GLOBAL_BATCH, seed=0, empty=EMPTY_IN_GLOBAL_BATCH)
 
 
+def val_dataset(num_samples: int) -> MLMDataset:
+    """Validation samples; sample 1 has no masked token."""
+    return MLMDataset(num_samples, seed=1, empty=(1,))
+
+
 class TinyBertDataModule(pl.LightningDataModule):
     """Training data cut by NeMo's ``MegatronDataSampler`` into micro-batches per DP rank."""
 
-    def __init__(self, steps: int, val_samples: int = 0) -> None:
+    def __init__(self, steps: int, val_samples: int = 0, exact_validation: bool = False) -> None:
         super().__init__()
         self.steps = steps
         self.val_samples = val_samples
@@ -152,7 +158,8 @@ class TinyBertDataModule(pl.LightningDataModule):
         self.micro_batch_size, self.global_batch_size = MICRO_BATCH, GLOBAL_BATCH
         self.seq_length = SEQ_LEN
         self.tokenizer = None  # token ids are made here; llm.pretrain hands it to the model
-        self.data_sampler = nl.MegatronDataSampler(
+        sampler = ExactValidationDataSampler if exact_validation else nl.MegatronDataSampler
+        self.data_sampler = sampler(
             seq_len=SEQ_LEN, micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH
         )
 
@@ -162,7 +169,7 @@ class TinyBertDataModule(pl.LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(MLMDataset(max(self.val_samples, 1), seed=1), batch_size=MICRO_BATCH)
+        return DataLoader(val_dataset(max(self.val_samples, 1)), batch_size=MICRO_BATCH)
 
 
 class TinyBertMLM(pl.LightningModule, io.IOMixin):
@@ -225,6 +232,16 @@ class TinyBertMLM(pl.LightningModule, io.IOMixin):
         return self.loss_reduction_class(validation_step=True)
 
 
+def reference_val_loss(steps: int, val_samples: int) -> float:
+    """After ``steps`` reference steps: the mean NLL over every masked validation token."""
+    model = _reference_model(steps)[0]
+    with torch.no_grad():
+        batch = val_dataset(val_samples).batch(0, val_samples)
+        logits, _ = model(batch["text"], batch["attention_mask"])
+        mask = batch["loss_mask"]
+        return F.cross_entropy(logits[mask].double(), batch["labels"][mask]).item()
+
+
 def reference_training(
     steps: int, config: TransformerConfig | None = None
 ) -> tuple[list[float], dict[str, Tensor]]:
@@ -234,6 +251,13 @@ def reference_training(
     the fp32 logits), backward, ``clip_grad_norm_(CLIP_GRAD)``, ``SGD(LR, MOMENTUM)``. Needs
     Megatron's parallel state (one rank) to build the model.
     """
+    model, losses = _reference_model(steps, config)
+    return losses, {name: p.detach().clone() for name, p in global_named_parameters(model).items()}
+
+
+def _reference_model(
+    steps: int, config: TransformerConfig | None = None
+) -> tuple[BertModel, list[float]]:
     model = build_bert(config or tiny_bert_config())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     data = train_dataset(steps)
@@ -248,7 +272,7 @@ def reference_training(
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
         optimizer.step()
         losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in global_named_parameters(model).items()}
+    return model, losses
 
 
 def _free_port() -> int:
