@@ -24,9 +24,10 @@ The Megatron flags that make the gradient that of the exact global mean over mas
   averaged, over data-parallel ranks (Megatron asserts this with per-token losses);
 * ``finalize_model_grads_func``: set by NeMo's ``MegatronOptimizerModule``.
 
-On a GPU machine (NeMo's ``MegatronStrategy`` needs CUDA), :func:`nemo_trainer` builds the
-trainer; ``tests/nemo/`` drives :class:`MLMLightningModule` through ``MegatronParallel`` on
-CPU. :class:`TokenMLP` is a per-token stand-in for ESM-2's Megatron BERT encoder, so that a
+:func:`nemo_trainer` builds the trainer (on a GPU machine); ``tests/nemo/`` drives
+:class:`MLMLightningModule` through ``MegatronParallel`` on CPU, and ``tests/nemo/test_fit.py``
+runs real ``nl.Trainer`` fits (``examples/nemo2_recipe.py`` is the recipe form).
+:class:`TokenMLP` is a per-token stand-in for ESM-2's Megatron BERT encoder, so that a
 context-parallel shard of the sequence gives exactly the logits of the full sequence there.
 """
 
@@ -203,7 +204,7 @@ class MLMLightningModule(pl.LightningModule):
         return BERTMLMLossWithReduction()
 
     def validation_loss_reduction(self) -> BERTMLMLossWithReduction:
-        """A new validation loss; its reports carry the detached batch and logits."""
+        """A new validation loss; its reports hold ``(loss_sum, num_tokens)`` only."""
         return BERTMLMLossWithReduction(validation_step=True, val_drop_last=self.val_drop_last)
 
 

@@ -36,8 +36,10 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import random
+from nemo.lightning.io import pl as nemo_io_pl
 
 __all__ = ["CPUGradSync", "megatron_on_cpu"]
 
@@ -113,6 +115,16 @@ class _CpuTorch(ModuleType):
         return torch.zeros(*args, **kwargs)
 
     @staticmethod
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs["device"] = _cpu(kwargs.get("device"))
+        return torch.empty(*args, **kwargs)
+
+    @staticmethod
+    def empty_like(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs["device"] = _cpu(kwargs.get("device"))
+        return torch.empty_like(*args, **kwargs)
+
+    @staticmethod
     def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         kwargs["device"] = _cpu(kwargs.get("device"))
         kwargs.pop("pin_memory", None)
@@ -144,6 +156,13 @@ _MODULES_WITH_CUDA_CALLS = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
     "megatron.core.utils",
     "megatron.core.timers",
     "nemo.lightning.megatron_parallel",
@@ -168,6 +187,21 @@ def megatron_on_cpu() -> Iterator[None]:
         # Tied embeddings under pipeline parallelism: the last stage's output weight is moved to
         # the GPU before the all-reduce that copies the first stage's embedding into it.
         stack.enter_context(mock.patch.object(torch.Tensor, "cuda", _stay_on_cpu))
+        # Loading a distributed checkpoint allocates exchange buffers with
+        # ShardedTensor.init_data("cuda") (exchange_utils.py:101, :109).
+        original_init_data = ShardedTensor.init_data
+        stack.enter_context(
+            mock.patch.object(
+                ShardedTensor,
+                "init_data",
+                lambda self, device, *args, **kwargs: original_init_data(
+                    self, _cpu(device), *args, **kwargs
+                ),
+            )
+        )
+        # nemo/lightning/io/pl.py:495 asserts CUDA is initialized, then moves CUDA tensors of
+        # a loaded checkpoint to the current GPU; a CPU checkpoint has none to move.
+        stack.enter_context(mock.patch.object(nemo_io_pl, "_fix_tensors_device", lambda ckpt: ckpt))
         stack.callback(random.initialize_rng_tracker, force_reset=True)
         # Megatron's own tracker for inference forks no CUDA RNG state; NeMo's set-up keeps a
         # tracker that is already initialized.

@@ -67,6 +67,8 @@ class _RecordingModule(CPUGradSync, MLMLightningModule):
 
     def validation_loss_reduction(self) -> BERTMLMLossWithReduction:
         loss = super().validation_loss_reduction()
+        # The tests read each micro-batch's batch and logits back from the reports.
+        loss.send_val_output = True
         self.created_losses.append(loss)
         return loss
 
@@ -170,7 +172,7 @@ def test_training_step_is_the_global_batch_in_one_pass() -> None:
         ref_loss, ref_grads = _reference(module, batch)
         loss, reports = _run(module, batch, MICRO_BATCHES, "train")
 
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
     _assert_close_grads(_grads(module), ref_grads)
     counts = [int(report["loss_sum_and_microbatch_size"][1]) for report in reports]
     assert counts == [int(batch["loss_mask"][rows].sum()) for rows in MICRO_BATCHES]
@@ -194,7 +196,7 @@ def test_without_per_token_loss_the_gradient_is_a_mean_of_micro_batch_means() ->
         loss, _ = _run(module, batch, MICRO_BATCHES, "train")
 
     # The logged loss stays exact; an empty micro-batch adds a zero gradient, never NaN.
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
     nonempty = [grads for grads in per_micro_batch if grads is not None]
     assert len(nonempty) == len(MICRO_BATCHES) - 1
     mean_of_means = [
@@ -210,7 +212,7 @@ def test_validation_step_is_the_global_batch_in_one_pass() -> None:
         ref_loss, _ = _reference(module, batch)
         loss, reports = _run(module, batch, MICRO_BATCHES, "val")
 
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
     for rows, report in zip(MICRO_BATCHES, reports, strict=True):
         torch.testing.assert_close(report["batch"]["labels"], batch["labels"][rows])
         assert report["forward_out"]["token_logits"].shape == (SEQ_LEN, len(rows), VOCAB)
@@ -243,7 +245,7 @@ def _dp_cp_body() -> None:
         ref_loss, ref_grads = _reference(module, batch)
         micro_batches = DP_MICRO_BATCHES[step][dp_rank]
         loss, reports = _run(module, batch, micro_batches, step)
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
         if step == "train":
             _assert_close_grads(_grads(module), ref_grads)
         else:

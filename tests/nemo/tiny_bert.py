@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo import lightning as nl
 from nemo.lightning import io
@@ -164,6 +165,21 @@ class TinyBertDataModule(pl.LightningDataModule):
         )
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        """Samples consumed so far, for resuming (as NeMo's ``PreTrainingDataModule``)."""
+        consumed = self.data_sampler.compute_consumed_samples(self.trainer.global_step)
+        return {"consumed_samples": consumed}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the Megatron sampler after the consumed samples."""
+        consumed = state_dict["consumed_samples"]
+        self.data_sampler.init_consumed_samples = consumed
+        self.data_sampler.prev_consumed_samples = consumed
+        update_num_microbatches(consumed_samples=consumed, consistency_check=False)
+        self.data_sampler.if_first_step = 1
+
+    @override
     def train_dataloader(self) -> DataLoader:
         return DataLoader(train_dataset(self.steps), batch_size=MICRO_BATCH)
 
@@ -243,23 +259,30 @@ def reference_val_loss(steps: int, val_samples: int) -> float:
 
 
 def reference_training(
-    steps: int, config: TransformerConfig | None = None
+    steps: int, config: TransformerConfig | None = None, adam_lr: float | None = None
 ) -> tuple[list[float], dict[str, Tensor]]:
     """Plain PyTorch, one process: the losses of each step and the final weights.
 
     Each step is one whole global batch: ``F.cross_entropy`` over its masked tokens (fp64 on
-    the fp32 logits), backward, ``clip_grad_norm_(CLIP_GRAD)``, ``SGD(LR, MOMENTUM)``. Needs
-    Megatron's parallel state (one rank) to build the model.
+    the fp32 logits), backward, ``clip_grad_norm_(CLIP_GRAD)``, ``SGD(LR, MOMENTUM)`` (or, with
+    ``adam_lr``, ``torch.optim.AdamW`` with Megatron's default betas and eps and no weight
+    decay: what Megatron's ``adam`` is without Apex/TE). Needs Megatron's parallel state (one
+    rank) to build the model.
     """
-    model, losses = _reference_model(steps, config)
+    model, losses = _reference_model(steps, config, adam_lr)
     return losses, {name: p.detach().clone() for name, p in global_named_parameters(model).items()}
 
 
 def _reference_model(
-    steps: int, config: TransformerConfig | None = None
+    steps: int, config: TransformerConfig | None = None, adam_lr: float | None = None
 ) -> tuple[BertModel, list[float]]:
     model = build_bert(config or tiny_bert_config())
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if adam_lr is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    else:
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=adam_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
     data = train_dataset(steps)
     losses = []
     for step in range(steps):
