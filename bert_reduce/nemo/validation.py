@@ -78,7 +78,9 @@ class ExactValidationDataSampler(MegatronDataSampler):
     Training is unchanged. Validation and test datasets are wrapped in
     :class:`PaddedEvalDataset` (to a multiple of ``global_batch_size``) before Megatron's
     sampler deals them out, so its ``drop_last`` drops nothing. Same arguments as
-    ``MegatronDataSampler``.
+    ``MegatronDataSampler``. As for NeMo's own sampler, a loader's kind is its ``mode``
+    attribute: return ``nemo.lightning.data.WrappedDataLoader(mode="validation", ...)`` from
+    ``val_dataloader`` (NeMo's data modules do); a loader without it counts as training.
     """
 
     @override

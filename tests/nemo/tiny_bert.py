@@ -30,6 +30,7 @@ from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo import lightning as nl
 from nemo.lightning import io
+from nemo.lightning.data import WrappedDataLoader
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -185,7 +186,10 @@ class TinyBertDataModule(pl.LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(val_dataset(max(self.val_samples, 1)), batch_size=MICRO_BATCH)
+        # NeMo's data modules mark their loaders' mode; its data samplers read it.
+        return WrappedDataLoader(
+            mode="validation", dataset=val_dataset(max(self.val_samples, 1)), batch_size=MICRO_BATCH
+        )
 
 
 class TinyBertMLM(pl.LightningModule, io.IOMixin):
