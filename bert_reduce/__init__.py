@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "get_batch_on_this_cp_rank": "bert_reduce.distributed",
     "masked_cross_entropy": "bert_reduce.cross_entropy",
     "masked_token_losses": "bert_reduce.cross_entropy",
+    "linear_masked_token_losses": "bert_reduce.linear_cross_entropy",
     "TokenPerplexity": "bert_reduce.metrics",
     "ValidationPerplexityCallback": "bert_reduce.lightning.callbacks",
     "Normalization": "bert_reduce.normalization",
@@ -46,6 +47,7 @@ __all__ = [
     "ValidationPerplexityCallback",
     "get_batch_on_this_cp_rank",
     "get_packed_batch_on_this_cp_rank",
+    "linear_masked_token_losses",
     "masked_cross_entropy",
     "masked_token_loss",
     "masked_token_losses",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
         validate_masked_labels,
     )
     from bert_reduce.lightning.callbacks import ValidationPerplexityCallback
+    from bert_reduce.linear_cross_entropy import linear_masked_token_losses
     from bert_reduce.metrics import TokenPerplexity
     from bert_reduce.normalization import (
         Normalization,
