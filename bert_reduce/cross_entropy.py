@@ -133,20 +133,28 @@ def select_rows(
     Args:
         scored: ``[positions]`` bool, true where the loss mask is non-zero.
         capacity: See :func:`resolve_capacity`; ignored when ``num_scored`` is given.
-        num_scored: The number of scored positions as the data pipeline counted them (any
-            integer tensor; its sum is the count), ideally on the CPU so that reading it is
-            free. Used as an exact static capacity: more scored rows than it says make the
-            loss NaN (checked on the device), fewer only cost unscored rows of work.
+        num_scored: The number of scored positions as the data pipeline counted them: an
+            integer CPU tensor whose sum is the count (e.g. a collator's ``[b]`` per-sample
+            counts). Host data, so reading it costs no device sync. Used as an exact static
+            capacity: more scored rows than it says make the loss NaN (checked on the
+            device), fewer only cost unscored rows of work.
 
     Returns:
         The selection; ``index`` is ``None`` when every row is computed.
 
     Raises:
-        ValueError: On a bad ``capacity`` or a negative ``num_scored``.
+        ValueError: On a bad ``capacity``, a ``num_scored`` that is not on the CPU (reading it
+            would wait for the device), or one that sums to a negative count.
     """
     if num_scored is not None:
-        # The pipeline's count is read on the host: free for a CPU tensor, a sync otherwise.
-        limit: int | None = int(num_scored.sum())
+        if num_scored.device.type != "cpu":
+            raise ValueError(
+                f"num_scored must stay on the CPU (it is on {num_scored.device}): it is the data "
+                "pipeline's count, read on the host; moving it to the device and back would "
+                "synchronize. Leave it out of the batch's transfer to the device."
+            )
+        # Host memory, read through numpy: no device involved.
+        limit: int | None = int(num_scored.numpy().sum())
         if limit < 0:
             raise ValueError(f"num_scored must be non-negative, got a sum of {limit}.")
         limit = min(limit, scored.numel())

@@ -29,6 +29,7 @@ ONE all-reduce, as in :func:`bert_reduce.masked_token_losses`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -50,7 +51,24 @@ from bert_reduce.cross_entropy import (
 )
 from bert_reduce.functional import accumulation_dtype
 
-__all__ = ["HiddenLayout", "linear_masked_token_losses"]
+__all__ = [
+    "HIDDEN_LAYOUT_KEY",
+    "HIDDEN_STATES_KEY",
+    "OUTPUT_BIAS_KEY",
+    "OUTPUT_WEIGHT_KEY",
+    "HiddenLayout",
+    "head_logits",
+    "linear_masked_token_losses",
+]
+
+HIDDEN_STATES_KEY = "hidden_states"
+"""``forward_out`` key of the hidden states that enter the output layer."""
+OUTPUT_WEIGHT_KEY = "output_weight"
+"""``forward_out`` key of the output layer's ``[v, h]`` weight."""
+OUTPUT_BIAS_KEY = "output_bias"
+"""``forward_out`` key of the output layer's ``[v]`` bias (optional)."""
+HIDDEN_LAYOUT_KEY = "hidden_layout"
+"""``forward_out`` key of the hidden states' :data:`HiddenLayout` (optional, ``"sbh"``)."""
 
 HiddenLayout = Literal["sbh", "bsh"]
 """``"sbh"``: ``[s, b, h]`` hidden states (Megatron); ``"bsh"``: ``[b, s, h]`` (Hugging Face)."""
@@ -346,3 +364,20 @@ def linear_masked_token_losses(
     if layout == "sbh":
         return losses.view(seq_len, batch_size).t().contiguous()
     return losses.view(batch_size, seq_len)
+
+
+def head_logits(forward_out: Mapping[str, Any]) -> Tensor:
+    """The ``[s, b, v]`` logits of a ``forward_out`` that carries the output layer's inputs.
+
+    For the losses that need every logit (Megatron-Core's cross-entropy).
+
+    Args:
+        forward_out: :data:`HIDDEN_STATES_KEY`, :data:`OUTPUT_WEIGHT_KEY`, optionally
+            :data:`OUTPUT_BIAS_KEY` and :data:`HIDDEN_LAYOUT_KEY`.
+
+    Returns:
+        ``F.linear(hidden, weight, bias)``, sequence first.
+    """
+    hidden = forward_out[HIDDEN_STATES_KEY]
+    logits = F.linear(hidden, forward_out[OUTPUT_WEIGHT_KEY], forward_out.get(OUTPUT_BIAS_KEY))
+    return logits.transpose(0, 1) if forward_out.get(HIDDEN_LAYOUT_KEY) == "bsh" else logits

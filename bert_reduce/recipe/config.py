@@ -47,6 +47,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     pad_id: int = 1
     init_std: float = 0.02
+    fused_lm_head: bool = True
 
 
 @dataclass
