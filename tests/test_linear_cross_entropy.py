@@ -81,7 +81,9 @@ def fused(
     """The fused losses and the gradients of ``sum(coef * losses)``."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
     bias_leaf = None if bias is None else bias.detach().clone().requires_grad_(True)
-    losses = linear_masked_token_losses(leaves[0], leaves[1], labels, mask, bias=bias_leaf, **kwargs)
+    losses = linear_masked_token_losses(
+        leaves[0], leaves[1], labels, mask, bias=bias_leaf, **kwargs
+    )
     (losses * coef.to(losses.dtype)).sum().backward()
     grads = [leaf.grad for leaf in leaves] + [None if bias_leaf is None else bias_leaf.grad]
     return losses.detach(), *grads
@@ -161,9 +163,7 @@ def test_num_scored_overrides_capacity_and_guards_against_undercounting() -> Non
         assert_matches(got, expected, rtol=1e-10)
     # An undercount cannot pass silently: the loss and every gradient are NaN.
     with forbid_host_syncs():
-        got = fused(
-            hidden, weight, bias, labels, mask, coef, num_scored=torch.tensor(count - 1)
-        )
+        got = fused(hidden, weight, bias, labels, mask, coef, num_scored=torch.tensor(count - 1))
     assert got[0][mask].isnan().all() and all(g.isnan().any() for g in got[1:])
     with pytest.raises(ValueError, match="num_scored must stay on the CPU"):
         linear_masked_token_losses(
@@ -234,7 +234,9 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
     ]
     for overrides, match in cases:
         args = {"hidden": hidden, "weight": weight, "mask": mask, "bias": bias, **overrides}
-        kwargs = {k: args.pop(k) for k in ("layout", "chunk_rows", "sequence_parallel") if k in args}
+        kwargs = {
+            k: args.pop(k) for k in ("layout", "chunk_rows", "sequence_parallel") if k in args
+        }
         with pytest.raises(ValueError, match=match):
             linear_masked_token_losses(
                 args["hidden"], args["weight"], labels, args["mask"], bias=args["bias"], **kwargs
