@@ -91,7 +91,7 @@ def _tensor_parallel_body() -> None:
     with forbid_host_syncs(), count_collectives() as calls:
         loss_sum, num_tokens, _ = loss_fn(forward_out)
         loss_sum.backward()
-    assert dict(calls) == {"all_reduce": 1}
+    assert dict(calls) == {"all_reduce": 1} and int(num_tokens) == int(mask.sum())
     _, _, ref_weight, _ = reference(hidden, weight, bias, labels, mask.double())
     torch.testing.assert_close(leaves[1].grad, ref_weight[cols], rtol=1e-10, atol=1e-12)
 
