@@ -48,7 +48,8 @@ from bert_reduce import distributed
 from bert_reduce.functional import (
     accumulation_dtype,
     check_logits_and_labels,
-    masked_token_loss,
+    check_same_shape,
+    masked_loss_sum,
 )
 
 __all__ = [
@@ -188,37 +189,50 @@ class ShardedTargets(NamedTuple):
     in_vocab: Tensor
 
 
-def shard_targets(targets: Tensor, shard: int) -> ShardedTargets:
-    """Locate ``[rows]`` target ids in this rank's vocab shard of size ``shard``."""
-    _, tp_size, tp_rank = _tensor_parallel()
+def shard_targets(
+    targets: Tensor, shard: int, tp_group: dist.ProcessGroup | None = None
+) -> ShardedTargets:
+    """Locate ``[rows]`` target ids in this rank's vocab shard of size ``shard``.
+
+    ``tp_group``: the vocab-sharding group; see :func:`masked_token_losses`.
+    """
+    _, tp_size, tp_rank = _tensor_parallel(tp_group)
     local = targets - _vocab_start(shard, tp_rank, tp_size)
     in_shard = (local >= 0) & (local < shard)
     in_vocab = (targets >= 0) & (targets < shard * tp_size)
     return ShardedTargets(torch.where(in_shard, local, 0).unsqueeze(1), in_shard, in_vocab)
 
 
-def shard_stats(rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def shard_stats(
+    rows: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_group: dist.ProcessGroup | None = None,
+) -> Tensor:
     """The zeroed ``[tp, 2, rows]`` buffer :func:`combine_shard_stats` reduces.
 
     This rank fills its slot, ``stats[tp_rank]``, with its shard's per-row (log-sum-exp,
     target logit) and leaves the other slots at zero.
     """
-    _, tp_size, _ = _tensor_parallel()
+    _, tp_size, _ = _tensor_parallel(tp_group)
     return torch.zeros(tp_size, 2, rows, dtype=dtype, device=device)
 
 
-def combine_shard_stats(stats: Tensor, targets: ShardedTargets) -> tuple[Tensor, Tensor]:
+def combine_shard_stats(
+    stats: Tensor, targets: ShardedTargets, tp_group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, Tensor]:
     """The global per-row log-sum-exp and target logit, in ONE collective under TP.
 
     Args:
         stats: ``[tp, 2, rows]`` from :func:`shard_stats`, this rank's slot filled in.
         targets: This rank's :func:`shard_targets`.
+        tp_group: The vocab-sharding group (see :func:`masked_token_losses`).
 
     Returns:
         ``(lse, target_logit)``, each ``[rows]``: the log-sum-exp over the whole vocabulary
         (the log-sum-exp of the shards') and the target's logit (from the shard holding it).
     """
-    group, _, tp_rank = _tensor_parallel()
+    group, _, tp_rank = _tensor_parallel(tp_group)
     # Only the shard holding the target contributes its logit; every other slot stays 0 so
     # that a single SUM all-reduce fills in every shard's.
     stats[tp_rank, 1] = torch.where(targets.in_shard, stats[tp_rank, 1], 0)
@@ -265,22 +279,32 @@ def scatter_row_losses(
     return losses, scored
 
 
-def _tensor_parallel() -> tuple[dist.ProcessGroup | None, int, int]:
-    """``(group, world_size, rank)`` of the tensor-parallel group (``(None, 1, 0)`` without)."""
-    world_size = distributed.tensor_parallel_world_size()
+def _tensor_parallel(
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, world_size, rank)`` of the vocab-sharding group (``(None, 1, 0)`` without).
+
+    ``group`` when given, else Megatron-Core's tensor-parallel group when its parallel state is
+    initialized, else none.
+    """
+    if group is None:
+        if distributed.tensor_parallel_world_size() == 1:
+            return None, 1, 0
+        group = distributed.tensor_parallel_group()
+    world_size = dist.get_world_size(group)
     if world_size == 1:
         return None, 1, 0
-    group = distributed.tensor_parallel_group()
     return group, world_size, dist.get_rank(group)
 
 
 def _vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
-    """First vocab id of this rank's shard, by Megatron-Core's own rule when sharded."""
-    if tp_size == 1:
-        return 0
-    from megatron.core.tensor_parallel.utils import VocabUtility
+    """First vocab id of this rank's contiguous shard.
 
-    return VocabUtility.vocab_range_from_per_partition_vocab_size(shard, tp_rank, tp_size)[0]
+    Megatron-Core's rule (``VocabUtility.vocab_range_from_per_partition_vocab_size``):
+    ``[rank * shard, (rank + 1) * shard)``; written out so that an explicit ``tp_group`` needs
+    no Megatron. ``tests/test_cross_entropy.py`` checks it against Megatron's own.
+    """
+    return tp_rank * shard if tp_size > 1 else 0
 
 
 class _Rows:
@@ -363,6 +387,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
         unselected: Tensor | None,
         overflow: Tensor | None,
         in_place: bool,
+        tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
         """``[b, s]`` losses of the selected rows, 0 elsewhere (see :func:`masked_token_losses`).
 
@@ -371,17 +396,17 @@ class _MaskedTokenLosses(torch.autograd.Function):
         whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
         true on every scored row when more rows are scored than selected, else all false.
         """
-        _, _, tp_rank = _tensor_parallel()
+        _, _, tp_rank = _tensor_parallel(tp_group)
         acc = accumulation_dtype(logits.dtype)
         seq_len, batch_size, shard = logits.shape
-        sharded = shard_targets(targets, shard)
-        stats = shard_stats(rows.count, acc, logits.device)
+        sharded = shard_targets(targets, shard, tp_group)
+        stats = shard_stats(rows.count, acc, logits.device, tp_group)
         private = not rows.is_view(logits, acc)
         for start, end in rows.chunks():
             x = rows.read_as(logits, start, end, acc)
             stats[tp_rank, 1, start:end] = x.gather(1, sharded.local[start:end]).squeeze(1)
             stats[tp_rank, 0, start:end] = _logsumexp_(x) if private else x.logsumexp(dim=-1)
-        lse, target_logit = combine_shard_stats(stats, sharded)
+        lse, target_logit = combine_shard_stats(stats, sharded, tp_group)
         selection = RowSelection(rows.index, unselected, overflow)
         losses, scored = scatter_row_losses(
             lse, target_logit, sharded, scored, selection, seq_len * batch_size
@@ -425,7 +450,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
                 rows.write(grad, start, end, p)
         if unselected is not None:
             rows.zero(grad, unselected)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def masked_token_losses(
@@ -436,6 +461,7 @@ def masked_token_losses(
     capacity: Capacity = "all",
     in_place: bool = False,
     chunk_elements: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     num_scored: Tensor | None = None,
 ) -> Tensor:
     """Per-token cross-entropy on the scored positions, computing only what the mask needs.
@@ -443,8 +469,8 @@ def masked_token_losses(
     Where ``loss_mask`` is non-zero this equals (up to rounding)
     ``F.cross_entropy(logits, labels, reduction="none")`` and so does its gradient; elsewhere
     the loss is 0 and carries no gradient, whatever the label. A ``[b, s]`` output lets any
-    weighting or normalization (e.g. :func:`bert_reduce.normalized_loss_terms`) follow, while
-    the caller's logits are never copied whole, never modified (unless ``in_place``), and no
+    weighting or normalization (:mod:`bert_reduce.normalization`) follow, while the caller's
+    logits are never copied whole, never modified (unless ``in_place``), and no
     row outside the selection is normalized. See the module docstring for ``capacity``.
 
     ``in_place=True`` writes the gradient into the logits' own storage during backward, so the
@@ -464,9 +490,12 @@ def masked_token_losses(
         chunk_elements: About how many logits one chunk reads at a time: trades the extra
             memory (a few fp32 chunks) against per-chunk overhead (kernel launches, thread
             barriers). ``None``: 1/32 of the logits' bytes in fp32, at least 2**20 values.
+        tp_group: The group the vocabulary is sharded over (its one all-reduce runs there);
+            ``None``: Megatron-Core's tensor-parallel group when its parallel state is
+            initialized, else no sharding.
         num_scored: The data pipeline's count of scored positions (e.g. the collator's
-            per-sample ``[b]`` counts, summed), ideally a CPU tensor: computes exactly that
-            many rows, with no host sync; overrides ``capacity``. See :func:`select_rows`.
+            per-sample ``[b]`` counts, summed), a CPU tensor: computes exactly that many
+            rows, with no host sync; overrides ``capacity``. See :func:`select_rows`.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
@@ -478,11 +507,7 @@ def masked_token_losses(
             ``in_place`` on a leaf tensor that requires grad.
     """
     check_logits_and_labels(logits, labels)
-    if loss_mask.shape != labels.shape:
-        raise ValueError(
-            f"loss_mask of shape {tuple(loss_mask.shape)} must match labels of shape "
-            f"{tuple(labels.shape)} ([b, s])."
-        )
+    check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
     if chunk_elements is None:
         chunk_elements = _default_chunk_elements(logits, accumulation_dtype(logits.dtype))
     if chunk_elements < 1:
@@ -495,12 +520,15 @@ def masked_token_losses(
     # Flat row r = i_s * b + i_b follows the [s, b, v] memory order of the logits.
     scored = (loss_mask != 0).transpose(0, 1).reshape(-1)
     targets = labels.transpose(0, 1).reshape(-1)
+
     selection = select_rows(scored, capacity, num_scored)
     index, unselected, overflow = selection.index, selection.unselected, selection.overflow
     if index is not None:
         targets, scored = targets[index], scored[index]
     rows = _Rows(logits.shape, index, chunk_elements)
-    return _MaskedTokenLosses.apply(logits, targets, scored, rows, unselected, overflow, in_place)
+    return _MaskedTokenLosses.apply(
+        logits, targets, scored, rows, unselected, overflow, in_place, tp_group
+    )
 
 
 def masked_cross_entropy(
@@ -511,13 +539,15 @@ def masked_cross_entropy(
     capacity: Capacity = "all",
     in_place: bool = False,
     chunk_elements: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     num_scored: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Cross-entropy summed over the scored tokens, and their number.
+    """Cross-entropy summed over the scored tokens, and its denominator.
 
-    :func:`masked_token_losses` followed by :func:`bert_reduce.masked_token_loss`: equal (up
-    to rounding) to ``sum(w * F.cross_entropy(logits[mask], labels[mask], reduction="none"))``
-    with its gradient, for a bool, integer or float (weighting) ``loss_mask``.
+    :func:`masked_token_losses` followed by :func:`bert_reduce.functional.masked_loss_sum`:
+    equal (up to rounding) to ``sum(w * F.cross_entropy(logits[mask], labels[mask],
+    reduction="none"))`` with its gradient, for a bool, integer or float (weighting)
+    ``loss_mask``, and the mask's :func:`bert_reduce.functional.token_denominator`.
 
     Args:
         logits: ``[s, b, v]`` logits, vocab-sharded under tensor parallelism.
@@ -526,13 +556,14 @@ def masked_cross_entropy(
         capacity: Which rows are computed; see :func:`masked_token_losses`.
         in_place: Write the gradient into ``logits``; see :func:`masked_token_losses`.
         chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
+        tp_group: The vocab-sharding group; see :func:`masked_token_losses`.
         num_scored: The data pipeline's count of scored positions; see
             :func:`masked_token_losses`.
 
     Returns:
-        ``(loss_sum, num_tokens)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
+        ``(loss_sum, denominator)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
         carrying the gradient, NaN on an out-of-vocabulary scored label or a capacity
-        overflow; and the 0-dim int64 number of scored positions.
+        overflow; and the 0-dim denominator (int64 token count, or fp64 sum of float weights).
 
     Raises:
         ValueError: As :func:`masked_token_losses`.
@@ -544,6 +575,7 @@ def masked_cross_entropy(
         capacity=capacity,
         in_place=in_place,
         chunk_elements=chunk_elements,
+        tp_group=tp_group,
         num_scored=num_scored,
     )
-    return masked_token_loss(losses, loss_mask)
+    return masked_loss_sum(losses, loss_mask)

@@ -33,11 +33,11 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from bert_reduce import distributed
 from bert_reduce.cross_entropy import (
     Capacity,
     RowSelection,
@@ -126,19 +126,20 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
         scored: Tensor,
         selection: RowSelection,
         chunks: tuple[int, int],
+        tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
         """``[positions]`` losses of the flat ``[positions, h]`` ``hidden``'s selected rows.
 
         ``targets`` and ``scored`` are ``[rows]``, aligned with ``selection.index``.
         """
-        _, _, tp_rank = _tensor_parallel()
+        _, _, tp_rank = _tensor_parallel(tp_group)
         acc = accumulation_dtype(hidden.dtype)
         index = selection.index
         rows_hidden = hidden if index is None else hidden.index_select(0, index)
         num_rows, shard = rows_hidden.size(0), weight.size(0)
-        sharded = shard_targets(targets, shard)
+        sharded = shard_targets(targets, shard, tp_group)
         plan = _Chunks(num_rows, shard, *chunks)
-        stats = shard_stats(num_rows, acc, hidden.device)
+        stats = shard_stats(num_rows, acc, hidden.device, tp_group)
         lse, target_logit = stats[tp_rank, 0], stats[tp_rank, 1]
         lse.fill_(-torch.inf)
         for rows in plan.rows:
@@ -152,7 +153,7 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
                 # Online log-sum-exp over vocabulary chunks: lse = log(exp(lse) + sum(exp(x))).
                 running = lse[rows[0] : rows[1]]
                 torch.logaddexp(running, _logsumexp_(x), out=running)
-        global_lse, global_target = combine_shard_stats(stats, sharded)
+        global_lse, global_target = combine_shard_stats(stats, sharded, tp_group)
         losses, scored = scatter_row_losses(
             global_lse, global_target, sharded, scored, selection, hidden.size(0)
         )
@@ -219,7 +220,7 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
         else:
             grad_hidden = rows_hidden.new_zeros(ctx.positions, rows_hidden.size(1))
             grad_hidden.index_copy_(0, index, grad_rows.to(dtype))
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _check_shapes(
@@ -230,6 +231,7 @@ def _check_shapes(
     bias: Tensor | None,
     layout: HiddenLayout,
     sequence_parallel: bool,
+    tp_size: int,
 ) -> None:
     if layout not in ("sbh", "bsh"):
         raise ValueError(f"layout must be 'sbh' ([s, b, h]) or 'bsh' ([b, s, h]), got {layout!r}.")
@@ -240,7 +242,7 @@ def _check_shapes(
         )
     batch_size, seq_len = labels.shape
     if sequence_parallel:
-        seq_len //= distributed.tensor_parallel_world_size()
+        seq_len //= tp_size
     expected = (seq_len, batch_size) if layout == "sbh" else (batch_size, seq_len)
     if hidden.dim() != 3 or tuple(hidden.shape[:2]) != expected:
         shard = " (this rank's sequence shard)" if sequence_parallel else ""
@@ -266,17 +268,20 @@ def _check_shapes(
         )
 
 
-def _gather_sequence_parallel(hidden: Tensor) -> Tensor:
+def _gather_sequence_parallel(hidden: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
     """The whole ``[s, b, h]`` from this rank's ``[s / tp, b, h]``, as Megatron's linear does.
 
     Megatron-Core's own mapping: all-gather along ``s`` in forward, reduce-scatter of the
     (vocab-shard partial) gradient in backward, so the gradient of the local shard is whole.
     """
-    if distributed.tensor_parallel_world_size() == 1:
+    group, tp_size, _ = _tensor_parallel(tp_group)
+    if tp_size == 1:
         return hidden
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    return gather_from_sequence_parallel_region(
+        hidden, tensor_parallel_output_grad=True, group=group
+    )
 
 
 def linear_masked_token_losses(
@@ -292,6 +297,7 @@ def linear_masked_token_losses(
     sequence_parallel: bool = False,
     chunk_rows: int | None = None,
     chunk_vocab: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Per-token cross-entropy of ``F.linear(hidden, weight, bias)``, on the scored rows only.
 
@@ -326,6 +332,8 @@ def linear_masked_token_losses(
         sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
         chunk_rows: Rows per chunk (``None``: about 2**21 logits per chunk).
         chunk_vocab: Vocabulary entries per chunk (``None``: ``min(v, 4096)``).
+        tp_group: The group the vocabulary is sharded over; ``None``: Megatron-Core's
+            tensor-parallel group when its parallel state is initialized, else no sharding.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 inputs): NaN where a scored label is outside
@@ -338,9 +346,10 @@ def linear_masked_token_losses(
     """
     if sequence_parallel and layout != "sbh":
         raise ValueError("sequence_parallel=True needs layout='sbh' (Megatron's [s/tp, b, h]).")
-    _check_shapes(hidden, weight, labels, loss_mask, bias, layout, sequence_parallel)
+    _, tp_size, _ = _tensor_parallel(tp_group)
+    _check_shapes(hidden, weight, labels, loss_mask, bias, layout, sequence_parallel, tp_size)
     if sequence_parallel:
-        hidden = _gather_sequence_parallel(hidden)
+        hidden = _gather_sequence_parallel(hidden, tp_group)
     vocab = weight.size(0)
     chunk_vocab = min(vocab, _CHUNK_VOCAB) if chunk_vocab is None else chunk_vocab
     chunk_rows = max(1, _CHUNK_ELEMENTS // chunk_vocab) if chunk_rows is None else chunk_rows
@@ -358,7 +367,7 @@ def linear_masked_token_losses(
         targets, scored = targets[selection.index], scored[selection.index]
     flat_hidden = hidden.reshape(-1, hidden.size(-1))
     losses = _LinearMaskedTokenLosses.apply(
-        flat_hidden, weight, bias, targets, scored, selection, (chunk_rows, chunk_vocab)
+        flat_hidden, weight, bias, targets, scored, selection, (chunk_rows, chunk_vocab), tp_group
     )
     batch_size, seq_len = labels.shape
     if layout == "sbh":

@@ -9,64 +9,13 @@ from torch import Tensor
 
 from bert_reduce import BERTMLMLossWithReduction, linear_masked_token_losses, pack_batch
 from bert_reduce.recipe.data import MLMCollator
-from tests.mode_reference import reference_mode_loss
-from tests.sync_guard import count_collectives, forbid_host_syncs
+from tests.helpers.linear_reference import linear_reference, make_head_batch
+from tests.helpers.mode_reference import reference_mode_loss
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 # Small chunks, so that every test crosses row and vocabulary chunk boundaries.
 CHUNKS = {"chunk_rows": 4, "chunk_vocab": 5}
 CAPACITIES = ["all", "nonzero", 15, 0.5, 1.0]
-
-
-def make_head_batch(
-    b: int = 4,
-    s: int = 9,
-    h: int = 6,
-    v: int = 13,
-    *,
-    mask_prob: float = 0.3,
-    empty_rows: tuple[int, ...] = (),
-    layout: str = "sbh",
-    seed: int = 0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fp64 hidden (``[s, b, h]`` or ``[b, s, h]``), ``[v, h]`` weight, ``[v]`` bias, labels, mask.
-
-    Unscored labels are -100, so that nothing can rely on them.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    shape = (s, b, h) if layout == "sbh" else (b, s, h)
-    hidden = torch.randn(shape, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
-    bias = torch.randn(v, generator=gen, dtype=torch.float64)
-    mask = torch.rand(b, s, generator=gen) < mask_prob
-    for row in empty_rows:
-        mask[row] = False
-    labels = torch.where(mask, torch.randint(0, v, (b, s), generator=gen), -100)
-    return hidden, weight, bias, labels, mask
-
-
-def reference(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    labels: Tensor,
-    coef: Tensor,
-    layout: str = "sbh",
-) -> tuple[Tensor, ...]:
-    """``sum(coef * F.cross_entropy(F.linear(hidden, weight, bias)))`` over ``coef != 0``.
-
-    Returns the fp64 ``[b, s]`` losses (0 where ``coef == 0``) and the gradients of the
-    weighted sum w.r.t. hidden, weight and bias (``None`` without bias).
-    """
-    leaves = [t.detach().to(torch.float64).requires_grad_(True) for t in (hidden, weight)]
-    bias_leaf = None if bias is None else bias.detach().to(torch.float64).requires_grad_(True)
-    logits = F.linear(leaves[0], leaves[1], bias_leaf)
-    logits_bsv = logits.transpose(0, 1) if layout == "sbh" else logits
-    scored = coef != 0
-    per_token = F.cross_entropy(logits_bsv[scored], labels[scored], reduction="none")
-    (per_token * coef[scored].to(torch.float64)).sum().backward()
-    losses = torch.zeros(labels.shape, dtype=torch.float64).index_put((scored,), per_token)
-    grads = [leaf.grad for leaf in leaves] + [None if bias_leaf is None else bias_leaf.grad]
-    return losses.detach(), *grads
 
 
 def fused(
@@ -110,7 +59,7 @@ def test_matches_linear_then_cross_entropy_fp64(capacity, layout, weighted, with
     got = fused(
         hidden, weight, bias, labels, mask, coef, capacity=capacity, layout=layout, **CHUNKS
     )
-    expected = reference(hidden, weight, bias, labels, coef, layout)
+    expected = linear_reference(hidden, weight, bias, labels, coef, layout)
     assert got[0].dtype == torch.float64 and got[0].shape == labels.shape
     assert_matches(got, expected, rtol=1e-10)
     unscored = ~mask if layout == "bsh" else ~mask.t()
@@ -125,7 +74,7 @@ def test_chunk_sizes_do_not_change_the_result(chunks) -> None:
         hidden, weight, bias, labels, mask, coef, capacity=0.5,
         chunk_rows=chunks[0], chunk_vocab=chunks[1],
     )  # fmt: skip
-    assert_matches(got, reference(hidden, weight, bias, labels, coef), rtol=1e-10)
+    assert_matches(got, linear_reference(hidden, weight, bias, labels, coef), rtol=1e-10)
 
 
 def test_collator_count_is_exact_without_host_sync_or_collective() -> None:
@@ -149,14 +98,14 @@ def test_collator_count_is_exact_without_host_sync_or_collective() -> None:
         losses.sum().backward()
     assert sum(calls.values()) == 0
     got = (losses.detach(), *(leaf.grad for leaf in leaves))
-    assert_matches(got, reference(hidden, weight, bias, labels, mask.double()), rtol=1e-10)
+    assert_matches(got, linear_reference(hidden, weight, bias, labels, mask.double()), rtol=1e-10)
 
 
 def test_num_scored_overrides_capacity_and_guards_against_undercounting() -> None:
     hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
     count = int(mask.sum())
     coef = mask.double()
-    expected = reference(hidden, weight, bias, labels, coef)
+    expected = linear_reference(hidden, weight, bias, labels, coef)
     # An overcount only costs unscored rows of work; the capacity is ignored.
     for num_scored in (torch.tensor(count), mask.sum(dim=1), torch.tensor([count + 5])):
         got = fused(hidden, weight, bias, labels, mask, coef, capacity=1, num_scored=num_scored)
@@ -192,7 +141,7 @@ def test_half_precision_accumulates_in_fp32(dtype) -> None:
     assert got[0].dtype == torch.float32 and all(g.dtype == dtype for g in got[1:])
     # The reference runs in fp64 on the same (rounded) inputs: the fused head's logits and
     # gradient chunks are rounded to the input dtype once each, as F.linear's would be.
-    expected = reference(hidden, weight, bias, labels, coef)
+    expected = linear_reference(hidden, weight, bias, labels, coef)
     rtol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     torch.testing.assert_close(got[0].double(), expected[0], rtol=rtol, atol=rtol)
     for a, e in zip(got[1:], expected[1:], strict=True):

@@ -7,49 +7,17 @@ in the forward.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from types import ModuleType, SimpleNamespace
-from typing import Any
-from unittest import mock
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from bert_reduce import BERTMLMLossWithReduction, linear_masked_token_losses
-from tests.dist_utils import run_distributed
-from tests.sync_guard import count_collectives, forbid_host_syncs
-from tests.test_linear_cross_entropy import make_head_batch, reference
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.linear_reference import linear_reference, make_head_batch
+from tests.helpers.megatron_cpu import sequence_parallel_mappings_on_cpu
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 CHUNKS = {"chunk_rows": 4, "chunk_vocab": 3}
-
-
-class _TorchWithCpuCurrentDevice(ModuleType):
-    """``torch``, except that ``torch.cuda.current_device()`` names the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        self.cuda = SimpleNamespace(current_device=lambda: "cpu")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def sequence_parallel_mappings_on_cpu() -> Iterator[None]:
-    """Megatron-Core's sequence-parallel all-gather and reduce-scatter, on CPU tensors.
-
-    Test-only shim: ``megatron/core/tensor_parallel/mappings.py`` allocates their outputs with
-    ``torch.empty(..., device=torch.cuda.current_device())`` (``_gather_along_first_dim``,
-    line 141, and ``_reduce_scatter_along_first_dim``, line 181, in megatron-core 0.16.1). Within
-    the context, the ``torch`` name of that module only is a proxy whose
-    ``cuda.current_device()`` is ``"cpu"``; the collectives themselves are gloo's, unchanged.
-    """
-    from megatron.core.tensor_parallel import mappings
-
-    with mock.patch.object(mappings, "torch", _TorchWithCpuCurrentDevice()):
-        yield
 
 
 def _tensor_parallel_body() -> None:
@@ -61,7 +29,9 @@ def _tensor_parallel_body() -> None:
     cols = slice(tp_rank * shard, (tp_rank + 1) * shard)
     hidden, weight, bias, labels, mask = make_head_batch(3, 10, 5, vocab, mask_prob=0.4, seed=3)
     coef = mask * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
-    ref_losses, ref_hidden, ref_weight, ref_bias = reference(hidden, weight, bias, labels, coef)
+    ref_losses, ref_hidden, ref_weight, ref_bias = linear_reference(
+        hidden, weight, bias, labels, coef
+    )
     counts = mask.sum(dim=1)
     for capacity, num_scored in [("all", None), ("nonzero", None), (0.6, None), (1, counts)]:
         leaves = [hidden.clone(), weight[cols].clone(), bias[cols].clone()]
@@ -92,7 +62,7 @@ def _tensor_parallel_body() -> None:
         loss_sum, num_tokens, _ = loss_fn(forward_out)
         loss_sum.backward()
     assert dict(calls) == {"all_reduce": 1} and int(num_tokens) == int(mask.sum())
-    _, _, ref_weight, _ = reference(hidden, weight, bias, labels, mask.double())
+    _, _, ref_weight, _ = linear_reference(hidden, weight, bias, labels, mask.double())
     torch.testing.assert_close(leaves[1].grad, ref_weight[cols], rtol=1e-10, atol=1e-12)
 
 
@@ -105,7 +75,9 @@ def _sequence_parallel_body() -> None:
     rows = slice(tp_rank * seq_len // 2, (tp_rank + 1) * seq_len // 2)
     hidden, weight, bias, labels, mask = make_head_batch(3, seq_len, 5, vocab, seed=4)
     coef = mask.double()
-    ref_losses, ref_hidden, ref_weight, ref_bias = reference(hidden, weight, bias, labels, coef)
+    ref_losses, ref_hidden, ref_weight, ref_bias = linear_reference(
+        hidden, weight, bias, labels, coef
+    )
     leaves = [hidden[rows].clone(), weight[cols].clone(), bias[cols].clone()]
     leaves = [leaf.requires_grad_(True) for leaf in leaves]
     with sequence_parallel_mappings_on_cpu():

@@ -144,6 +144,4 @@ def test_fused_head_outputs_in_training_logits_in_eval() -> None:
     expected = model(ids, logits=True)["token_logits"]
     torch.testing.assert_close(logits.transpose(0, 1), expected, rtol=1e-12, atol=1e-12)
     assert set(model.eval()(ids)) == {"token_logits"}
-    assert set(ESM2Model(hidden_size=32, num_heads=4, fused_lm_head=False)(ids)) == {
-        "token_logits"
-    }
+    assert set(ESM2Model(hidden_size=32, num_heads=4, fused_lm_head=False)(ids)) == {"token_logits"}

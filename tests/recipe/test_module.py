@@ -9,7 +9,7 @@ from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.recipe.data import MLMCollator, MLMDataset, PackedMicroBatchCollator
 from bert_reduce.recipe.model import ESM2Model
 from bert_reduce.recipe.module import ESM2MLMModule
-from tests.sync_guard import forbid_host_syncs
+from tests.helpers.sync_guard import forbid_host_syncs
 
 
 def samples(count: int = 6) -> list[dict[str, torch.Tensor]]:
