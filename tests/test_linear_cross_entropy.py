@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert_reduce import BERTMLMLossWithReduction, linear_masked_token_losses, pack_batch
+from bert_reduce import (
+    BERTMLMLossWithReduction,
+    get_batch_on_this_cp_rank,
+    linear_masked_token_losses,
+    pack_batch,
+)
 from bert_reduce.recipe.data import MLMCollator
 from tests.helpers.linear_reference import linear_reference, make_head_batch
 from tests.helpers.mode_reference import reference_mode_loss
@@ -247,3 +252,32 @@ def test_head_inputs_and_logits_give_the_same_loss(cross_entropy, layout) -> Non
     labels[mask.nonzero()[0].unbind()] = 13
     with pytest.raises(ValueError, match="outside"):
         loss_fn({"hidden_states": hidden, "hidden_layout": layout, "output_weight": weight})
+
+
+def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> None:
+    b, s = 3, 8
+    hidden, weight, bias, labels, mask = make_head_batch(b, s, mask_prob=0.4)
+    batch = {"labels": labels, "loss_mask": mask, "num_scored": mask.sum(dim=1)}
+    with pytest.raises(ValueError, match="num_scored"):
+        get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=0)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    total = torch.zeros((), dtype=torch.float64)
+    for cp_rank in range(2):
+        shard = get_batch_on_this_cp_rank(
+            {**batch, "hidden": leaves[0]},
+            cp_size=2,
+            cp_rank=cp_rank,
+            seq_dims={"num_scored": None, "hidden": 0},
+        )
+        with forbid_host_syncs():
+            losses = linear_masked_token_losses(
+                shard["hidden"], leaves[1], shard["labels"], shard["loss_mask"],
+                bias=leaves[2], num_scored=shard["num_scored"],
+            )  # fmt: skip
+        assert not losses.isnan().any()
+        total = total + losses.sum()
+    total.backward()
+    expected = linear_reference(hidden, weight, bias, labels, mask.double())
+    torch.testing.assert_close(total, expected[0].sum(), rtol=1e-10, atol=0)
+    for leaf, grad in zip(leaves, expected[1:], strict=True):
+        torch.testing.assert_close(leaf.grad, grad, rtol=1e-10, atol=1e-12)
