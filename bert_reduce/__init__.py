@@ -1,7 +1,10 @@
 """bert_reduce: exact, NaN-free, sync-free loss reduction for BERT masked-language models.
 
-Public names are imported on first use, so ``import bert_reduce`` stays quick and loads
-neither NeMo nor Megatron-Core nor Lightning until something needs them.
+The names here are the handful a user needs; helpers live in their modules
+(:mod:`bert_reduce.functional`, :mod:`bert_reduce.reports`, :mod:`bert_reduce.normalization`,
+:mod:`bert_reduce.context_parallel`, :mod:`bert_reduce.packing`, :mod:`bert_reduce.lightning`).
+They are imported on first use, so ``import bert_reduce`` stays quick and loads neither NeMo nor
+Megatron-Core nor Lightning until something needs them.
 """
 
 from __future__ import annotations
@@ -12,27 +15,23 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
+    # Megatron-Core / NeMo 2: the MegatronLossReduction family and its reports.
     "BERTMLMLossWithReduction": "bert_reduce.reduction",
-    "DataParallelGroupLossAndIO": "bert_reduce.reduction",
     "MegatronLossReduction": "bert_reduce.reduction",
-    "PerTokenLossDict": "bert_reduce.reduction",
-    "SameSizeLossDict": "bert_reduce.reduction",
-    "reduce_loss_reports": "bert_reduce.reduction",
-    "masked_token_loss": "bert_reduce.functional",
-    "unreduced_token_loss_fn": "bert_reduce.functional",
-    "validate_masked_labels": "bert_reduce.functional",
-    "get_batch_on_this_cp_rank": "bert_reduce.distributed",
+    "PerTokenLossDict": "bert_reduce.reports",
+    "DataParallelGroupLossAndIO": "bert_reduce.reports",
+    "SameSizeLossDict": "bert_reduce.reports",
+    # Perplexity (torchmetrics).
+    "TokenPerplexity": "bert_reduce.metrics",
+    # The maths: masked cross-entropy, per-token losses, normalization modes.
     "masked_cross_entropy": "bert_reduce.cross_entropy",
     "masked_token_losses": "bert_reduce.cross_entropy",
-    "TokenPerplexity": "bert_reduce.metrics",
-    "ValidationPerplexityCallback": "bert_reduce.lightning.callbacks",
+    "masked_token_loss": "bert_reduce.functional",
+    "unreduced_token_loss_fn": "bert_reduce.functional",
     "Normalization": "bert_reduce.normalization",
-    "normalized_loss_terms": "bert_reduce.normalization",
-    "sequence_normalizers": "bert_reduce.normalization",
-    "get_packed_batch_on_this_cp_rank": "bert_reduce.packing",
+    # Batches: context-parallel slicing and sequence packing.
+    "get_batch_on_this_cp_rank": "bert_reduce.context_parallel",
     "pack_batch": "bert_reduce.packing",
-    "packed_context_parallel_indices": "bert_reduce.packing",
-    "unpack_sequences": "bert_reduce.packing",
 }
 
 __all__ = [
@@ -43,50 +42,26 @@ __all__ = [
     "PerTokenLossDict",
     "SameSizeLossDict",
     "TokenPerplexity",
-    "ValidationPerplexityCallback",
     "get_batch_on_this_cp_rank",
-    "get_packed_batch_on_this_cp_rank",
     "masked_cross_entropy",
     "masked_token_loss",
     "masked_token_losses",
-    "normalized_loss_terms",
     "pack_batch",
-    "packed_context_parallel_indices",
-    "reduce_loss_reports",
-    "sequence_normalizers",
-    "unpack_sequences",
     "unreduced_token_loss_fn",
-    "validate_masked_labels",
 ]
 
 if TYPE_CHECKING:
+    from bert_reduce.context_parallel import get_batch_on_this_cp_rank
     from bert_reduce.cross_entropy import masked_cross_entropy, masked_token_losses
-    from bert_reduce.distributed import get_batch_on_this_cp_rank
-    from bert_reduce.functional import (
-        masked_token_loss,
-        unreduced_token_loss_fn,
-        validate_masked_labels,
-    )
-    from bert_reduce.lightning.callbacks import ValidationPerplexityCallback
+    from bert_reduce.functional import masked_token_loss, unreduced_token_loss_fn
     from bert_reduce.metrics import TokenPerplexity
-    from bert_reduce.normalization import (
-        Normalization,
-        normalized_loss_terms,
-        sequence_normalizers,
-    )
-    from bert_reduce.packing import (
-        get_packed_batch_on_this_cp_rank,
-        pack_batch,
-        packed_context_parallel_indices,
-        unpack_sequences,
-    )
-    from bert_reduce.reduction import (
-        BERTMLMLossWithReduction,
+    from bert_reduce.normalization import Normalization
+    from bert_reduce.packing import pack_batch
+    from bert_reduce.reduction import BERTMLMLossWithReduction, MegatronLossReduction
+    from bert_reduce.reports import (
         DataParallelGroupLossAndIO,
-        MegatronLossReduction,
         PerTokenLossDict,
         SameSizeLossDict,
-        reduce_loss_reports,
     )
 
 

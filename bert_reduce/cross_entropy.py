@@ -48,7 +48,8 @@ from bert_reduce import distributed
 from bert_reduce.functional import (
     accumulation_dtype,
     check_logits_and_labels,
-    masked_token_loss,
+    check_same_shape,
+    masked_loss_sum,
 )
 
 __all__ = ["Capacity", "masked_cross_entropy", "masked_token_losses", "resolve_capacity"]
@@ -97,22 +98,32 @@ def resolve_capacity(capacity: Capacity, num_positions: int) -> int | None:
     return min(num_positions, capacity)
 
 
-def _tensor_parallel() -> tuple[dist.ProcessGroup | None, int, int]:
-    """``(group, world_size, rank)`` of the tensor-parallel group (``(None, 1, 0)`` without)."""
-    world_size = distributed.tensor_parallel_world_size()
+def _tensor_parallel(
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, world_size, rank)`` of the vocab-sharding group (``(None, 1, 0)`` without).
+
+    ``group`` when given, else Megatron-Core's tensor-parallel group when its parallel state is
+    initialized, else none.
+    """
+    if group is None:
+        if distributed.tensor_parallel_world_size() == 1:
+            return None, 1, 0
+        group = distributed.tensor_parallel_group()
+    world_size = dist.get_world_size(group)
     if world_size == 1:
         return None, 1, 0
-    group = distributed.tensor_parallel_group()
     return group, world_size, dist.get_rank(group)
 
 
 def _vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
-    """First vocab id of this rank's shard, by Megatron-Core's own rule when sharded."""
-    if tp_size == 1:
-        return 0
-    from megatron.core.tensor_parallel.utils import VocabUtility
+    """First vocab id of this rank's contiguous shard.
 
-    return VocabUtility.vocab_range_from_per_partition_vocab_size(shard, tp_rank, tp_size)[0]
+    Megatron-Core's rule (``VocabUtility.vocab_range_from_per_partition_vocab_size``):
+    ``[rank * shard, (rank + 1) * shard)``; written out so that an explicit ``tp_group`` needs
+    no Megatron. ``tests/test_cross_entropy.py`` checks it against Megatron's own.
+    """
+    return tp_rank * shard if tp_size > 1 else 0
 
 
 class _Rows:
@@ -195,6 +206,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
         unselected: Tensor | None,
         overflow: Tensor | None,
         in_place: bool,
+        tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
         """``[b, s]`` losses of the selected rows, 0 elsewhere (see :func:`masked_token_losses`).
 
@@ -203,7 +215,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
         whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
         true on every scored row when more rows are scored than selected, else all false.
         """
-        group, tp_size, tp_rank = _tensor_parallel()
+        group, tp_size, tp_rank = _tensor_parallel(tp_group)
         acc = accumulation_dtype(logits.dtype)
         seq_len, batch_size, shard = logits.shape
         local = targets - _vocab_start(shard, tp_rank, tp_size)
@@ -275,7 +287,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
                 rows.write(grad, start, end, p)
         if unselected is not None:
             rows.zero(grad, unselected)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def masked_token_losses(
@@ -286,14 +298,15 @@ def masked_token_losses(
     capacity: Capacity = "all",
     in_place: bool = False,
     chunk_elements: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Per-token cross-entropy on the scored positions, computing only what the mask needs.
 
     Where ``loss_mask`` is non-zero this equals (up to rounding)
     ``F.cross_entropy(logits, labels, reduction="none")`` and so does its gradient; elsewhere
     the loss is 0 and carries no gradient, whatever the label. A ``[b, s]`` output lets any
-    weighting or normalization (e.g. :func:`bert_reduce.normalized_loss_terms`) follow, while
-    the caller's logits are never copied whole, never modified (unless ``in_place``), and no
+    weighting or normalization (:mod:`bert_reduce.normalization`) follow, while the caller's
+    logits are never copied whole, never modified (unless ``in_place``), and no
     row outside the selection is normalized. See the module docstring for ``capacity``.
 
     ``in_place=True`` writes the gradient into the logits' own storage during backward, so the
@@ -313,6 +326,9 @@ def masked_token_losses(
         chunk_elements: About how many logits one chunk reads at a time: trades the extra
             memory (a few fp32 chunks) against per-chunk overhead (kernel launches, thread
             barriers). ``None``: 1/32 of the logits' bytes in fp32, at least 2**20 values.
+        tp_group: The group the vocabulary is sharded over (its one all-reduce runs there);
+            ``None``: Megatron-Core's tensor-parallel group when its parallel state is
+            initialized, else no sharding.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
@@ -324,11 +340,7 @@ def masked_token_losses(
             ``in_place`` on a leaf tensor that requires grad.
     """
     check_logits_and_labels(logits, labels)
-    if loss_mask.shape != labels.shape:
-        raise ValueError(
-            f"loss_mask of shape {tuple(loss_mask.shape)} must match labels of shape "
-            f"{tuple(labels.shape)} ([b, s])."
-        )
+    check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
     if chunk_elements is None:
         chunk_elements = _default_chunk_elements(logits, accumulation_dtype(logits.dtype))
     if chunk_elements < 1:
@@ -356,7 +368,9 @@ def masked_token_losses(
         index, unselected = order[:limit], order[limit:]
         targets, scored = targets[index], scored[index]
     rows = _Rows(logits.shape, index, chunk_elements)
-    return _MaskedTokenLosses.apply(logits, targets, scored, rows, unselected, overflow, in_place)
+    return _MaskedTokenLosses.apply(
+        logits, targets, scored, rows, unselected, overflow, in_place, tp_group
+    )
 
 
 def masked_cross_entropy(
@@ -367,12 +381,14 @@ def masked_cross_entropy(
     capacity: Capacity = "all",
     in_place: bool = False,
     chunk_elements: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Cross-entropy summed over the scored tokens, and their number.
+    """Cross-entropy summed over the scored tokens, and its denominator.
 
-    :func:`masked_token_losses` followed by :func:`bert_reduce.masked_token_loss`: equal (up
-    to rounding) to ``sum(w * F.cross_entropy(logits[mask], labels[mask], reduction="none"))``
-    with its gradient, for a bool, integer or float (weighting) ``loss_mask``.
+    :func:`masked_token_losses` followed by :func:`bert_reduce.functional.masked_loss_sum`:
+    equal (up to rounding) to ``sum(w * F.cross_entropy(logits[mask], labels[mask],
+    reduction="none"))`` with its gradient, for a bool, integer or float (weighting)
+    ``loss_mask``, and the mask's :func:`bert_reduce.functional.token_denominator`.
 
     Args:
         logits: ``[s, b, v]`` logits, vocab-sharded under tensor parallelism.
@@ -381,11 +397,12 @@ def masked_cross_entropy(
         capacity: Which rows are computed; see :func:`masked_token_losses`.
         in_place: Write the gradient into ``logits``; see :func:`masked_token_losses`.
         chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
+        tp_group: The vocab-sharding group; see :func:`masked_token_losses`.
 
     Returns:
-        ``(loss_sum, num_tokens)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
+        ``(loss_sum, denominator)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
         carrying the gradient, NaN on an out-of-vocabulary scored label or a capacity
-        overflow; and the 0-dim int64 number of scored positions.
+        overflow; and the 0-dim denominator (int64 token count, or fp64 sum of float weights).
 
     Raises:
         ValueError: As :func:`masked_token_losses`.
@@ -397,5 +414,6 @@ def masked_cross_entropy(
         capacity=capacity,
         in_place=in_place,
         chunk_elements=chunk_elements,
+        tp_group=tp_group,
     )
-    return masked_token_loss(losses, loss_mask)
+    return masked_loss_sum(losses, loss_mask)

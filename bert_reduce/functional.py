@@ -7,10 +7,15 @@ everywhere.
 Layouts follow Megatron: logits are ``[s, b, v]`` (sequence first, vocab possibly sharded over
 tensor-parallel ranks), while labels, masks and per-token losses are ``[b, s]``.
 
-Every micro-batch reduces to ``(loss_sum, num_tokens)``. Sums are exact to add across
-micro-batches and ranks; dividing once by the global count gives the exact mean:
+Every micro-batch reduces to ``(loss_sum, denominator)``. Sums are exact to add across
+micro-batches and ranks; dividing once by the global denominator gives the exact mean:
 
-    loss = sum_over_everything(loss_sum) / sum_over_everything(num_tokens)
+    loss = sum_over_everything(loss_sum) / sum_over_everything(denominator)
+
+The per-token denominator has one definition, :func:`token_denominator`: the sum of the loss
+mask's weights (the number of scored tokens for a 0/1 mask). Every path of the library (the
+loss reductions, the masked cross-entropy, perplexity, the Lightning module) divides by it, so
+with a float mask the loss and ``log(perplexity)`` agree everywhere.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ __all__ = [
     "accumulation_dtype",
     "check_logits_and_labels",
     "check_same_shape",
+    "mask_weights",
+    "masked_loss_sum",
     "masked_token_loss",
     "masked_weighted_sum",
     "safe_divide",
+    "token_denominator",
     "unreduced_token_loss_fn",
     "validate_masked_labels",
 ]
@@ -162,29 +170,60 @@ def unreduced_token_loss_fn(
     return loss_sb.transpose(0, 1).contiguous()
 
 
-def masked_token_loss(per_token_loss: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum of the per-token losses over the masked positions, and how many there are.
+def mask_weights(loss_mask: Tensor) -> Tensor:
+    """The loss mask as exact weights: int64 for bool/integer masks, fp64 for float ones.
 
-    ``loss_mask`` may be boolean, integer or float. A float mask weights each token's loss
-    (``loss_sum = sum(mask * loss)``) while ``num_tokens`` still counts the positions whose
-    weight is non-zero.
+    A bool mask weighs 1 per scored token; an integer mask weighs its values (``2`` counts a
+    token twice); a float mask its fp64 values.
+    """
+    if loss_mask.dtype.is_floating_point:
+        return loss_mask.to(torch.float64)
+    return loss_mask.to(torch.int64)
+
+
+def token_denominator(loss_mask: Tensor) -> Tensor:
+    """The per-token denominator of a loss mask: the sum of its weights, exactly.
+
+    This is the library's one definition of "how many tokens": the number of scored tokens for
+    a 0/1 mask, and the sum of the weights for a weighted mask (the weighted mean, as
+    ``F.cross_entropy(weight=...)`` defines it). No host sync.
+
+    Args:
+        loss_mask: ``[b, s]`` (or any shape) bool, integer or float weights.
+
+    Returns:
+        A 0-dim int64 sum for bool/integer masks (exact at any size), fp64 for float masks.
+    """
+    return mask_weights(loss_mask).sum()
+
+
+def masked_loss_sum(per_token_loss: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Weighted sum of the per-token losses over the scored positions, and its denominator.
+
+    ``loss_sum = sum(mask * loss)`` over the positions where ``loss_mask != 0`` (a NaN loss on an
+    unscored position never leaks in), and ``denominator = token_denominator(loss_mask)``, so
+    ``loss_sum / denominator`` is the (weighted) mean loss of the scored tokens.
 
     Args:
         per_token_loss: ``[b, s]`` per-token losses (any float dtype).
-        loss_mask: ``[b, s]``; non-zero where the token is scored.
+        loss_mask: ``[b, s]``; non-zero where the token is scored; float entries weight it.
 
     Returns:
-        ``(loss_sum, num_tokens)``: a 0-dim sum in fp32 (fp64 for fp64 input) that carries
-        gradients, and a 0-dim int64 count, exact past 2**24 tokens. With an empty mask both are
-        0 and so is the gradient.
+        ``(loss_sum, denominator)``: a 0-dim sum in fp32 (fp64 for fp64 input) that carries
+        gradients, and the 0-dim :func:`token_denominator` (int64, or fp64 for a float mask).
+        With an empty mask both are 0 and so is the gradient.
 
     Raises:
         ValueError: When the two shapes differ.
     """
     check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
-    scored = loss_mask != 0
     weights = loss_mask.to(accumulation_dtype(per_token_loss.dtype))
-    return masked_weighted_sum(per_token_loss, weights, scored), scored.sum(dtype=torch.int64)
+    loss_sum = masked_weighted_sum(per_token_loss, weights, loss_mask != 0)
+    return loss_sum, token_denominator(loss_mask)
+
+
+masked_token_loss = masked_loss_sum
+"""The name NeMo 2 and BioNeMo users import: the same as :func:`masked_loss_sum`."""
 
 
 def masked_weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor) -> Tensor:

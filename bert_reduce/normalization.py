@@ -6,9 +6,9 @@ context parallel rank, then dividing once, gives the value of the whole global b
 
     loss = sum_over_everything(numerator) / sum_over_everything(denominator)
 
-* ``per_token`` (default): the mean over every scored token of the global batch. With a 0/1
-  (bool or integer) mask the denominator is the exact int64 token count; with a float mask it
-  is the sum of the weights (the weighted mean, as ``F.cross_entropy(weight=...)`` defines it).
+* ``per_token`` (default): the mean over every scored token of the global batch, divided by
+  :func:`bert_reduce.functional.token_denominator` (the exact int64 token count for a 0/1
+  mask, the sum of the weights for a weighted one).
 * ``per_sequence``: the mean over sequences of each sequence's (weighted) token mean, over the
   sequences of the global batch with at least one scored token.
 * ``constant``: the summed loss divided by ``constant_per_sequence`` times the number of
@@ -32,7 +32,13 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from bert_reduce.functional import accumulation_dtype, check_same_shape, masked_weighted_sum
+from bert_reduce.functional import (
+    accumulation_dtype,
+    check_same_shape,
+    mask_weights,
+    masked_weighted_sum,
+    token_denominator,
+)
 
 __all__ = [
     "Normalization",
@@ -75,7 +81,7 @@ def sequence_normalizers(
     """
     if loss_mask.dim() != 2:
         raise ValueError(f"loss_mask must be [b, s], got shape {tuple(loss_mask.shape)}.")
-    weights = _widened_weights(loss_mask)
+    weights = mask_weights(loss_mask)
     if cu_seqlens is None:
         sequence_weight = weights.sum(dim=1, keepdim=True).expand_as(weights).contiguous()
         sequence_start = torch.zeros_like(loss_mask, dtype=torch.bool)
@@ -98,12 +104,6 @@ def sequence_normalizers(
     starts = torch.cat([cu_seqlens[:-1], cu_seqlens.new_full((1,), -1)])
     sequence_start = (positions == starts[seq_id]) & (seq_id < num_sequences)
     return totals[seq_id].unsqueeze(0), sequence_start.unsqueeze(0)
-
-
-def _widened_weights(loss_mask: Tensor) -> Tensor:
-    if loss_mask.dtype.is_floating_point:
-        return loss_mask.to(torch.float64)
-    return (loss_mask != 0).to(torch.int64) if loss_mask.dtype == torch.bool else loss_mask.long()
 
 
 def normalized_loss_terms(
@@ -162,9 +162,7 @@ def normalized_loss_terms(
             numerator = masked_weighted_sum(per_token_loss, int_weights.to(acc), int_weights != 0)
             return numerator, int_weights.sum()
         numerator = masked_weighted_sum(per_token_loss, loss_mask.to(acc), scored)
-        if loss_mask.dtype.is_floating_point:
-            return numerator, loss_mask.to(torch.float64).sum()
-        return numerator, _widened_weights(loss_mask).sum()
+        return numerator, token_denominator(loss_mask)
 
     if sequence_weight is None or sequence_start is None:
         sequence_weight, sequence_start = sequence_normalizers(loss_mask)

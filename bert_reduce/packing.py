@@ -6,9 +6,8 @@ parallelism (as Transformer Engine's THD attention requires), the packed row hol
 sequence followed by its own padding: ``cu_seqlens`` gives the real boundaries (what attention
 uses), ``cu_seqlens_padded`` the padded ones (where each sequence starts in the row).
 
-Context parallelism then cuts each padded sequence into ``2 * cp_size`` equal chunks and gives
-rank ``r`` chunks ``r`` and ``2 * cp_size - 1 - r`` of every sequence, as Transformer Engine's
-``thd_get_partitioned_indices`` does. ``cu_seqlens`` stay global on every rank.
+Context parallelism then splits every padded sequence by the one CP rule of
+:mod:`bert_reduce.context_parallel`; ``cu_seqlens`` stay global on every rank.
 
 Packing reads the lengths on the host: it belongs to the data pipeline, not the step.
 """
@@ -21,18 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bert_reduce import distributed
 from bert_reduce.normalization import sequence_normalizers
 
 __all__ = [
-    "get_packed_batch_on_this_cp_rank",
     "pack_batch",
-    "packed_context_parallel_indices",
     "unpack_sequences",
 ]
 
 _PAD_VALUES: dict[str, int | float] = {"labels": -100}
-_BOUNDARY_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 
 def _lengths_from_attention_mask(attention_mask: Tensor) -> Tensor:
@@ -76,7 +71,7 @@ def pack_batch(
     Every tensor whose first two dims are ``[b, s]`` is packed (sequence ``i`` keeps its
     first ``lengths[i]`` tokens); other values pass through, except ``attention_mask``, which
     ``cu_seqlens`` replace. With a ``loss_mask``, the result also holds ``sequence_weight``
-    and ``sequence_start`` (see :func:`bert_reduce.sequence_normalizers`) so that the
+    and ``sequence_start`` (see :func:`bert_reduce.normalization.sequence_normalizers`) so that the
     per-sequence and constant normalizations stay exact after context-parallel slicing.
 
     Args:
@@ -176,91 +171,3 @@ def unpack_sequences(
     out = flat.new_full((len(lengths), seq_len, *flat.shape[1:]), pad_value)
     out = out.index_put((rows.to(flat.device), cols.to(flat.device)), flat[dest])
     return out.transpose(0, 1) if seq_dim == 0 else out
-
-
-def packed_context_parallel_indices(
-    cu_seqlens_padded: Tensor, total: int, cp_size: int, cp_rank: int
-) -> Tensor:
-    """Positions of a packed row held by one context-parallel rank; no host sync.
-
-    Each padded sequence is cut into ``2 * cp_size`` equal chunks; rank ``r`` holds chunks
-    ``r`` and ``2 * cp_size - 1 - r`` of every sequence, in increasing position order.
-
-    Args:
-        cu_seqlens_padded: ``[n + 1]`` padded boundaries; every padded length a multiple of
-            ``2 * cp_size`` and ``cu_seqlens_padded[-1] == total``.
-        total: ``T``, the packed row's length.
-        cp_size: Context-parallel world size.
-        cp_rank: This rank, in ``[0, cp_size)``.
-
-    Returns:
-        ``[total // cp_size]`` int64 positions.
-
-    Raises:
-        ValueError: If the rank is invalid or ``total`` is not a multiple of ``2 * cp_size``.
-    """
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"Invalid context-parallel rank {cp_rank} for cp_size={cp_size}.")
-    if total % (2 * cp_size) != 0:
-        raise ValueError(
-            f"Packed length {total} must be divisible by 2 * cp_size = {2 * cp_size}; pack "
-            f"with pad_to_multiple_of={2 * cp_size}."
-        )
-    bounds = cu_seqlens_padded.to(torch.int64)
-    positions = torch.arange(total, device=bounds.device)
-    seq_id = torch.searchsorted(bounds[1:], positions, right=True).clamp(max=bounds.numel() - 2)
-    start, length = bounds[seq_id], bounds[seq_id + 1] - bounds[seq_id]
-    chunk = (positions - start) * (2 * cp_size) // length
-    keep = (chunk == cp_rank) | (chunk == 2 * cp_size - 1 - cp_rank)
-    # A stable sort of the complement puts the kept positions first, in order, and their
-    # number is static (total // cp_size), so no data-dependent `nonzero` is needed.
-    return torch.argsort((~keep).to(torch.int8), stable=True)[: total // cp_size]
-
-
-def get_packed_batch_on_this_cp_rank(
-    batch: Mapping[str, Any], cp_size: int | None = None, cp_rank: int | None = None
-) -> dict[str, Any]:
-    """Slice a packed ``[1, T, ...]`` batch for one context-parallel rank.
-
-    Every tensor whose first two dims are ``[1, T]`` is sliced along dim 1 (see
-    :func:`packed_context_parallel_indices`); ``cu_seqlens``, ``cu_seqlens_padded``,
-    ``max_seqlen`` and other values pass through unchanged, as Transformer Engine expects.
-
-    Args:
-        batch: A batch from :func:`pack_batch` (``pad_to_multiple_of`` a multiple of
-            ``2 * cp_size``).
-        cp_size: Context-parallel size; Megatron's when ``None`` (1 without Megatron).
-        cp_rank: Context-parallel rank; Megatron's when ``None`` (0 without Megatron).
-
-    Returns:
-        The sliced batch; with ``cp_size == 1`` a shallow copy of ``batch``.
-
-    Raises:
-        KeyError: If ``cu_seqlens_padded`` is missing.
-        ValueError: If a padded sequence length is not a multiple of ``2 * cp_size`` (this
-            check reads ``cu_seqlens_padded`` on the host).
-    """
-    cp_size = distributed.context_parallel_world_size() if cp_size is None else cp_size
-    cp_rank = distributed.context_parallel_rank() if cp_rank is None else cp_rank
-    if cp_size == 1:
-        return dict(batch)
-    if "cu_seqlens_padded" not in batch:
-        raise KeyError(f"A packed batch needs 'cu_seqlens_padded'; it has {sorted(batch)}.")
-    bounds = batch["cu_seqlens_padded"]
-    padded_lengths = [int(n) for n in bounds.diff()]
-    if any(n % (2 * cp_size) for n in padded_lengths):
-        raise ValueError(
-            f"Padded sequence lengths {padded_lengths} must be multiples of 2 * cp_size = "
-            f"{2 * cp_size}; pack with pad_to_multiple_of={2 * cp_size}."
-        )
-    total = int(bounds[-1])
-    index: Tensor | None = None
-    sliced: dict[str, Any] = {}
-    for key, value in batch.items():
-        if key not in _BOUNDARY_KEYS and isinstance(value, Tensor) and value.dim() >= 2:
-            if tuple(value.shape[:2]) == (1, total):
-                if index is None:
-                    index = packed_context_parallel_indices(bounds, total, cp_size, cp_rank)
-                value = value.index_select(1, index.to(value.device))
-        sliced[key] = value
-    return sliced

@@ -10,19 +10,26 @@ same for the logged value with a single all-reduce.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, Literal, TypedDict, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
-import torch
 from torch import Tensor, nn
 
 from bert_reduce import distributed
 from bert_reduce.cross_entropy import Capacity, masked_token_losses
 from bert_reduce.functional import (
-    safe_divide,
+    check_same_shape,
     unreduced_token_loss_fn,
     validate_masked_labels,
 )
 from bert_reduce.normalization import Normalization, normalized_loss_terms, sequence_normalizers
+from bert_reduce.reports import (
+    DataParallelGroupLossAndIO,
+    LossReport,
+    PerTokenLossDict,
+    SameSizeLossDict,
+    make_report,
+    reduce_reports,
+)
 
 __all__ = [
     "BERTMLMLossWithReduction",
@@ -30,51 +37,8 @@ __all__ = [
     "MegatronLossReduction",
     "PerTokenLossDict",
     "SameSizeLossDict",
-    "reduce_loss_reports",
 ]
 
-
-class PerTokenLossDict(TypedDict):
-    """What one micro-batch reports on one rank, before any reduction.
-
-    Attributes:
-        loss_sum_and_microbatch_size: ``[2]`` fp64 tensor ``(sum of masked-token losses,
-            number of masked tokens)``, detached. fp64 holds token counts exactly up to 2**53.
-    """
-
-    loss_sum_and_microbatch_size: Tensor
-
-
-class DataParallelGroupLossAndIO(PerTokenLossDict):
-    """A :class:`PerTokenLossDict` that also carries the micro-batch and the model's outputs.
-
-    Produced when ``send_train_output`` / ``send_val_output`` ask for it, for downstream
-    metrics. Tensors are detached (not copied: the loss never writes to them).
-
-    Attributes:
-        batch: The micro-batch, e.g. ``labels`` and ``loss_mask`` of shape ``[b, s]``.
-        forward_out: The model's outputs, e.g. ``token_logits`` of shape ``[s, b, v]``.
-    """
-
-    batch: dict[str, Any]
-    forward_out: dict[str, Any]
-
-
-class SameSizeLossDict(TypedDict):
-    """A legacy report: a micro-batch mean already averaged over data-parallel ranks.
-
-    BioNeMo's and NeMo's older reductions emit it; :func:`reduce_loss_reports` averages such
-    reports the way NeMo does (a plain mean over micro-batches), which is only exact when all
-    micro-batches hold the same number of tokens.
-
-    Attributes:
-        avg: ``[1]`` or 0-dim loss.
-    """
-
-    avg: Tensor
-
-
-LossReport = PerTokenLossDict | DataParallelGroupLossAndIO | SameSizeLossDict
 
 DataT = TypeVar("DataT")
 ReductionT = TypeVar("ReductionT")
@@ -124,43 +88,6 @@ def _require(mapping: Mapping[str, Any], key: str, name: str) -> Tensor:
 
 def _detached(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v.detach() if isinstance(v, Tensor) else v for k, v in mapping.items()}
-
-
-def reduce_loss_reports(reports: Sequence[LossReport]) -> Tensor:
-    """The exact mean loss over every masked token of the global batch.
-
-    Sums the ``(loss_sum, num_tokens)`` of every micro-batch locally, then over the data x
-    context parallel group in one all-reduce, then divides once:
-
-        loss = global_loss_sum / global_num_tokens   (0.0 when global_num_tokens == 0)
-
-    Legacy :class:`SameSizeLossDict` reports are averaged as NeMo does, without a collective.
-
-    Args:
-        reports: One report per micro-batch of this rank's step; may be empty (a non-last
-            pipeline stage, say), which gives 0.0 on the current device.
-
-    Returns:
-        A 0-dim fp64 tensor (the dtype of legacy reports for those).
-
-    Raises:
-        ValueError: If per-token and legacy reports are mixed, or a report is neither.
-    """
-    if len(reports) == 0:
-        return torch.zeros((), dtype=torch.float64, device=distributed.default_device())
-    if all("loss_sum_and_microbatch_size" in report for report in reports):
-        local = torch.stack(
-            [report["loss_sum_and_microbatch_size"] for report in reports]  # type: ignore[typeddict-item]
-        ).sum(dim=0)
-        totals = distributed.all_reduce_sum_(local, distributed.loss_reduction_group())
-        loss_sum, num_tokens = totals.unbind()
-        return safe_divide(loss_sum, num_tokens)
-    if all("avg" in report for report in reports):
-        return torch.cat([report["avg"].reshape(1) for report in reports]).mean()  # type: ignore[typeddict-item]
-    raise ValueError(
-        "Cannot reduce these reports: expected all with 'loss_sum_and_microbatch_size' or all "
-        f"with 'avg', got keys {[sorted(report) for report in reports]}."
-    )
 
 
 class BERTMLMLossWithReduction(MegatronLossReduction):
@@ -223,8 +150,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     ``[b, s]`` row is one, or, when the batch holds ``cu_seqlens_padded`` or ``cu_seqlens``
     (a packed ``[1, T]`` row), each packed segment. Under context parallelism a shard cannot
     see whole sequences: the batch must then carry ``sequence_weight`` and ``sequence_start``
-    (``[b, s]``, from :func:`bert_reduce.sequence_normalizers` on the unsliced batch, sliced
-    with it; :func:`bert_reduce.pack_batch` adds them to packed batches).
+    (``[b, s]``, from :func:`bert_reduce.normalization.sequence_normalizers` on the unsliced
+    batch, sliced with it; :func:`bert_reduce.pack_batch` adds them to packed batches).
     """
 
     def __init__(
@@ -293,11 +220,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         labels = _require(batch, "labels", "batch")
         loss_mask = _require(batch, "loss_mask", "batch")
         logits = _require(forward_out, "token_logits", "forward_out")
-        if loss_mask.shape != labels.shape:
-            raise ValueError(
-                f"loss_mask of shape {tuple(loss_mask.shape)} must match labels of shape "
-                f"{tuple(labels.shape)} ([b, s])."
-            )
+        check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
         if self.check_labels:
             vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
             validate_masked_labels(labels, loss_mask, vocab_size)
@@ -319,9 +242,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             weight_resolution=self.weight_resolution,
         )
         report: PerTokenLossDict | DataParallelGroupLossAndIO = {
-            "loss_sum_and_microbatch_size": torch.stack(
-                [loss_sum.detach().to(torch.float64), num_tokens.to(torch.float64)]
-            )
+            "loss_sum_and_microbatch_size": make_report(loss_sum, num_tokens)
         }
         send_output = self.send_val_output if self.validation_step else self.send_train_output
         if send_output:
@@ -346,8 +267,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             raise ValueError(
                 f"normalization={self.normalization.value!r} under context parallelism needs "
                 "batch['sequence_weight'] and batch['sequence_start'], computed on the unsliced "
-                "batch (bert_reduce.sequence_normalizers) and sliced with it; the batch has "
-                f"{sorted(batch)}."
+                "batch (bert_reduce.normalization.sequence_normalizers) and sliced with it; the "
+                f"batch has {sorted(batch)}."
             )
         for key in ("cu_seqlens_padded", "cu_seqlens"):
             if key in batch:
@@ -358,6 +279,6 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     def reduce(self, losses_reduced_per_micro_batch: Sequence[LossReport]) -> Tensor:
         """Exact mean loss over every masked token of the global batch.
 
-        See :func:`reduce_loss_reports`.
+        See :func:`bert_reduce.reports.reduce_reports` (over the default loss-reduction group).
         """
-        return reduce_loss_reports(losses_reduced_per_micro_batch)
+        return reduce_reports(losses_reduced_per_micro_batch)

@@ -10,7 +10,7 @@ from bert_reduce.functional import (
     unreduced_token_loss_fn,
     validate_masked_labels,
 )
-from tests.reference import make_mlm_batch
+from tests.helpers.reference import make_mlm_batch
 
 
 def test_unreduced_token_loss_matches_cross_entropy_fp64() -> None:

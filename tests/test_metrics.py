@@ -14,10 +14,11 @@ import torch.distributed as dist
 from torchmetrics.text import Perplexity
 
 from bert_reduce import BERTMLMLossWithReduction, TokenPerplexity
-from bert_reduce.metrics import perplexity_from_sums, report_loss_sums, token_loss_sums
-from tests.dist_utils import run_distributed
-from tests.reference import make_mlm_batch, reference_loss
-from tests.sync_guard import count_collectives, forbid_host_syncs
+from bert_reduce.metrics import perplexity_from_sums, token_loss_sums
+from bert_reduce.reports import sum_reports
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.reference import make_mlm_batch, reference_loss
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 BATCH, SEQ_LEN, VOCAB = 7, 10, 12
 # Micro-batches as row indices: unequal sizes, and rows 2 and 5 hold no masked token (row 5
@@ -42,7 +43,7 @@ def test_perplexity_from_sums_is_exp_of_mean_and_one_when_empty() -> None:
     expected = torch.tensor([2.0, 0.0, 0.5], dtype=torch.float64).exp()
     torch.testing.assert_close(perplexity_from_sums(loss_sum, count), expected, rtol=0, atol=0)
     with pytest.raises(
-        ValueError, match=r"loss_sum of shape \(3,\) and num_tokens of shape \(2,\) must"
+        ValueError, match=r"loss_sum of shape \(3,\) and denominator of shape \(2,\) must"
     ):
         perplexity_from_sums(loss_sum, count[:2])
 
@@ -55,8 +56,8 @@ def test_micro_batches_equal_one_pass_reference_and_torchmetrics() -> None:
     expected = reference_loss(logits, labels, mask).exp()
     torch.testing.assert_close(metric.compute(), expected, rtol=1e-12, atol=0)
     torch.testing.assert_close(metric.compute(), _torchmetrics_perplexity(logits, labels))
-    assert int(metric.num_tokens) == int(mask.sum())
-    assert metric.loss_sum.dtype == torch.float64 and metric.num_tokens.dtype == torch.int64
+    assert int(metric.denominator) == int(mask.sum())
+    assert metric.loss_sum.dtype == torch.float64 and metric.denominator.dtype == torch.float64
 
     # Averaging per-micro-batch perplexities is not the perplexity of the batch.
     per_batch = []
@@ -84,7 +85,7 @@ def test_empty_state_is_one_never_nan() -> None:
         warnings.simplefilter("error")
         value = metric.compute()
     assert float(value) == 1.0 and value.dtype == torch.float64
-    assert int(metric.num_tokens) == 0
+    assert int(metric.denominator) == 0
 
 
 def test_update_runs_no_host_sync_keeps_no_logits_nor_graph() -> None:
@@ -117,20 +118,20 @@ def test_reports_of_the_loss_reduction_give_the_same_value() -> None:
         from_reports.update_from_reports(report)
     from_list.update_from_reports(reports)
     stacked = torch.stack([r["loss_sum_and_microbatch_size"] for r in reports])
-    assert report_loss_sums({"loss_sum_and_microbatch_size": stacked})[1].dtype == torch.int64
+    assert sum_reports({"loss_sum_and_microbatch_size": stacked})[1] == int(mask.sum())
     for metric in (from_reports, from_list):
         torch.testing.assert_close(metric.compute(), from_logits.compute(), rtol=1e-15, atol=0)
-        assert int(metric.num_tokens) == int(mask.sum())
+        assert int(metric.denominator) == int(mask.sum())
 
 
 def test_errors_name_keys_and_shapes() -> None:
     metric = TokenPerplexity()
-    with pytest.raises(ValueError, match=r"loss_sum of shape \(2,\) and num_tokens of shape \(\)"):
+    with pytest.raises(ValueError, match=r"loss_sum of shape \(2,\) and denominator of shape \(\)"):
         metric.update(torch.zeros(2), torch.tensor(1))
-    with pytest.raises(KeyError, match=r"report 1 has no 'loss_sum_and_microbatch_size' key; it"):
-        report_loss_sums([{"loss_sum_and_microbatch_size": torch.zeros(2)}, {"avg": 1}])
+    with pytest.raises(KeyError, match=r"report 1 has no 'loss_sum_and_microbatch_size' or 'loss"):
+        sum_reports([{"loss_sum_and_microbatch_size": torch.zeros(2)}, {"avg": 1}])
     with pytest.raises(ValueError, match=r"must have shape \[2\] or \[\.\.\., 2\].*got \(3,\)"):
-        report_loss_sums({"loss_sum_and_microbatch_size": torch.zeros(3)})
+        sum_reports({"loss_sum_and_microbatch_size": torch.zeros(3)})
     with pytest.raises(TypeError, match=r"or a sequence of them, got Tensor"):
         metric.update_from_reports(torch.zeros(2))  # type: ignore[arg-type]
     logits, labels, mask = _batch()
@@ -150,7 +151,7 @@ def _distributed_body(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) ->
 
     def synced_count(metric: TokenPerplexity) -> int:
         with metric.sync_context():
-            return int(metric.num_tokens)
+            return int(metric.denominator)
 
     # TP = 2: each rank holds half of the vocabulary for every row.
     shard = VOCAB // 2

@@ -7,17 +7,16 @@ from bert_reduce import (
     BERTMLMLossWithReduction,
     Normalization,
     get_batch_on_this_cp_rank,
-    normalized_loss_terms,
-    sequence_normalizers,
     unreduced_token_loss_fn,
 )
-from tests.mode_reference import (
+from bert_reduce.normalization import normalized_loss_terms, sequence_normalizers
+from tests.helpers.mode_reference import (
     reference_mode_loss,
     reference_mode_loss_and_grad,
     run_mode_microbatches,
 )
-from tests.reference import make_mlm_batch
-from tests.sync_guard import count_collectives, forbid_host_syncs
+from tests.helpers.reference import make_mlm_batch
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 MODES = ["per_token", "per_sequence", "constant"]
 SPLITS = [[8], [1, 3, 2, 2], [5, 1, 1, 1], [1] * 8]

@@ -10,9 +10,9 @@ from bert_reduce import (
     PerTokenLossDict,
     SameSizeLossDict,
 )
-from tests.mode_reference import run_mode_microbatches as run_microbatches
-from tests.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
-from tests.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
+from tests.helpers.mode_reference import run_mode_microbatches as run_microbatches
+from tests.helpers.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
+from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
 
 def test_public_api_is_importable_and_typed() -> None:

@@ -2,15 +2,15 @@
 
 NeMo 2 and most Lightning recipes log ``val_loss`` as the mean over validation steps of each
 step's mean loss, which weights a batch with few masked tokens as much as one with many.
-:class:`ValidationPerplexityCallback` instead adds up the ``(loss_sum, num_tokens)`` the loss
+:class:`ValidationPerplexityCallback` instead adds up the ``(loss_sum, denominator)`` the loss
 reduction already produced for every validation batch, sums them over ranks once at the end of
 the epoch and divides once: ``val_loss`` is the mean NLL over every masked token of the
 validation set and ``val_ppl = exp(val_loss)``.
 
 The contract with the LightningModule: ``validation_step`` returns the loss report, a mapping
-with ``loss_sum_and_microbatch_size`` (a ``[2]`` or ``[..., 2]`` tensor ``(loss_sum,
-num_tokens)``, as :class:`bert_reduce.BERTMLMLossWithReduction` reports it), or a sequence of
-such reports (one per micro-batch). :class:`bert_reduce.lightning.ExactMLMModule` does.
+in the format of :mod:`bert_reduce.reports` (a ``[2]`` tensor ``(loss_sum, denominator)``, as
+:class:`bert_reduce.BERTMLMLossWithReduction` reports it), or a sequence of such reports (one
+per micro-batch). :class:`bert_reduce.lightning.ExactMLMModule` does.
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ class ValidationResult(NamedTuple):
 
     Attributes:
         loss_sum: 0-dim fp64 sum of the NLL of every masked token of the validation set.
-        num_tokens: 0-dim int64 number of masked tokens.
-        loss: 0-dim fp64 ``loss_sum / num_tokens`` (0.0 when there is no masked token).
+        denominator: 0-dim fp64 number of masked tokens (sum of the weights for a weighted
+            mask; :func:`bert_reduce.functional.token_denominator`).
+        loss: 0-dim fp64 ``loss_sum / denominator`` (0.0 when there is no masked token).
         perplexity: 0-dim fp64 ``exp(loss)`` (1.0 when there is no masked token).
     """
 
     loss_sum: Tensor
-    num_tokens: Tensor
+    denominator: Tensor
     loss: Tensor
     perplexity: Tensor
 
@@ -111,12 +112,12 @@ def check_no_repeated_samples(dataloaders: DataLoader | Iterable[DataLoader] | N
 class ValidationPerplexityCallback(Callback):
     """Logs the token-weighted validation loss and perplexity of each validation epoch.
 
-    Each validation batch's report ``(loss_sum, num_tokens)`` is added to a
+    Each validation batch's report ``(loss_sum, denominator)`` is added to a
     :class:`bert_reduce.TokenPerplexity` on the LightningModule's device: no logits or batches
     are kept, nothing is read on the host and no collective runs per batch. At the end of the
     epoch, every rank takes part in one sync of the two sums (torchmetrics' ``sync``, over
     :func:`bert_reduce.distributed.loss_reduction_group` unless ``process_group`` is given),
-    then logs ``loss_key`` (``loss_sum / num_tokens``) and ``ppl_key`` (``exp`` of it), the
+    then logs ``loss_key`` (``loss_sum / denominator``) and ``ppl_key`` (``exp`` of it), the
     same value on every rank (so ``sync_dist`` is off; Lightning may suggest turning it on,
     which would only add collectives). All validation dataloaders count together.
 
@@ -195,7 +196,7 @@ class ValidationPerplexityCallback(Callback):
             raise ValueError(
                 f"{type(self).__name__} needs validation_step to return the loss report (a "
                 "mapping with 'loss_sum_and_microbatch_size', a [2] tensor (loss_sum, "
-                f"num_tokens)) or a list of them; {type(pl_module).__name__}.validation_step "
+                f"denominator)) or a list of them; {type(pl_module).__name__}.validation_step "
                 f"returned None for batch {batch_idx} of dataloader {dataloader_idx}."
             )
         self.metric.update_from_reports(outputs)
@@ -206,13 +207,13 @@ class ValidationPerplexityCallback(Callback):
             return
         with self.metric.sync_context():
             loss_sum = self.metric.loss_sum.clone()
-            num_tokens = self.metric.num_tokens.clone()
+            denominator = self.metric.denominator.clone()
         self.metric.reset()
         self.result = ValidationResult(
             loss_sum=loss_sum,
-            num_tokens=num_tokens,
-            loss=safe_divide(loss_sum, num_tokens),
-            perplexity=perplexity_from_sums(loss_sum, num_tokens),
+            denominator=denominator,
+            loss=safe_divide(loss_sum, denominator),
+            perplexity=perplexity_from_sums(loss_sum, denominator),
         )
         for key, value in (
             (self.loss_key, self.result.loss),

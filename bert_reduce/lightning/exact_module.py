@@ -42,6 +42,7 @@ from bert_reduce import distributed
 from bert_reduce.functional import safe_divide
 from bert_reduce.lightning.sampling import check_sampler_placement
 from bert_reduce.reduction import BERTMLMLossWithReduction, MegatronLossReduction
+from bert_reduce.reports import make_report
 
 __all__ = [
     "ExactMLMModule",
@@ -290,7 +291,6 @@ class ExactMLMModule(pl.LightningModule):
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
         micro_batches = self.micro_batches(batch)
-        # fp64 holds integer denominators exactly up to 2**53.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for index, micro_batch in enumerate(micro_batches):
             with self._local_gradient_accumulation(last=index == len(micro_batches) - 1):
@@ -298,7 +298,7 @@ class ExactMLMModule(pl.LightningModule):
                 self.loss_fn.setup(micro_batch)
                 numerator, denominator, _ = self.loss_fn(forward_out)
                 self.manual_backward(numerator)
-            totals += torch.stack([numerator.detach(), denominator]).to(torch.float64)
+            totals += make_report(numerator, denominator)
         distributed.all_reduce_sum_(totals, distributed.loss_reduction_group())
         global_numerator, global_denominator = totals.unbind()
         ddp = self._ddp()

@@ -8,7 +8,7 @@ samples on 1 rank or on 8, with any micro-batch size.
 
 Validation: :class:`ShardedEvalBatchSampler` gives each rank a contiguous slice of the dataset,
 every sample exactly once (no padding with repeated samples as ``DistributedSampler`` does), so
-summing ``(loss_sum, num_tokens)`` over ranks gives the exact loss of the whole set.
+summing ``(loss_sum, denominator)`` over ranks gives the exact loss of the whole set.
 
 Use both with ``Trainer(use_distributed_sampler=False)`` so that Lightning does not replace
 them, e.g. ``DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), 16, 4))``.

@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,8 @@ from bert_reduce.recipe.module import ESM2MLMModule
 from bert_reduce.recipe.plot import plot_metrics
 from bert_reduce.recipe.resume import read_resume_step
 from bert_reduce.recipe.run_directory import (
+    RunDirectoryLock,
     check_run_directory,
-    lock_run_directory,
     remove_outputs,
     save_config_keeping_previous,
 )
@@ -207,30 +206,40 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     module = build_module(cfg)
     trainer = build_trainer(cfg, run_dir, resumed_step)
     check_launcher(trainer)
-    if trainer.is_global_zero:
-        datamodule.setup("fit")  # bad data fails here, before the run directory is touched
+    if not trainer.is_global_zero:
+        # DDP's other ranks are processes this run started (multi-node ones are not global
+        # rank 0 either): the first process alone locks and checks the run directory.
+        return _fit(cfg, trainer, module, datamodule, run_dir)
+    datamodule.setup("fit")  # bad data fails here, before the run directory is touched
+    with RunDirectoryLock(run_dir) as lock:
+        resume = None if cfg.resume is None else Path(cfg.resume)
+        previous = check_run_directory(
+            run_dir, _checkpoint_dir(cfg, run_dir), resume, cfg.overwrite
+        )
+        lock.record_holder()
+        remove_outputs(previous)
+        save_config_keeping_previous(OmegaConf.to_yaml(cfg, resolve=True), run_dir / "config.yaml")
+        return _fit(cfg, trainer, module, datamodule, run_dir)
+
+
+def _fit(
+    cfg: DictConfig,
+    trainer: pl.Trainer,
+    module: ESM2MLMModule,
+    datamodule: ESMDataModule,
+    run_dir: Path,
+) -> dict[str, Any]:
     stopper = next(c for c in trainer.callbacks if isinstance(c, StopOnSignal))
-    # Only the first process holds the lock and checks the directory: DDP's other ranks are
-    # processes this run started (and multi-node ones are not global rank 0).
-    with lock_run_directory(run_dir) if trainer.is_global_zero else nullcontext():
-        if trainer.is_global_zero:
-            resume = None if cfg.resume is None else Path(cfg.resume)
-            previous = check_run_directory(
-                run_dir, _checkpoint_dir(cfg, run_dir), resume, cfg.overwrite
-            )
-            remove_outputs(previous)
-            save_config_keeping_previous(
-                OmegaConf.to_yaml(cfg, resolve=True), run_dir / "config.yaml"
-            )
-        try:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
-        except SIGTERMException:
-            stopper.stop_signal = stopper.stop_signal or signal.SIGTERM
-        if stopper.stop_signal is not None:
-            _report_stop(trainer, stopper.stop_signal, _checkpoint_dir(cfg, run_dir))
-        if cfg.validate_at_end and module.last_validation_step != trainer.global_step:
-            trainer.validate(module, datamodule=datamodule, verbose=False)
-        return _finish(cfg, trainer, run_dir)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+    except SIGTERMException:
+        # Lightning's own handler is active outside the training loop (sanity check).
+        stopper.stop_signal = stopper.stop_signal or signal.SIGTERM
+    if stopper.stop_signal is not None:
+        _report_stop(trainer, stopper.stop_signal, _checkpoint_dir(cfg, run_dir))
+    if cfg.validate_at_end and module.last_validation_step != trainer.global_step:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    return _finish(cfg, trainer, run_dir)
 
 
 def _report_stop(trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None:

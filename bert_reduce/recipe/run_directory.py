@@ -22,17 +22,16 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 __all__ = [
     "LOCK_NAME",
     "RUN_OUTPUTS",
     "RunDirectoryError",
+    "RunDirectoryLock",
     "check_run_directory",
     "existing_outputs",
-    "lock_run_directory",
     "remove_outputs",
     "save_config_keeping_previous",
 ]
@@ -119,44 +118,57 @@ def remove_outputs(outputs: list[Path]) -> None:
             path.unlink()
 
 
-@contextmanager
-def lock_run_directory(run_dir: Path) -> Iterator[None]:
-    """Hold the run directory's lock for the duration of the ``with`` block.
+class RunDirectoryLock:
+    """The run directory's lock, held from ``with`` entry to exit; records who holds it.
 
-    The lock file records who holds it (host, process id, start time, command line), so
-    that a refused run can say which process to wait for.
+    Use: ``with RunDirectoryLock(run_dir) as lock:``, check the directory, then
+    ``lock.record_holder()``: a run refused by the check leaves the lock file as it was.
 
     Args:
         run_dir: The run directory (created if missing).
 
     Raises:
-        RunDirectoryError: If another process holds the lock, naming it.
+        RunDirectoryError: On entry, if another process holds the lock, naming it.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_NAME
-    handle = open(path, "a+")
-    try:
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / LOCK_NAME
+        self._handle: IO[str] | None = None
+
+    def __enter__(self) -> RunDirectoryLock:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")  # held open (and locked) until __exit__
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "an unknown process"
+            handle.close()
             raise RunDirectoryError(
-                f"Another run is running in {run_dir}: {holder} holds {path}. Wait for it to "
-                "finish (or stop it), or choose another directory (hydra.run.dir=...)."
+                f"Another run is running in {self.run_dir}: {holder} holds {self.path}. Wait "
+                "for it to finish (or stop it), or choose another directory (hydra.run.dir=...)."
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(
+        self._handle = handle
+        return self
+
+    def record_holder(self) -> None:
+        """Write this process (host, pid, start time, command line) into the lock file."""
+        assert self._handle is not None, "record_holder() needs the lock: use it in `with`."
+        self._handle.seek(0)
+        self._handle.truncate()
+        self._handle.write(
             f"pid {os.getpid()} on host {socket.gethostname()}, started "
             f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(sys.argv)}\n"
         )
-        handle.flush()
-        yield
-    finally:
+        self._handle.flush()
+
+    def __exit__(self, *exc_info: object) -> None:
         # Closing the file releases the lock; the file stays (removing it would race with a
         # process that opened it but has not locked it yet).
-        handle.close()
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
 
 
 def save_config_keeping_previous(text: str, path: Path) -> Path | None:

@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, split_micro_batches
-from tests.dist_utils import run_distributed
-from tests.lightning import exact_training as et
+from tests.helpers import exact_training as et
+from tests.helpers.dist_utils import run_distributed
 
 VAL_SIZE = 7  # split 3 + 4 over two ranks, in batches of 2: ranks run 2 and 2 uneven batches
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from nemo.lightning.megatron_parallel import MegatronStep
 
-from tests.megatron_cpu import schedule_counter_on_cpu
+from tests.helpers.megatron_cpu import schedule_counter_on_cpu
 
 __all__ = ["CPUGradSync", "megatron_step_on_cpu"]
 

@@ -36,10 +36,10 @@ from examples.nemo2_esm2_loss import (
     mlm_ddp_config,
     nemo_trainer,
 )
-from tests.dist_utils import run_distributed
-from tests.megatron_cpu import single_process_megatron
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.megatron_cpu import single_process_megatron
+from tests.helpers.reference import reference_loss
 from tests.nemo.cpu_megatron import CPUGradSync, megatron_step_on_cpu
-from tests.reference import reference_loss
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, MASK_ID = 8, 16, 33, 32
 EMPTY_ROW = 3

@@ -21,8 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from bert_reduce import BERTMLMLossWithReduction
-from tests.dist_utils import run_distributed
-from tests.megatron_cpu import GradSyncShell, schedule_counter_on_cpu, single_process_megatron
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.megatron_cpu import (
+    GradSyncShell,
+    schedule_counter_on_cpu,
+    single_process_megatron,
+)
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
 EMPTY_ROWS = (2, 3, 6)  # the 4 x 2 split has an empty micro-batch, 8 x 1 has three

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from bert_reduce import BERTMLMLossWithReduction
-from bert_reduce.reduction import reduce_loss_reports
-from tests.reference import reference_loss
+from bert_reduce.reports import reduce_reports
+from tests.helpers.reference import reference_loss
 
 SEQ_LEN, VOCAB, HIDDEN = 8, 11, 6
 # Masking probability per sample: uneven masked counts per batch, and samples with none.
@@ -78,7 +78,7 @@ class TinyMLM(pl.LightningModule):
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         _, report = self._loss(batch, validation=True)
         if self.trainer.world_size == 1:
-            step_mean = reduce_loss_reports([report])
+            step_mean = reduce_reports([report])
             self.log("nemo_val_loss", step_mean, batch_size=1, on_step=False, on_epoch=True)
         return dict(report)
 

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from bert_reduce.functional import safe_divide
 from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, ShardedEvalBatchSampler
 from bert_reduce.reduction import BERTMLMLossWithReduction
-from tests.sync_guard import count_collectives, forbid_host_syncs
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 VOCAB = 11
 MASK_ID = VOCAB - 1

@@ -18,10 +18,13 @@ import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, DistributedSampler
 
-from bert_reduce import ValidationPerplexityCallback
-from bert_reduce.lightning import ShardedEvalBatchSampler, check_no_repeated_samples
-from tests.dist_utils import run_distributed
-from tests.perplexity_helpers import (
+from bert_reduce.lightning import (
+    ShardedEvalBatchSampler,
+    ValidationPerplexityCallback,
+    check_no_repeated_samples,
+)
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.perplexity_helpers import (
     MLMSamples,
     TinyMLM,
     join_existing_group,
@@ -29,7 +32,7 @@ from tests.perplexity_helpers import (
     reference,
     trainer,
 )
-from tests.sync_guard import count_collectives, forbid_host_syncs
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 SIZE, BATCH = 11, 4
 
@@ -38,7 +41,7 @@ def _assert_matches(callback: ValidationPerplexityCallback, model: TinyMLM, data
     ref_loss, ref_ppl, ref_count = reference(model, data)
     result = callback.result
     assert result is not None
-    assert int(result.num_tokens) == ref_count
+    assert int(result.denominator) == ref_count
     torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(result.perplexity, ref_ppl, rtol=1e-12, atol=0)
 
@@ -113,7 +116,7 @@ def test_batches_are_summed_without_host_sync_and_nothing_is_kept() -> None:
     assert all(state.dim() == 0 for state in states)
     expected = torch.stack([r["loss_sum_and_microbatch_size"] for r in reports]).sum(0)
     assert float(callback.metric.loss_sum) == float(expected[0])
-    assert int(callback.metric.num_tokens) == int(expected[1])
+    assert int(callback.metric.denominator) == int(expected[1])
 
 
 class _NoReport(TinyMLM):
@@ -130,7 +133,8 @@ def test_validation_step_contract_errors_name_what_is_missing() -> None:
     data = MLMSamples(SIZE)
     with pytest.raises(ValueError, match=r"_NoReport.validation_step returned None for batch 0"):
         trainer([ValidationPerplexityCallback()]).validate(_NoReport(), loader(data, BATCH))
-    with pytest.raises(KeyError, match=r"no 'loss_sum_and_microbatch_size' key; it has \['loss'\]"):
+    expected = r"no 'loss_sum_and_microbatch_size' or 'loss_sum_and_ub_size' key; it has \['loss'\]"
+    with pytest.raises(KeyError, match=expected):
         trainer([ValidationPerplexityCallback()]).validate(_WrongReport(), loader(data, BATCH))
 
 
@@ -188,7 +192,7 @@ class _Record(pl.Callback):
         result = self.callback.result
         assert result is not None
         self.epochs.append(
-            (trainer.current_epoch, float(result.perplexity), int(result.num_tokens))
+            (trainer.current_epoch, float(result.perplexity), int(result.denominator))
         )
 
 
@@ -209,7 +213,7 @@ def test_resumed_run_reports_the_uninterrupted_values(tmp_path: Any) -> None:
     callback = ValidationPerplexityCallback()
     with pytest.raises(_Interrupted):
         run(_StopMidValidation(path), callback)
-    assert callback.metric.num_tokens > 0  # batches of the interrupted epoch were counted
+    assert callback.metric.denominator > 0  # batches of the interrupted epoch were counted
     # The same callback object goes on: the restarted epoch must not add to what it held.
     resumed = run(TinyMLM(lr=0.1), callback, ckpt_path=path)
     assert resumed.epochs == uninterrupted.epochs
@@ -262,7 +266,7 @@ def _ddp_body(world_size: int) -> None:
     trainer([stock], **ddp).validate(model, loader(data, BATCH), verbose=False)
     assert stock.result is not None
     repeated = int(data.loss_mask[0].sum()) if world_size > 1 else 0
-    assert int(stock.result.num_tokens) == ref_count + repeated
+    assert int(stock.result.denominator) == ref_count + repeated
     if world_size > 1:
         assert repeated > 0
         assert not torch.allclose(stock.result.perplexity, reference(model, data)[1], rtol=1e-6)

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from bert_reduce import BERTMLMLossWithReduction
-from tests.dist_utils import run_distributed
-from tests.reference import make_mlm_batch, reference_loss_and_grad
-from tests.sync_guard import count_collectives, forbid_host_syncs
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 SIZES = {0: [2, 1], 1: [1, 2]}  # unequal micro-batches on each of the two DP ranks
 
