@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DATAMODULE_STATE_KEY", "read_resume_step"]
+__all__ = ["DATAMODULE_STATE_KEY", "ZIP_MAGIC", "read_resume_step"]
+
+ZIP_MAGIC = b"PK\x03\x04"
+"""The first bytes of every ``torch.save`` file (a zip archive)."""
 
 DATAMODULE_STATE_KEY = "ESMDataModule"
 """Where Lightning stores the data module's ``state_dict`` in a checkpoint (its class name)."""
@@ -37,7 +40,7 @@ def read_resume_step(path: str | Path, global_batch_size: int) -> int:
 
     Raises:
         FileNotFoundError: If ``path`` is not a file.
-        ValueError: If it is empty, not a readable PyTorch checkpoint, not a ``train.py``
+        ValueError: If it is empty, not a (readable) PyTorch checkpoint, not a ``train.py``
             checkpoint, or was trained with another global batch size.
     """
     path = Path(path)
@@ -48,13 +51,20 @@ def read_resume_step(path: str | Path, global_batch_size: int) -> int:
             f"resume={path}: the file is empty (0 bytes), e.g. from a write that was cut off. "
             f"Resume from another checkpoint.{_others(path)}"
         )
+    with open(path, "rb") as handle:
+        if handle.read(4) != ZIP_MAGIC:
+            raise ValueError(
+                f"resume={path}: not a PyTorch checkpoint (it does not start as torch.save's zip "
+                f"archive does): a corrupt file or another kind of file. Resume from another "
+                f"checkpoint.{_others(path)}"
+            )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         raise ValueError(
             f"resume={path}: not a readable PyTorch checkpoint ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). The file is corrupt or "
-            f"not a checkpoint; resume from another one.{_others(path)}"
+            f"{str(error).splitlines()[0] if str(error) else ''}). The file is corrupt, e.g. "
+            f"cut short; resume from another checkpoint.{_others(path)}"
         ) from error
     if not isinstance(checkpoint, dict) or DATAMODULE_STATE_KEY not in checkpoint:
         raise ValueError(

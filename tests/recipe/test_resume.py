@@ -26,7 +26,7 @@ def test_valid_checkpoint_gives_its_step(tmp_path: Path) -> None:
     [
         (None, FileNotFoundError, "no such checkpoint file. Checkpoints in .*: step000005.ckpt"),
         (b"", ValueError, r"the file is empty \(0 bytes\)"),
-        (b"\x80garbage\xff" * 10, ValueError, "not a readable PyTorch checkpoint"),
+        (b"\x80garbage\xff" * 10, ValueError, "not a PyTorch checkpoint"),
     ],
 )
 def test_unusable_file_is_named(
