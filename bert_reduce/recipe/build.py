@@ -245,13 +245,16 @@ def _fit(
 def _report_stop(trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None:
     for logger in trainer.loggers:
         logger.save()
-    name = signal.Signals(signum).name
     if trainer.is_global_zero:
-        print(
-            f"Stopped by {name} after step {trainer.global_step}; its checkpoint is "
-            f"{checkpoint_dir / 'last.ckpt'}. Continue with the same command plus "
-            f"resume={checkpoint_dir / 'last.ckpt'}"
-        )
+        name = signal.Signals(signum).name
+        if trainer.checkpoint_callback is None:
+            print(f"Stopped by {name} after step {trainer.global_step}; checkpointing is off.")
+        else:
+            last = checkpoint_dir / "last.ckpt"
+            print(
+                f"Stopped by {name} after step {trainer.global_step}; its checkpoint is {last}. "
+                f"Continue with the same command plus resume={last}"
+            )
     raise TrainingStopped(128 + signum)
 
 
