@@ -2,9 +2,10 @@
 
 With the DEFAULT config's dropout (0.1), so that resuming must restore every generator:
 
-* ``SIGTERM`` mid-run: the run stops after the current step with ``last.ckpt`` and exit status
-  143; resuming into the same directory completes ``metrics.csv`` to the very rows (same text)
-  of an uninterrupted run: one row per step, no gap, no repeat;
+* ``SIGTERM`` or ``SIGINT`` mid-run, on one process or two (the signal sent to the first only):
+  the run stops after the current step with ``last.ckpt`` and exit status ``128 + signal``;
+  resuming into the same directory completes ``metrics.csv`` to the very rows (same text) of an
+  uninterrupted run of the same layout: one row per step, no gap, no repeat;
 * the ``last.ckpt`` written at the end of a run whose ``max_steps`` (4) is not a multiple of
   the checkpoint interval (5), resumed into the same directory to more steps: the same;
 * a second run into a used directory fails and leaves every file byte-identical, also when its
@@ -70,10 +71,21 @@ def wait_for(path: Path, process: subprocess.Popen[str], timeout: float = 240) -
         time.sleep(0.02)
 
 
+DDP = ("trainer.devices=2", "data.micro_batch_size=4")  # 2 gloo processes, 2 micro-batches each
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     train_ok(run_dir, "trainer.max_steps=12")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Dropout draws per rank: a 2-process run has its own rows, the reference of its resume.
+    run_dir = tmp_path_factory.mktemp("uninterrupted_ddp")
+    train_ok(run_dir, "trainer.max_steps=12", *DDP)
     return run_dir
 
 
@@ -91,11 +103,17 @@ def test_uninterrupted_run_has_one_row_per_step(uninterrupted: Path) -> None:
     ]
 
 
-def test_sigterm_then_resume_gives_the_uninterrupted_rows(
-    uninterrupted: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("signum", "layout"),
+    [(signal.SIGTERM, ()), (signal.SIGINT, ()), (signal.SIGTERM, DDP)],
+    ids=["SIGTERM", "SIGINT", "SIGTERM-2-processes"],
+)
+def test_signal_then_resume_gives_the_uninterrupted_rows(
+    request: pytest.FixtureRequest, signum: int, layout: tuple[str, ...], tmp_path: Path
 ) -> None:
+    uninterrupted = request.getfixturevalue("uninterrupted_ddp" if layout else "uninterrupted")
     process = subprocess.Popen(
-        command(tmp_path, "trainer.max_steps=12"),
+        command(tmp_path, "trainer.max_steps=12", *layout),
         cwd=ROOT,
         env=ENV,
         stdout=subprocess.PIPE,
@@ -103,15 +121,17 @@ def test_sigterm_then_resume_gives_the_uninterrupted_rows(
         text=True,
     )
     wait_for(tmp_path / "checkpoints" / "step000005.ckpt", process)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)  # to the first process only: under DDP, the ranks agree
     output, _ = process.communicate(timeout=240)
-    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
-    stopped = next(line for line in output.splitlines() if line.startswith("Stopped by SIGTERM"))
+    assert process.returncode == 128 + signum, output[-3000:]
+    name = signal.Signals(signum).name
+    stopped = next(line for line in output.splitlines() if line.startswith(f"Stopped by {name}"))
     step = int(stopped.split("after step ")[1].split(";")[0])
     assert 5 <= step < 12, stopped
     assert metrics(tmp_path) == metrics(uninterrupted)[: len(metrics(tmp_path))]
     assert metrics(tmp_path)[-1].split(",")[1] == str(step)  # logged up to the stop, no further
-    train_ok(tmp_path, "trainer.max_steps=12", f"resume={tmp_path / 'checkpoints' / 'last.ckpt'}")
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    train_ok(tmp_path, "trainer.max_steps=12", *layout, f"resume={last}")
     assert metrics(tmp_path) == metrics(uninterrupted)
 
 
