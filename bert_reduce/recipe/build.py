@@ -99,11 +99,19 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
 def build_loggers(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> list[Logger]:
     """``run_dir/metrics.csv``, and TensorBoard under ``run_dir/tensorboard`` if installed.
 
-    ``metrics.csv`` is appended to; a run resumed from step ``resumed_step`` first drops the
-    rows after that step (see :class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`).
+    ``metrics.csv`` is appended to, every step; a run resumed from step ``resumed_step`` first
+    drops the rows after that step (see :class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`).
     """
     loggers: list[Logger] = [
-        AppendingCSVLogger(save_dir=run_dir, name="", version="", keep_steps_up_to=resumed_step)
+        # Written every step: a run killed outright (kill -9, out of memory) keeps every row up
+        # to its last step, so its checkpoints never lie past the end of its metrics.csv.
+        AppendingCSVLogger(
+            save_dir=run_dir,
+            name="",
+            version="",
+            flush_logs_every_n_steps=1,
+            keep_steps_up_to=resumed_step,
+        )
     ]
     if cfg.tensorboard:
         try:
