@@ -49,7 +49,7 @@ from bert_reduce.cross_entropy import (
     shard_stats,
     shard_targets,
 )
-from bert_reduce.functional import accumulation_dtype
+from bert_reduce.functional import accumulation_dtype, check_same_device
 
 __all__ = [
     "HIDDEN_LAYOUT_KEY",
@@ -261,6 +261,13 @@ def _check_shapes(
             f"bias of shape {tuple(bias.shape)} must be [v] = [{weight.size(0)}] like weight's "
             "first dim."
         )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
+    check_same_device(hidden, weight, ("hidden", "weight"))
+    check_same_device(hidden, labels, ("hidden", "labels"))
+    check_same_device(loss_mask, labels, ("loss_mask", "labels"))
+    if bias is not None:
+        check_same_device(weight, bias, ("weight", "bias"))
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(
             f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias "
@@ -341,8 +348,9 @@ def linear_masked_token_losses(
         capacity (or ``num_scored``) allows (the gradients are then NaN too).
 
     Raises:
-        ValueError: On mismatched shapes or dtypes (the message names them), a bad
-            ``layout``, ``capacity``, chunk size, or ``sequence_parallel`` with ``"bsh"``.
+        ValueError: On mismatched shapes, dtypes or devices (the message names them),
+            non-integer labels, a bad ``layout``, ``capacity``, chunk size, or
+            ``sequence_parallel`` with ``"bsh"``.
     """
     if sequence_parallel and layout != "sbh":
         raise ValueError("sequence_parallel=True needs layout='sbh' (Megatron's [s/tp, b, h]).")
@@ -361,7 +369,8 @@ def linear_masked_token_losses(
     scored, targets = (loss_mask != 0), labels
     if layout == "sbh":
         scored, targets = scored.transpose(0, 1), targets.transpose(0, 1)
-    scored, targets = scored.reshape(-1), targets.reshape(-1)
+    # Any integer label dtype; gather takes int64.
+    scored, targets = scored.reshape(-1), targets.reshape(-1).to(torch.int64)
     selection = select_rows(scored, capacity, num_scored)
     if selection.index is not None:
         targets, scored = targets[selection.index], scored[selection.index]

@@ -185,15 +185,25 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
         ({"weight": weight.float()}, "must share one dtype"),
         ({"chunk_rows": 0}, "chunk_rows and chunk_vocab must be positive"),
         ({"sequence_parallel": True, "layout": "bsh"}, "sequence_parallel=True needs"),
+        ({"labels": labels.double()}, "labels must be integer token ids"),
+        ({"weight": weight.to("meta")}, "hidden is on cpu and weight on meta"),
+        ({"bias": bias.to("meta")}, "weight is on cpu and bias on meta"),
+        ({"mask": mask.to("meta")}, "loss_mask is on meta and labels on cpu"),
     ]
     for overrides, match in cases:
-        args = {"hidden": hidden, "weight": weight, "mask": mask, "bias": bias, **overrides}
+        args = {"hidden": hidden, "weight": weight, "mask": mask, "bias": bias, "labels": labels}
+        args.update(overrides)
         kwargs = {
             k: args.pop(k) for k in ("layout", "chunk_rows", "sequence_parallel") if k in args
         }
         with pytest.raises(ValueError, match=match):
             linear_masked_token_losses(
-                args["hidden"], args["weight"], labels, args["mask"], bias=args["bias"], **kwargs
+                args["hidden"],
+                args["weight"],
+                args["labels"],
+                args["mask"],
+                bias=args["bias"],
+                **kwargs,
             )
 
 
@@ -281,3 +291,12 @@ def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> 
     torch.testing.assert_close(total, expected[0].sum(), rtol=1e-10, atol=0)
     for leaf, grad in zip(leaves, expected[1:], strict=True):
         torch.testing.assert_close(leaf.grad, grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.uint8])
+def test_any_integer_label_dtype(dtype) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch()
+    expected = linear_masked_token_losses(hidden, weight, labels, mask, bias=bias)
+    narrow = torch.where(mask, labels, 0).to(dtype)
+    got = linear_masked_token_losses(hidden, weight, narrow, mask, bias=bias)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
