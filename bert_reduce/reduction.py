@@ -22,6 +22,14 @@ from bert_reduce.functional import (
     unreduced_token_loss_fn,
     validate_masked_labels,
 )
+from bert_reduce.linear_cross_entropy import (
+    HIDDEN_LAYOUT_KEY,
+    HIDDEN_STATES_KEY,
+    OUTPUT_BIAS_KEY,
+    OUTPUT_WEIGHT_KEY,
+    head_logits,
+    linear_masked_token_losses,
+)
 from bert_reduce.normalization import Normalization, normalized_loss_terms, sequence_normalizers
 from bert_reduce.reports import (
     DataParallelGroupLossAndIO,
@@ -42,11 +50,12 @@ __all__ = [
 ]
 
 
-ForwardOutKey = Literal["token_logits", "logits", "lm_loss"]
+ForwardOutKey = Literal["token_logits", "logits", "lm_loss", "hidden_states"]
 FORWARD_OUT_LAYOUTS: dict[str, str] = {
     "token_logits": "[s, b, v] logits",
     "logits": "[b, s, v] logits",
     "lm_loss": "[b, s] per-token losses",
+    HIDDEN_STATES_KEY: "hidden states and output_weight, for the fused masked-only head",
 }
 """What :meth:`BERTMLMLossWithReduction.forward` reads from the model's outputs, by key."""
 
@@ -135,12 +144,13 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             validation step until ``reduce``, so each would hold its micro-batch's logits.
             Turn it on for metrics that need them.
         forward_out_key: Which entry of ``forward_out`` to score (see ``forward``); by
-            default the one of ``token_logits``, ``logits``, ``lm_loss`` present.
+            default the one of ``token_logits``, ``logits``, ``lm_loss`` present, else
+            ``hidden_states``.
         cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy
             (implies ``cross_entropy="megatron"``).
-        check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary. This
-            reads the labels on the host (a device sync): meant for debugging. Without it, such
-            a label makes the loss NaN.
+        check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary or a
+            ``loss_mask`` weight is negative. This reads them on the host (a device sync):
+            meant for debugging. Without it, either makes the loss NaN.
         normalization: What the summed loss is divided by: ``"per_token"`` (default),
             ``"per_sequence"`` or ``"constant"``; see :mod:`bert_reduce.normalization`. The
             second output of ``forward`` is that mode's denominator, which Megatron sums
@@ -159,7 +169,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         mask_capacity: Which rows ``"masked"`` computes: ``"all"`` (default; exact for any
             mask, no host sync), a static row count or fraction of ``b * s`` (faster; exact up
             to that many masked tokens, NaN beyond), or ``"nonzero"`` (exact, one host sync).
-            See :mod:`bert_reduce.cross_entropy`.
+            See :mod:`bert_reduce.cross_entropy`. A ``batch["num_scored"]`` (the data
+            pipeline's count, a CPU tensor) overrides it with the exact count, sync-free.
 
     Per-sequence and constant modes need to know which tokens form a sequence. By default each
     ``[b, s]`` row is one, or, when the batch holds ``cu_seqlens_padded`` or ``cu_seqlens``
@@ -225,11 +236,17 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 non-zero where scored, or float weights); under context parallelism, this
                 rank's shard. Optionally ``sequence_weight`` and ``sequence_start`` (``[b, s]``)
                 or ``cu_seqlens``/``cu_seqlens_padded`` for the per-sequence and constant modes.
-            forward_out: One of (see :data:`FORWARD_OUT_LAYOUTS`): ``token_logits`` of shape
-                ``[s, b, v]`` (Megatron, BioNeMo; ``v`` sharded under TP), ``logits`` of shape
-                ``[b, s, v]`` (NeMo's BERT), or ``lm_loss``, per-token losses ``[b, s]``
-                (Megatron's and NeMo's BERT given labels). The key, never the shape, says the
-                layout, so a ``[b, s, v]`` tensor with ``b == s`` is not read as ``[s, b, v]``.
+            forward_out: By key (see :data:`FORWARD_OUT_LAYOUTS`; the key, never the shape,
+                says the layout, so a ``[b, s, v]`` tensor with ``b == s`` is not read as
+                ``[s, b, v]``): ``token_logits`` of shape ``[s, b, v]`` (Megatron, BioNeMo;
+                ``v`` sharded under TP); ``logits`` of shape ``[b, s, v]`` (NeMo's BERT);
+                ``lm_loss``, per-token losses ``[b, s]`` (Megatron's and NeMo's BERT given
+                labels); or, for the fused masked-only head
+                (:func:`bert_reduce.linear_masked_token_losses`, no ``[s, b, v]`` logits),
+                ``hidden_states`` (``[s, b, h]``, or ``[b, s, h]`` with
+                ``hidden_layout="bsh"``), ``output_weight`` (``[v, h]``) and optionally
+                ``output_bias`` (``[v]``). A ``batch["num_scored"]`` (the collator's count of
+                scored positions, on the CPU) sets how many rows either path computes.
 
         Returns:
             ``(loss_sum, num_tokens, report)``: the mode's 0-dim numerator in fp32 that carries
@@ -240,10 +257,10 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
 
         Raises:
             KeyError: If a required key is missing (the message names it), or
-                ``forward_out`` holds none or several of the keys above and no
-                ``forward_out_key`` says which to use.
-            ValueError: On mismatched shapes (the message names both), or, with
-                ``check_labels``, on masked labels outside the vocabulary.
+                ``forward_out`` holds several of ``token_logits``, ``logits``, ``lm_loss`` (or
+                none of them and no ``hidden_states``) and no ``forward_out_key`` says which.
+            ValueError: On mismatched shapes or devices (the message names both), or, with
+                ``check_labels``, on masked labels outside the vocabulary or negative weights.
         """
         labels = _require(batch, "labels", "batch")
         loss_mask = _require(batch, "loss_mask", "batch")
@@ -253,11 +270,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             per_token_loss = _require(forward_out, key, "forward_out")
             check_same_shape(per_token_loss, labels, ("forward_out['lm_loss']", "labels"), "[b, s]")
         else:
-            logits = _require(forward_out, key, "forward_out")
-            if key == "logits":
-                # NeMo's BERT layout [b, s, v]; the transposed view is [s, b, v], no copy.
-                logits = logits.transpose(0, 1)
-            per_token_loss = self._per_token_loss(logits, labels, loss_mask)
+            per_token_loss = self._per_token_loss(batch, forward_out, key, labels, loss_mask)
         loss_sum, num_tokens = normalized_loss_terms(
             per_token_loss,
             loss_mask,
@@ -281,22 +294,59 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     def _forward_out_key(self, forward_out: Mapping[str, Any]) -> ForwardOutKey:
         if self.forward_out_key is not None:
             return self.forward_out_key
-        present = [key for key in FORWARD_OUT_LAYOUTS if key in forward_out]
-        if len(present) != 1:
-            raise KeyError(
-                f"forward_out must hold exactly one of {list(FORWARD_OUT_LAYOUTS)} "
-                f"({', '.join(FORWARD_OUT_LAYOUTS.values())}); it has {sorted(forward_out)}. "
-                "Pass forward_out_key= to say which one to use."
-            )
-        return present[0]  # type: ignore[return-value]
+        present = [key for key in ("token_logits", "logits", "lm_loss") if key in forward_out]
+        if len(present) == 1:
+            return present[0]  # type: ignore[return-value]
+        if not present and HIDDEN_STATES_KEY in forward_out:
+            return HIDDEN_STATES_KEY  # type: ignore[return-value]
+        raise KeyError(
+            f"forward_out must hold exactly one of {list(FORWARD_OUT_LAYOUTS)[:3]} "
+            f"({', '.join(list(FORWARD_OUT_LAYOUTS.values())[:3])}), or {HIDDEN_STATES_KEY!r} "
+            f"with {OUTPUT_WEIGHT_KEY!r}; it has {sorted(forward_out)}. Pass forward_out_key= "
+            "to say which one to use."
+        )
 
-    def _per_token_loss(self, logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
-        """``[b, s]`` cross-entropy of ``[s, b, v]`` logits."""
+    def _per_token_loss(
+        self,
+        batch: Mapping[str, Any],
+        forward_out: Mapping[str, Any],
+        key: ForwardOutKey,
+        labels: Tensor,
+        loss_mask: Tensor,
+    ) -> Tensor:
+        """``[b, s]`` losses from logits (``key``), or from the output layer's inputs."""
+        num_scored = _require(batch, "num_scored", "batch") if "num_scored" in batch else None
+        fused_head = key == HIDDEN_STATES_KEY
+        masked = self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion
+        if fused_head:
+            weight = _require(forward_out, OUTPUT_WEIGHT_KEY, "forward_out")
+            vocab_shard = weight.size(0)
+        else:
+            logits = _require(forward_out, key, "forward_out")
+            if key == "logits":
+                # NeMo's BERT layout [b, s, v]; the transposed view is [s, b, v], no copy.
+                logits = logits.transpose(0, 1)
+            vocab_shard = logits.size(-1)
         if self.check_labels:
-            vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
+            vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
             validate_masked_labels(labels, loss_mask, vocab_size)
-        if self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion:
-            return masked_token_losses(logits, labels, loss_mask, capacity=self.mask_capacity)
+        if fused_head and masked:
+            return linear_masked_token_losses(
+                _require(forward_out, HIDDEN_STATES_KEY, "forward_out"),
+                weight,
+                labels,
+                loss_mask,
+                bias=forward_out.get(OUTPUT_BIAS_KEY),
+                capacity=self.mask_capacity,
+                num_scored=num_scored,
+                layout=forward_out.get(HIDDEN_LAYOUT_KEY, "sbh"),
+            )
+        if fused_head:
+            logits = head_logits(forward_out)
+        if masked:
+            return masked_token_losses(
+                logits, labels, loss_mask, capacity=self.mask_capacity, num_scored=num_scored
+            )
         return unreduced_token_loss_fn(
             logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
         )
