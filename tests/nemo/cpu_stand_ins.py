@@ -1,27 +1,54 @@
 """CPU stand-ins for the CUDA-only plumbing of NeMo 2 and Megatron-Core, for tests only.
 
-A real ``nl.Trainer(strategy=nl.MegatronStrategy(...)).fit(...)`` runs on CPU/gloo with these,
-and nothing else is replaced: the model, the loss reductions, Megatron's schedules, Megatron's
-``DistributedDataParallel`` and its grad buffers, ``finalize_model_grads``, Megatron's
-optimizer, NeMo's ``MegatronParallel`` (``nemo.collections.llm`` import included), its
-callbacks, logging and checkpointing all run as on a GPU.
+With :func:`megatron_on_cpu`, a real ``nl.Trainer(strategy=nl.MegatronStrategy(...)).fit(...)``
+runs on CPU/gloo. Nothing else is replaced: the model, the loss reductions, Megatron's
+schedules, Megatron's ``DistributedDataParallel`` and its grad buffers,
+``finalize_model_grads``, Megatron's optimizer and gradient clipping maths, distributed
+checkpointing, NeMo's ``MegatronParallel`` (its ``nemo.collections.llm`` import included),
+callbacks, logging, io context and ``nemo_run`` all run as on a GPU. Line numbers are those of
+megatron-core 0.15.3 and nemo-toolkit 2.7.3 (``requirements/constraints-nemo.txt``).
 
-Each stand-in swaps the ``torch`` name of *one* upstream module for :class:`_CpuTorch`, which is
-``torch`` except for the CUDA calls listed here (file:line in megatron-core 0.15.3 and
-nemo-toolkit 2.7.3, the versions of ``requirements/constraints-nemo.txt``):
+1. :class:`_CpuTorch` replaces the ``torch`` name of the modules in
+   ``_MODULES_WITH_CUDA_CALLS`` only; it is ``torch`` except that CUDA devices become the CPU
+   (``zeros``/``empty``/``empty_like``/``tensor`` with ``device="cuda"``,
+   ``torch.cuda.current_device()``), ``pin_memory=True`` is dropped and the resulting tensor's
+   ``.to("cuda", non_blocking=True)`` stays on the CPU, and ``torch.cuda.Stream``/``stream``/
+   ``default_stream``/``synchronize`` do nothing. The CUDA calls it answers:
 
-* ``nemo/lightning/megatron_parallel.py:617``: ``with torch.cuda.stream(torch.cuda.Stream()):``
-  around ``init_ddp`` (for CUDA graphs): no stream on CPU.
-* ``nemo/lightning/megatron_parallel.py:348``, ``:1847``, ``:1857``:
-  ``torch.tensor(0.0, device=torch.cuda.current_device())``, the reduced loss of non-last
-  pipeline stages and of NeMo's own reductions: the current device is the CPU.
-* ``nemo/lightning/pytorch/strategies/megatron_strategy.py:801``, ``:850``, ``:881``, ``:888``:
-  ``torch.tensor(x, pin_memory=True).to("cuda", non_blocking=True)`` before logging: a tensor
-  that stays on the CPU (pinning needs CUDA).
-* ``megatron/core/pipeline_parallel/schedules.py:…``: the token counter
-  ``torch.zeros([], dtype=torch.int, device="cuda")``: allocated on the CPU.
+   * ``megatron/core/distributed/param_and_grad_buffer.py:702,719,725`` (grad buffers on
+     ``torch.cuda.current_device()``), ``distributed_data_parallel.py:251`` (stream);
+   * ``megatron/core/optimizer/optimizer.py:469,477,481,1137`` and ``clip_grads.py:90,103,
+     115,174,206`` (``device="cuda"`` scalars of the optimizer and the grad norm);
+   * ``megatron/core/pipeline_parallel/schedules.py:573,963,2114`` (token counter) and
+     ``p2p_communication.py:190-202,242,313,321,398`` (shape exchange, synchronize);
+   * ``megatron/core/utils.py:535`` (attention's global memory buffer) and ``timers.py:149,
+     162,286``;
+   * ``megatron/core/dist_checkpointing/exchange_utils.py:107,113,329``,
+     ``strategies/async_utils.py:163,210,582``, ``strategies/filesystem_async.py:230``,
+     ``strategies/fully_parallel.py:271-281``, ``strategies/state_dict_saver.py:204,252``,
+     ``strategies/torch.py:72``, ``tensor_aware_state_dict.py:304`` (save and load);
+   * ``nemo/lightning/megatron_parallel.py:348,617,1847,1857`` (reduced loss of non-last
+     stages, CUDA stream around ``init_ddp``), ``pytorch/strategies/megatron_strategy.py:801,
+     850,881,888`` and ``pytorch/plugins/data_sampler.py:192,212`` (pinned copies to the GPU
+     before logging).
 
-What only a GPU shows is listed in ``docs/nemo.md``.
+2. ``clip_grad_by_total_norm_fp32`` (``megatron/core/optimizer/clip_grads.py:167``) asserts
+   ``param.grad.type() == 'torch.cuda.FloatTensor'``; :func:`_clip_grad_by_total_norm_fp32`
+   scales the gradients as upstream does, without the assertion.
+3. ``Tensor.cuda`` returns the tensor: the tied output weight of the last pipeline stage is
+   moved to the GPU before the all-reduce that copies the embedding into it
+   (``megatron/core/models/common/language_module/language_module.py:233``), and loading a
+   distributed checkpoint moves shards (``exchange_utils.py:339,502``).
+4. ``ShardedTensor.init_data("cuda")`` (``exchange_utils.py:101,109``) allocates on the CPU.
+5. ``nemo/lightning/io/pl.py:495`` (``_fix_tensors_device``) asserts CUDA is initialized and
+   moves a loaded checkpoint's CUDA tensors to the current GPU; a CPU checkpoint has none.
+6. Megatron's inference RNG tracker (``megatron/core/tensor_parallel/random.py:282``, a
+   ``fork`` that switches no CUDA RNG state) replaces the CUDA one that attention dropout
+   forks (``megatron/core/transformer/dot_product_attention.py:207``); the tests use no
+   dropout.
+
+:class:`CPUGradSync` is for the tests that drive ``MegatronParallel`` by hand without
+Megatron's DDP. What only a GPU shows is listed in ``docs/nemo.md``.
 """
 
 from __future__ import annotations
@@ -174,7 +201,7 @@ _MODULES_WITH_CUDA_CALLS = (
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Within the context, the listed upstream modules see :class:`_CpuTorch` as ``torch``."""
+    """Within the context, the stand-ins 1-6 of the module docstring are in place."""
     with contextlib.ExitStack() as stack:
         for name in _MODULES_WITH_CUDA_CALLS:
             module = importlib.import_module(name)
