@@ -104,6 +104,9 @@ class HFEsm2Model(nn.Module):
             )
             config._attn_implementation = attn_implementation
             self.model = EsmForMaskedLM(config)
+        # The contact-prediction head is not on the masked-LM path: it never gets a gradient,
+        # which DDP would refuse as unused parameters.
+        self.model.esm.contact_head.requires_grad_(False)
         self.lm_head_inputs = lm_head_inputs
 
     def forward(
