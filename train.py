@@ -4,7 +4,7 @@ With no argument, a tiny model trains on the built-in synthetic protein corpus f
 minutes on CPU. The configuration lives in ``conf/`` (typed by
 ``bert_reduce/recipe/config.py``); the run directory (``outputs/<date>/<time>`` or
 ``hydra.run.dir=...``) receives ``metrics.csv``, ``checkpoints/``, ``config.yaml`` and
-``curves.png``. See the README's "Train an ESM-2-style model" section.
+``curves.png``. See docs/recipe.md.
 """
 
 from __future__ import annotations

@@ -98,22 +98,32 @@ def resolve_capacity(capacity: Capacity, num_positions: int) -> int | None:
     return min(num_positions, capacity)
 
 
-def _tensor_parallel() -> tuple[dist.ProcessGroup | None, int, int]:
-    """``(group, world_size, rank)`` of the tensor-parallel group (``(None, 1, 0)`` without)."""
-    world_size = distributed.tensor_parallel_world_size()
+def _tensor_parallel(
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, world_size, rank)`` of the vocab-sharding group (``(None, 1, 0)`` without).
+
+    ``group`` when given, else Megatron-Core's tensor-parallel group when its parallel state is
+    initialized, else none.
+    """
+    if group is None:
+        if distributed.tensor_parallel_world_size() == 1:
+            return None, 1, 0
+        group = distributed.tensor_parallel_group()
+    world_size = dist.get_world_size(group)
     if world_size == 1:
         return None, 1, 0
-    group = distributed.tensor_parallel_group()
     return group, world_size, dist.get_rank(group)
 
 
 def _vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
-    """First vocab id of this rank's shard, by Megatron-Core's own rule when sharded."""
-    if tp_size == 1:
-        return 0
-    from megatron.core.tensor_parallel.utils import VocabUtility
+    """First vocab id of this rank's contiguous shard.
 
-    return VocabUtility.vocab_range_from_per_partition_vocab_size(shard, tp_rank, tp_size)[0]
+    Megatron-Core's rule (``VocabUtility.vocab_range_from_per_partition_vocab_size``):
+    ``[rank * shard, (rank + 1) * shard)``; written out so that an explicit ``tp_group`` needs
+    no Megatron. ``tests/test_cross_entropy.py`` checks it against Megatron's own.
+    """
+    return tp_rank * shard if tp_size > 1 else 0
 
 
 class _Rows:
@@ -196,6 +206,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
         unselected: Tensor | None,
         overflow: Tensor | None,
         in_place: bool,
+        tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
         """``[b, s]`` losses of the selected rows, 0 elsewhere (see :func:`masked_token_losses`).
 
@@ -204,7 +215,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
         whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
         true on every scored row when more rows are scored than selected, else all false.
         """
-        group, tp_size, tp_rank = _tensor_parallel()
+        group, tp_size, tp_rank = _tensor_parallel(tp_group)
         acc = accumulation_dtype(logits.dtype)
         seq_len, batch_size, shard = logits.shape
         local = targets - _vocab_start(shard, tp_rank, tp_size)
@@ -276,7 +287,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
                 rows.write(grad, start, end, p)
         if unselected is not None:
             rows.zero(grad, unselected)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def masked_token_losses(
@@ -287,6 +298,7 @@ def masked_token_losses(
     capacity: Capacity = "all",
     in_place: bool = False,
     chunk_elements: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Per-token cross-entropy on the scored positions, computing only what the mask needs.
 
@@ -314,6 +326,9 @@ def masked_token_losses(
         chunk_elements: About how many logits one chunk reads at a time: trades the extra
             memory (a few fp32 chunks) against per-chunk overhead (kernel launches, thread
             barriers). ``None``: 1/32 of the logits' bytes in fp32, at least 2**20 values.
+        tp_group: The group the vocabulary is sharded over (its one all-reduce runs there);
+            ``None``: Megatron-Core's tensor-parallel group when its parallel state is
+            initialized, else no sharding.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
@@ -353,7 +368,9 @@ def masked_token_losses(
         index, unselected = order[:limit], order[limit:]
         targets, scored = targets[index], scored[index]
     rows = _Rows(logits.shape, index, chunk_elements)
-    return _MaskedTokenLosses.apply(logits, targets, scored, rows, unselected, overflow, in_place)
+    return _MaskedTokenLosses.apply(
+        logits, targets, scored, rows, unselected, overflow, in_place, tp_group
+    )
 
 
 def masked_cross_entropy(
@@ -364,6 +381,7 @@ def masked_cross_entropy(
     capacity: Capacity = "all",
     in_place: bool = False,
     chunk_elements: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Cross-entropy summed over the scored tokens, and its denominator.
 
@@ -379,6 +397,7 @@ def masked_cross_entropy(
         capacity: Which rows are computed; see :func:`masked_token_losses`.
         in_place: Write the gradient into ``logits``; see :func:`masked_token_losses`.
         chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
+        tp_group: The vocab-sharding group; see :func:`masked_token_losses`.
 
     Returns:
         ``(loss_sum, denominator)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
@@ -395,5 +414,6 @@ def masked_cross_entropy(
         capacity=capacity,
         in_place=in_place,
         chunk_elements=chunk_elements,
+        tp_group=tp_group,
     )
     return masked_loss_sum(losses, loss_mask)

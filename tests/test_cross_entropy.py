@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from bert_reduce.cross_entropy import masked_cross_entropy, resolve_capacity
@@ -245,6 +246,37 @@ def _tensor_parallel_body() -> None:
 @pytest.mark.slow
 def test_tensor_parallel_two_ranks_match_full_vocab_reference() -> None:
     run_distributed(_tensor_parallel_body, 2, tp=2)
+
+
+def _explicit_group_body() -> None:
+    # No Megatron: the vocabulary is sharded over the group passed in.
+    rank, vocab, shard = dist.get_rank(), 14, 7
+    cols = slice(rank * shard, (rank + 1) * shard)
+    logits, labels, mask = make_mlm_batch(3, 10, vocab, mask_prob=0.4, seed=3)
+    ref_loss, ref_grad = weighted_reference(logits, labels, mask)
+    leaf = logits[..., cols].clone().requires_grad_(True)
+    with count_collectives() as calls:
+        loss_sum, _ = masked_cross_entropy(leaf * 1, labels, mask, tp_group=dist.group.WORLD)
+    assert dict(calls) == {"all_reduce": 1}
+    loss_sum.backward()
+    torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
+    torch.testing.assert_close(leaf.grad, ref_grad[..., cols], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.slow
+def test_explicit_tp_group_without_megatron_matches_full_vocab_reference() -> None:
+    run_distributed(_explicit_group_body, 2, megatron=False)
+
+
+@pytest.mark.parametrize(("shard", "tp_size"), [(7, 2), (5, 4)])
+def test_vocab_ranges_follow_megatron(shard, tp_size) -> None:
+    from megatron.core.tensor_parallel.utils import VocabUtility
+
+    from bert_reduce.cross_entropy import _vocab_start
+
+    for rank in range(tp_size):
+        start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(shard, rank, tp_size)
+        assert _vocab_start(shard, rank, tp_size) == start
 
 
 @pytest.mark.parametrize("capacity", ["all", 0.5])

@@ -14,3 +14,22 @@ def test_import_loads_no_heavy_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_core_needs_torch_alone() -> None:
+    # The core extra-free install is torch only: the maths, the report format and the
+    # Megatron loss-reduction class must work without Megatron, Lightning, torchmetrics or Hydra.
+    code = (
+        "import sys, torch; "
+        "from bert_reduce import BERTMLMLossWithReduction, masked_cross_entropy, pack_batch; "
+        "import bert_reduce.context_parallel, bert_reduce.reports, bert_reduce.normalization; "
+        "loss = BERTMLMLossWithReduction(); "
+        "loss.setup({'labels': torch.tensor([[1, 2]]), "
+        "'loss_mask': torch.tensor([[True, False]])}); "
+        "_, _, report = loss({'token_logits': torch.zeros(2, 1, 3)}); "
+        "assert abs(float(loss.reduce([report])) - float(torch.log(torch.tensor(3.0)))) < 1e-6; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} "
+        "& {'megatron', 'lightning', 'nemo', 'torchmetrics', 'hydra', 'transformers'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +7,6 @@ import torch.distributed as dist
 from bert_reduce import BERTMLMLossWithReduction, pack_batch
 from bert_reduce.context_parallel import (
     get_packed_batch_on_this_cp_rank,
-    packed_context_parallel_indices,
 )
 from bert_reduce.packing import unpack_sequences
 from tests.helpers.dist_utils import run_distributed
@@ -144,28 +141,6 @@ def test_packed_batch_without_cu_seqlens_would_be_wrong() -> None:
             logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode)
         )
         assert not torch.isclose(loss_fn.reduce([report]), ref)
-
-
-def loop_partition(cu_seqlens_padded: list[int], cp_size: int, cp_rank: int) -> list[int]:
-    """Transformer Engine's THD partitioning, written as a plain loop."""
-    out = []
-    for start, end in itertools.pairwise(cu_seqlens_padded):
-        chunk = (end - start) // (2 * cp_size)
-        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            out.extend(range(start + c * chunk, start + (c + 1) * chunk))
-    return out
-
-
-@pytest.mark.parametrize("cp_size", [1, 2, 4])
-def test_packed_cp_indices_match_loop_and_cover_each_position_once(cp_size) -> None:
-    bounds = torch.tensor([0, 8, 16, 24, 56, 64])
-    seen = []
-    for cp_rank in range(cp_size):
-        with forbid_host_syncs():
-            index = packed_context_parallel_indices(bounds, 64, cp_size, cp_rank)
-        assert index.tolist() == loop_partition(bounds.tolist(), cp_size, cp_rank)
-        seen += index.tolist()
-    assert sorted(seen) == list(range(64))
 
 
 def simulated_cp_loss_and_grad(packed: dict, mode: str, cp_size: int):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank
-from bert_reduce.context_parallel import context_parallel_indices, slice_for_context_parallel
+from bert_reduce.context_parallel import slice_for_context_parallel
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
@@ -122,28 +122,6 @@ def test_megatron_parallel_matches_single_process(world_size: int, tp: int, cp: 
 
 def test_plain_torch_distributed_dp_matches_single_process() -> None:
     run_distributed(_body, 2, megatron=False)
-
-
-def test_context_parallel_indices_are_load_balanced_and_cover_sequence() -> None:
-    # cp=2, s=8: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
-    assert context_parallel_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
-    assert context_parallel_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
-    for cp in (1, 2, 4):
-        seen = torch.cat([context_parallel_indices(24, cp, r) for r in range(cp)])
-        assert sorted(seen.tolist()) == list(range(24))
-
-
-def test_context_parallel_slicer_errors() -> None:
-    with pytest.raises(
-        ValueError, match=r"Sequence length 10 must be divisible by 2 \* cp_size = 4"
-    ):
-        context_parallel_indices(10, 2, 0)
-    with pytest.raises(ValueError, match="Invalid context-parallel rank 2 for cp_size=2"):
-        context_parallel_indices(8, 2, 2)
-    batch = {"labels": torch.zeros(2, 8, dtype=torch.long), "meta": "kept"}
-    sliced = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=1)
-    assert sliced["labels"].shape == (2, 4) and sliced["meta"] == "kept"
-    assert batch["labels"].shape == (2, 8)
 
 
 def _megatron_cross_entropy_body() -> None:

@@ -1,0 +1,111 @@
+"""Weighted loss masks give the same loss on every path, and ``val_ppl = exp(val_loss)``.
+
+A float (or integer) ``loss_mask`` weights each token's loss, and every path of the library
+divides by the same denominator, the sum of the weights
+(:func:`bert_reduce.functional.token_denominator`). The reference is the weighted mean of
+``F.cross_entropy`` over the whole, unsplit batch, in fp64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bert_reduce import (
+    BERTMLMLossWithReduction,
+    TokenPerplexity,
+    masked_cross_entropy,
+    masked_token_loss,
+    unreduced_token_loss_fn,
+)
+from bert_reduce.lightning import ValidationPerplexityCallback
+from bert_reduce.reports import reduce_reports
+from tests.helpers.perplexity_helpers import MLMSamples, TinyMLM, loader, trainer
+from tests.helpers.reference import make_mlm_batch
+
+SPLIT = (slice(0, 3), slice(3, 4), slice(4, 6))
+
+
+def _weighted(mask: Tensor, kind: str) -> Tensor:
+    """0.5 everywhere, integer 2s, or fractional weights whose sum is not an integer."""
+    if kind == "half":
+        return mask * 0.5
+    if kind == "twos":
+        return mask.long() * 2
+    gen = torch.Generator().manual_seed(3)
+    return mask * (0.05 + torch.rand(mask.shape, generator=gen, dtype=torch.float64))
+
+
+def _reference(logits_sbv: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
+    """sum(w * CE) / sum(w) over the scored tokens of the whole batch, fp64."""
+    scored = weights != 0
+    logits_bsv = logits_sbv.transpose(0, 1)
+    per_token = F.cross_entropy(logits_bsv[scored], labels[scored], reduction="none")
+    w = weights[scored].to(torch.float64)
+    return (w * per_token).sum() / w.sum()
+
+
+KINDS = ["half", "twos", "fractional"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_path_gives_the_weighted_mean(kind) -> None:
+    logits, labels, mask = make_mlm_batch(6, 9, 13, mask_prob=0.4, empty_rows=(3,))
+    weights = _weighted(mask, kind)
+    if kind == "fractional":
+        assert float(weights.sum()) % 1 > 0.01  # rounding it to an integer would show
+    expected = _reference(logits, labels, weights)
+
+    results: dict[str, Tensor] = {}
+    for cross_entropy in ("masked", "megatron"):
+        reports = []
+        for rows in SPLIT:
+            loss_fn = BERTMLMLossWithReduction(cross_entropy=cross_entropy)
+            loss_fn.setup({"labels": labels[rows], "loss_mask": weights[rows]})
+            reports.append(loss_fn({"token_logits": logits[:, rows]})[2])
+        results[f"reduce[{cross_entropy}]"] = reduce_reports(reports)
+
+    sums = [masked_cross_entropy(logits[:, r], labels[r], weights[r]) for r in SPLIT]
+    results["masked_cross_entropy"] = sum(s for s, _ in sums) / sum(d for _, d in sums)
+    sums = [
+        masked_token_loss(unreduced_token_loss_fn(logits[:, r], labels[r]), weights[r])
+        for r in SPLIT
+    ]
+    results["masked_token_loss"] = sum(s for s, _ in sums) / sum(d for _, d in sums)
+
+    from_logits, from_reports = TokenPerplexity(), TokenPerplexity()
+    for rows, report in zip(SPLIT, reports, strict=True):
+        from_logits.update_from_logits(logits[:, rows], labels[rows], weights[rows])
+        from_reports.update_from_reports(report)
+    results["log TokenPerplexity(logits)"] = from_logits.compute().log()
+    results["log TokenPerplexity(reports)"] = from_reports.compute().log()
+
+    for path, value in results.items():
+        torch.testing.assert_close(
+            value.to(torch.float64), expected, rtol=1e-12, atol=0, msg=lambda m, p=path: f"{p}: {m}"
+        )
+
+
+class _WeightedSamples(MLMSamples):
+    def __init__(self, size: int, kind: str) -> None:
+        super().__init__(size)
+        self.loss_mask = _weighted(self.loss_mask, kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_validation_callback_reports_the_weighted_mean_and_its_exp(kind) -> None:
+    data = _WeightedSamples(11, kind)
+    model = TinyMLM(seed=2)
+    callback = ValidationPerplexityCallback()
+    trainer([callback]).validate(model, loader(data, 4), verbose=False)
+    with torch.no_grad():
+        logits = model({"input_ids": data.input_ids})["token_logits"]
+    expected = _reference(logits, data.labels, data.loss_mask)
+    assert callback.result is not None
+    torch.testing.assert_close(callback.result.loss, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(callback.result.perplexity, expected.exp(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        callback.result.denominator, data.loss_mask.sum().to(torch.float64), rtol=1e-15, atol=0
+    )
