@@ -164,3 +164,61 @@ def test_ddp_step_equals_one_process(world_size) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp2_step_equals_one_process(world_size) -> None:
     run_distributed(_train_step_body, world_size, "fsdp2", ("mean", "sum"), megatron=False)
+
+
+def _context_parallel_body(packed: bool) -> None:
+    """CP=2 over the 2 ranks: each holds its load-balanced shard of every sequence."""
+    from bert_reduce import get_batch_on_this_cp_rank, pack_batch
+    from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
+    from bert_reduce.normalization import sequence_normalizers
+    from tests.helpers.mode_reference import reference_mode_loss_and_grad
+
+    rank = dist.get_rank()
+    lengths = [12, 5, 9, 12]
+    gen = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, VOCAB, (len(lengths), 12), generator=gen)
+    real = torch.arange(12) < torch.tensor(lengths)[:, None]
+    mask = real & (torch.rand(len(lengths), 12, generator=gen) < 0.4)
+    mask[2] = False  # a sequence with no scored token
+    weights = torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64), 0)
+    logits = torch.randn(
+        12, len(lengths), VOCAB, generator=torch.Generator().manual_seed(4), dtype=torch.float64
+    )
+    for mode, loss_mask in (("per_token", mask), ("per_sequence", weights), ("constant", mask)):
+        ref_loss, ref_grad = reference_mode_loss_and_grad(
+            logits, labels, loss_mask, mode, **mode_kwargs(mode)
+        )
+        batch = {"labels": torch.where(loss_mask != 0, labels, -100), "loss_mask": loss_mask}
+        if packed:
+            batch = pack_batch(
+                {**batch, "logits": logits.transpose(0, 1)}, lengths, pad_to_multiple_of=4
+            )
+            shard = get_packed_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
+        else:
+            weight, start = sequence_normalizers(loss_mask)
+            batch.update(
+                sequence_weight=weight, sequence_start=start, logits=logits.transpose(0, 1)
+            )
+            shard = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
+        leaf = shard.pop("logits").detach().clone().requires_grad_(True)
+        loss_fn = GlobalBatchLoss(
+            normalization=mode, context_parallel_size=2, gradient_sync="sum", **mode_kwargs(mode)
+        )
+        loss_fn.begin([shard])
+        loss_fn(leaf, shard).backward()
+        torch.testing.assert_close(loss_fn.end(), ref_loss, rtol=1e-12, atol=0)
+        # This rank's slice of the reference gradient, laid out as its shard.
+        full = {"logits": ref_grad.transpose(0, 1)}
+        if packed:
+            full = pack_batch({**full, "labels": labels}, lengths, pad_to_multiple_of=4)
+            expected = get_packed_batch_on_this_cp_rank(full, cp_size=2, cp_rank=rank)["logits"]
+        else:
+            expected = get_batch_on_this_cp_rank(full, cp_size=2, cp_rank=rank)["logits"]
+        torch.testing.assert_close(leaf.grad, expected, rtol=1e-10, atol=1e-15)
+    dist.barrier()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("packed", [False, True])
+def test_context_parallel_shards_equal_unsharded(packed) -> None:
+    run_distributed(_context_parallel_body, 2, packed, megatron=False)
