@@ -164,10 +164,9 @@ class GlobalBatchLoss:
         return torch.where(labelled, mask, torch.zeros_like(mask))
 
     def _terms(
-        self, micro_batch: Mapping[str, Any], per_token_loss: Tensor | None
+        self, micro_batch: Mapping[str, Any], mask: Tensor, per_token_loss: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        """``(numerator, denominator)`` of one micro-batch in the configured mode."""
-        mask = self.loss_mask(micro_batch)
+        """``(numerator, denominator)`` of one micro-batch with its ``mask``, in the mode."""
         if per_token_loss is None:
             # The denominator as normalized_loss_terms defines it; losses do not enter it.
             per_token_loss = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
@@ -207,7 +206,7 @@ class GlobalBatchLoss:
         device = distributed.default_device()
         denominator = torch.zeros((), dtype=torch.float64, device=device)
         for micro_batch in micro_batches:
-            _, count = self._terms(micro_batch, None)
+            _, count = self._terms(micro_batch, self.loss_mask(micro_batch), None)
             denominator = denominator.to(count.device) + count.to(torch.float64)
         distributed.all_reduce_sum_(denominator, self.group)
         world = self.gradient_average_size or self._group_size()
@@ -266,7 +265,7 @@ class GlobalBatchLoss:
             per_token_loss = masked_token_losses(
                 logits, micro_batch["labels"], mask, capacity=self.capacity
             )
-        numerator, denominator = self._terms(micro_batch, per_token_loss)
+        numerator, denominator = self._terms(micro_batch, mask, per_token_loss)
         self._reports.append(make_report(numerator, denominator))
         return numerator * self._scale.to(device=numerator.device, dtype=numerator.dtype)
 
