@@ -72,8 +72,9 @@ class GlobalBatchLoss:
 
     Args:
         group: The ranks whose micro-batches make up the global batch (data x context
-            parallel). By default Megatron-Core's data x context group when initialized, else
-            the default process group when initialized, else none (one process).
+            parallel); ``None`` for none. By default, looked up at every :meth:`begin`:
+            Megatron-Core's data x context group when initialized, else the default process
+            group when initialized, else none (one process).
         normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``; see
             :mod:`bert_reduce.normalization`.
         constant_per_sequence: The ``"constant"`` mode's denominator per sequence.
@@ -109,7 +110,8 @@ class GlobalBatchLoss:
         context_parallel_size: int = 1,
         capacity: Capacity = "all",
     ) -> None:
-        self.group = distributed.loss_reduction_group() if group is _DEFAULT_GROUP else group
+        self._group_argument = group
+        self.group: dist.ProcessGroup | None = None
         self.normalization = Normalization(normalization)
         if self.normalization is Normalization.CONSTANT and (
             constant_per_sequence is None or constant_per_sequence <= 0
@@ -203,6 +205,13 @@ class GlobalBatchLoss:
                 "begin() takes this rank's micro-batches of the step as a list (a sequence of "
                 f"mappings), got {type(micro_batches).__name__}."
             )
+        # The default group is looked up here, not at construction: the loss may be built
+        # before the process group is.
+        self.group = (
+            distributed.loss_reduction_group()
+            if self._group_argument is _DEFAULT_GROUP
+            else self._group_argument
+        )
         device = distributed.default_device()
         denominator = torch.zeros((), dtype=torch.float64, device=device)
         for micro_batch in micro_batches:

@@ -299,3 +299,15 @@ def test_cp2_shards_equal_unsharded(mode) -> None:
             GlobalBatchLoss(
                 group=None, normalization=mode, context_parallel_size=2, **mode_kwargs(mode)
             ).begin([{"labels": labels}])
+
+
+def test_default_group_is_looked_up_at_begin(tmp_path) -> None:
+    import torch.distributed as dist
+
+    loss_fn = GlobalBatchLoss()  # built before the process group exists
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        loss_fn.begin([{"labels": torch.tensor([[1, -100]])}])
+        assert loss_fn.group is dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
