@@ -48,6 +48,7 @@ from bert_reduce import distributed
 from bert_reduce.functional import (
     accumulation_dtype,
     check_logits_and_labels,
+    check_same_device,
     check_same_shape,
     masked_loss_sum,
 )
@@ -341,6 +342,7 @@ def masked_token_losses(
     """
     check_logits_and_labels(logits, labels)
     check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
+    check_same_device(loss_mask, labels, ("loss_mask", "labels"))
     if chunk_elements is None:
         chunk_elements = _default_chunk_elements(logits, accumulation_dtype(logits.dtype))
     if chunk_elements < 1:
@@ -352,7 +354,7 @@ def masked_token_losses(
         )
     # Flat row r = i_s * b + i_b follows the [s, b, v] memory order of the logits.
     scored = (loss_mask != 0).transpose(0, 1).reshape(-1)
-    targets = labels.transpose(0, 1).reshape(-1)
+    targets = labels.transpose(0, 1).reshape(-1).to(torch.int64)  # gather takes int64
 
     limit = resolve_capacity(capacity, scored.numel())
     index = overflow = unselected = None

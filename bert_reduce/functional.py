@@ -28,6 +28,7 @@ from bert_reduce import distributed
 __all__ = [
     "accumulation_dtype",
     "check_logits_and_labels",
+    "check_same_device",
     "check_same_shape",
     "mask_weights",
     "masked_loss_sum",
@@ -78,10 +79,25 @@ def check_same_shape(
         )
 
 
-def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
-    """Raise ``ValueError`` unless logits are ``[s, b, v]`` and labels ``[b, s]``.
+def check_same_device(first: Tensor, second: Tensor, names: tuple[str, str]) -> None:
+    """Raise ``ValueError`` naming both tensors and devices unless they share a device.
 
-    Only shapes are read, so this never synchronizes with the device.
+    Raises:
+        ValueError: When the devices differ.
+    """
+    if first.device != second.device:
+        raise ValueError(
+            f"{names[0]} is on {first.device} and {names[1]} on {second.device}: move them to "
+            f"one device (e.g. {names[1]}.to({names[0]}.device))."
+        )
+
+
+def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
+    """Raise ``ValueError`` unless logits are ``[s, b, v]`` and labels ``[b, s]``, on one device.
+
+    Labels may have any integer dtype (``int16`` and ``uint8`` too; the maths reads them as
+    int64). Only shapes, dtypes and devices are read, so this never synchronizes with the
+    device.
     """
     if logits.dim() != 3:
         raise ValueError(
@@ -99,8 +115,9 @@ def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
             f"{tuple(labels.shape)} ([b, s]) do not match: expected labels of shape "
             f"{(batch_size, seq_len)}."
         )
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
+    check_same_device(logits, labels, ("token_logits", "labels"))
 
 
 def unreduced_token_loss_fn(
@@ -133,7 +150,7 @@ def unreduced_token_loss_fn(
             initialized Megatron parallel state.
     """
     check_logits_and_labels(logits, labels)
-    labels_sb = labels.transpose(0, 1)
+    labels_sb = labels.transpose(0, 1).to(torch.int64)  # gather takes int64 indices
     tp_size = distributed.tensor_parallel_world_size()
     vocab_size = logits.size(-1) * tp_size
 
@@ -217,6 +234,7 @@ def masked_loss_sum(per_token_loss: Tensor, loss_mask: Tensor) -> tuple[Tensor, 
         ValueError: When the two shapes differ.
     """
     check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
+    check_same_device(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"))
     weights = loss_mask.to(accumulation_dtype(per_token_loss.dtype))
     loss_sum = masked_weighted_sum(per_token_loss, weights, loss_mask != 0)
     return loss_sum, token_denominator(loss_mask)
@@ -229,6 +247,10 @@ masked_token_loss = masked_loss_sum
 def masked_weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor) -> Tensor:
     """``sum(weights * per_token_loss)`` over the ``scored`` positions, in ``weights``' dtype.
 
+    A negative weight makes the sum NaN, as an out-of-vocabulary label does: a weight is a
+    count of how often a token is scored, and checking its sign on the host would cost a
+    device sync (``check_labels=True`` does that check, with a clear error).
+
     Args:
         per_token_loss: ``[b, s]`` per-token losses.
         weights: ``[b, s]`` float weights; their dtype is the accumulation dtype.
@@ -237,13 +259,14 @@ def masked_weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor)
     Returns:
         The 0-dim weighted sum, carrying gradients.
     """
+    terms = torch.where(weights < 0, torch.nan, per_token_loss.to(weights.dtype) * weights)
     # `where` rather than a product: a NaN or inf loss on an unscored position (padding
     # labels, say) must not leak into the sum, nor into the gradient.
-    return torch.where(scored, per_token_loss.to(weights.dtype) * weights, 0).sum()
+    return torch.where(scored, terms, 0).sum()
 
 
 def validate_masked_labels(labels: Tensor, loss_mask: Tensor, vocab_size: int) -> None:
-    """Raise ``ValueError`` if a scored label lies outside ``[0, vocab_size)``.
+    """Raise ``ValueError`` if a scored label lies outside ``[0, vocab_size)`` or a weight is < 0.
 
     This reads device values back to the host, so it synchronizes; it is the opt-in check
     behind ``BERTMLMLossWithReduction(check_labels=True)``.
@@ -254,9 +277,20 @@ def validate_masked_labels(labels: Tensor, loss_mask: Tensor, vocab_size: int) -
         vocab_size: Size of the full (unsharded) vocabulary.
 
     Raises:
-        ValueError: Naming how many scored labels are invalid and the first offending one.
+        ValueError: Naming how many scored labels (or negative weights) are invalid and the
+            first offending one.
     """
     check_same_shape(labels, loss_mask, ("labels", "loss_mask"), "[b, s]")
+    if loss_mask.dtype != torch.bool:
+        negative = loss_mask < 0
+        num_negative = int(negative.sum())
+        if num_negative:
+            row, col = (int(i) for i in negative.nonzero()[0])
+            raise ValueError(
+                f"loss_mask holds {num_negative} negative weight(s); first at [b={row}, "
+                f"s={col}]: {loss_mask[row, col].item()}. Weights count how often a token is "
+                "scored and must be >= 0."
+            )
     bad = (loss_mask != 0) & ((labels < 0) | (labels >= vocab_size))
     num_bad = int(bad.sum())
     if num_bad:

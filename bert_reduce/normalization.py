@@ -34,6 +34,7 @@ from torch import Tensor
 
 from bert_reduce.functional import (
     accumulation_dtype,
+    check_same_device,
     check_same_shape,
     mask_weights,
     masked_weighted_sum,
@@ -85,7 +86,7 @@ def sequence_normalizers(
     if cu_seqlens is None:
         sequence_weight = weights.sum(dim=1, keepdim=True).expand_as(weights).contiguous()
         sequence_start = torch.zeros_like(loss_mask, dtype=torch.bool)
-        sequence_start[:, 0] = True
+        sequence_start[:, :1] = True  # `:1`, not `0`: a [b, 0] mask has no first token
         return sequence_weight, sequence_start
     if loss_mask.size(0) != 1:
         raise ValueError(
@@ -153,6 +154,7 @@ def normalized_loss_terms(
     """
     normalization = Normalization(normalization)
     check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
+    check_same_device(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"))
     acc = accumulation_dtype(per_token_loss.dtype)
     scored = loss_mask != 0
 

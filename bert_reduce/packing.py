@@ -19,6 +19,7 @@ this library's key names (``cu_seqlens``, ``cu_seqlens_padded``) and Hugging Fac
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -110,8 +111,9 @@ def pack_batch(
         on the batch's device) and ``max_seqlen`` (an int, the longest padded sequence).
 
     Raises:
-        ValueError: On a length outside ``[1, s]``, a non right-padded ``attention_mask``, no
-            lengths at all, or ``pad_to_multiple_of < 1``.
+        ValueError: On an empty batch (``b == 0``), a length outside ``[1, s]``, a non
+            right-padded ``attention_mask``, no lengths at all, or ``pad_to_multiple_of < 1``.
+        TypeError: On lengths that are not integers (floats are not truncated).
     """
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}.")
@@ -121,12 +123,24 @@ def pack_batch(
     if reference is None:
         raise ValueError(f"pack_batch needs a [b, s, ...] tensor; got {sorted(batch)}.")
     batch_size, seq_len = reference.shape[:2]
+    if batch_size == 0:
+        raise ValueError(
+            f"pack_batch got a batch of b = 0 sequences (shape {tuple(reference.shape)}): "
+            "there is nothing to pack; skip empty batches before packing."
+        )
     device = reference.device
     if lengths is None:
         if "attention_mask" not in batch:
             raise ValueError("pack_batch needs lengths or a [b, s] batch['attention_mask'].")
         lengths = _lengths_from_attention_mask(batch["attention_mask"])
-    lengths_list = [int(n) for n in lengths]
+    try:
+        # operator.index, not int(): a float length (2.7) must not be truncated silently.
+        lengths_list = [operator.index(n) for n in lengths]
+    except TypeError:
+        raise TypeError(
+            f"lengths must be integers (a list of ints or an integer tensor), got "
+            f"{lengths!r}; round or cast them explicitly."
+        ) from None
     if len(lengths_list) != batch_size or not all(1 <= n <= seq_len for n in lengths_list):
         raise ValueError(
             f"lengths must be {batch_size} values in [1, {seq_len}] for a [b, s] = "
@@ -179,10 +193,26 @@ def unpack_sequences(
         ``[n, seq_len, ...]`` for ``seq_dim=1``, ``[seq_len, n, ...]`` for ``seq_dim=0``.
 
     Raises:
-        ValueError: If ``seq_dim`` is not 0 or 1, or a sequence is longer than ``seq_len``.
+        ValueError: If ``seq_dim`` is not 0 or 1, ``packed`` is not ``[1, T, ...]`` /
+            ``[T, 1, ...]`` as ``seq_dim`` says, the boundaries reach past ``T``, or a sequence
+            is longer than ``seq_len``.
     """
     if seq_dim not in (0, 1):
         raise ValueError(f"seq_dim must be 0 ([T, 1, ...]) or 1 ([1, T, ...]), got {seq_dim}.")
+    expected = "[T, 1, ...]" if seq_dim == 0 else "[1, T, ...]"
+    if packed.dim() < 2 or packed.size(1 - seq_dim) != 1:
+        raise ValueError(
+            f"unpack_sequences with seq_dim={seq_dim} needs packed of shape {expected}, got "
+            f"{tuple(packed.shape)}. A packed [T] or [T, v] tensor needs its batch dim of 1: "
+            "packed.unsqueeze(0) with seq_dim=1, or packed.unsqueeze(1) with seq_dim=0."
+        )
+    boundaries = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    total = packed.size(seq_dim)
+    if int(boundaries[-1]) > total:
+        raise ValueError(
+            f"The sequence boundaries end at {int(boundaries[-1])}, past the {total} packed "
+            f"positions of packed {tuple(packed.shape)} (dim {seq_dim})."
+        )
     flat = packed[:, 0] if seq_dim == 0 else packed[0]
     lengths = [int(n) for n in cu_seqlens.diff()]
     if any(n > seq_len for n in lengths):

@@ -124,9 +124,9 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         send_val_output: In validation, also return the detached batch and model outputs.
         cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy
             (implies ``cross_entropy="megatron"``).
-        check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary. This
-            reads the labels on the host (a device sync): meant for debugging. Without it, such
-            a label makes the loss NaN.
+        check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary or a
+            ``loss_mask`` weight is negative. This reads them on the host (a device sync):
+            meant for debugging. Without it, either makes the loss NaN.
         normalization: What the summed loss is divided by: ``"per_token"`` (default),
             ``"per_sequence"`` or ``"constant"``; see :mod:`bert_reduce.normalization`. The
             second output of ``forward`` is that mode's denominator, which Megatron sums
@@ -217,8 +217,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
 
         Raises:
             KeyError: If a required key is missing (the message names it).
-            ValueError: On mismatched shapes (the message names both), or, with
-                ``check_labels``, on masked labels outside the vocabulary.
+            ValueError: On mismatched shapes or devices (the message names both), or, with
+                ``check_labels``, on masked labels outside the vocabulary or negative weights.
         """
         labels = _require(batch, "labels", "batch")
         loss_mask = _require(batch, "loss_mask", "batch")

@@ -14,18 +14,24 @@ from bert_reduce.lightning.exact_module import (
     OptimizerFactory,
     split_micro_batches,
 )
+from bert_reduce.lightning.rng_state import RNGStateCheckpoint
+from bert_reduce.lightning.run_checkpoint import RunCheckpoint
 from bert_reduce.lightning.sampling import (
     GlobalBatchSampler,
     ShardedEvalBatchSampler,
     check_sampler_placement,
 )
+from bert_reduce.lightning.stop_on_signal import StopOnSignal
 
 __all__ = [
     "ExactMLMModule",
     "GlobalBatchSampler",
     "LRSchedulerFactory",
     "OptimizerFactory",
+    "RNGStateCheckpoint",
+    "RunCheckpoint",
     "ShardedEvalBatchSampler",
+    "StopOnSignal",
     "ValidationPerplexityCallback",
     "ValidationResult",
     "check_no_repeated_samples",

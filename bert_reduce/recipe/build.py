@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,21 +16,40 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from bert_reduce.lightning import RNGStateCheckpoint, StopOnSignal
+from bert_reduce.recipe.checkpoint_io import AtomicCheckpointIO
+from bert_reduce.recipe.csv_logger import AppendingCSVLogger
 from bert_reduce.recipe.datamodule import ESMDataModule
 from bert_reduce.recipe.module import ESM2MLMModule
 from bert_reduce.recipe.plot import plot_metrics
+from bert_reduce.recipe.resume import read_resume_step
+from bert_reduce.recipe.run_directory import (
+    RunDirectoryLock,
+    check_run_directory,
+    remove_outputs,
+    save_config_keeping_previous,
+)
 
 __all__ = [
+    "TrainingStopped",
     "build_callbacks",
     "build_loggers",
     "build_module",
     "build_trainer",
+    "check_launcher",
     "resolve_precision",
     "run",
 ]
+
+
+class TrainingStopped(SystemExit):
+    """A signal stopped training after a checkpoint; exits with ``128 + signal number``."""
+
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +83,36 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
 
     The progress bar is left out when ``trainer.enable_progress_bar`` is false (Lightning
     refuses a progress-bar callback then).
+    Always added: :class:`~bert_reduce.lightning.StopOnSignal` (a ``SIGTERM``/``SIGINT``
+    stops training at a step boundary with a checkpoint) and, when checkpointing,
+    :class:`~bert_reduce.lightning.RNGStateCheckpoint` (bit-exact resume with dropout).
     """
     nodes = dict(cfg.callbacks)
     if not cfg.trainer.enable_progress_bar:
         nodes.pop("progress_bar", None)
-    return [instantiate(node) for node in nodes.values() if node is not None]
+    callbacks: list[pl.Callback] = [StopOnSignal()]
+    if cfg.trainer.enable_checkpointing and cfg.callbacks.checkpoint is not None:
+        callbacks.append(RNGStateCheckpoint())
+    return callbacks + [instantiate(node) for node in nodes.values() if node is not None]
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
-    """``run_dir/metrics.csv``, and TensorBoard under ``run_dir/tensorboard`` if installed."""
-    loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name="", version="")]
+def build_loggers(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> list[Logger]:
+    """``run_dir/metrics.csv``, and TensorBoard under ``run_dir/tensorboard`` if installed.
+
+    ``metrics.csv`` is appended to, every step; a run resumed from step ``resumed_step`` first
+    drops the rows after that step (see :class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`).
+    """
+    loggers: list[Logger] = [
+        # Written every step: a run killed outright (kill -9, out of memory) keeps every row up
+        # to its last step, so its checkpoints never lie past the end of its metrics.csv.
+        AppendingCSVLogger(
+            save_dir=run_dir,
+            name="",
+            version="",
+            flush_logs_every_n_steps=1,
+            keep_steps_up_to=resumed_step,
+        )
+    ]
     if cfg.tensorboard:
         try:
             from lightning.pytorch.loggers import TensorBoardLogger
@@ -83,15 +123,48 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
     return loggers
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
-    """The Trainer of ``cfg.trainer`` with the callbacks, loggers and resolved precision."""
+def build_trainer(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> pl.Trainer:
+    """The Trainer of ``cfg.trainer`` with the callbacks, loggers and resolved precision.
+
+    Checkpoints are written atomically (:class:`~bert_reduce.recipe.checkpoint_io.
+    AtomicCheckpointIO`).
+    """
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
         callbacks=build_callbacks(cfg),
-        logger=build_loggers(cfg, run_dir),
+        logger=build_loggers(cfg, run_dir, resumed_step),
         default_root_dir=str(run_dir),
+        plugins=[AtomicCheckpointIO()],
     )
+
+
+def check_launcher(trainer: pl.Trainer) -> None:
+    """Refuse a multi-node run that no launcher started: it would wait for its peers forever.
+
+    Raises:
+        RuntimeError: If ``trainer.num_nodes > 1`` and neither a cluster launcher (SLURM,
+            ``torchrun``, ...) nor ``MASTER_ADDR``/``NODE_RANK`` tell this process its node.
+    """
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if trainer.num_nodes <= 1 or not isinstance(environment, LightningEnvironment):
+        return
+    missing = [name for name in ("MASTER_ADDR", "NODE_RANK") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"trainer.num_nodes={trainer.num_nodes}, but this process was not started by a "
+            f"multi-node launcher ({', '.join(missing)} not set): it would wait for the other "
+            "nodes forever. Start train.py on every node with SLURM (srun), or torchrun "
+            "--nnodes, or set MASTER_ADDR, MASTER_PORT, NODE_RANK (and WORLD_SIZE) on each; "
+            "on one machine use trainer.num_nodes=1."
+        )
+
+
+def _checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    checkpoint = cfg.callbacks.checkpoint
+    if checkpoint is not None and checkpoint.dirpath is not None:
+        return Path(checkpoint.dirpath)
+    return run_dir / "checkpoints"
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -100,12 +173,23 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     Outputs: ``metrics.csv`` (``step``, ``train_loss``, ``val_loss``, ``val_ppl``, ...),
     ``checkpoints/``, ``config.yaml`` (resolved) and ``curves.png``.
 
+    Before anything is written, the data, the model and the ``resume`` checkpoint are loaded
+    and the run directory is checked and locked (:mod:`bert_reduce.recipe.run_directory`): a
+    run never mixes with or overwrites another run's files unless it resumes that run or
+    ``overwrite`` is set, and a run that fails to start changes nothing.
+
     Args:
         cfg: A config composed from ``conf/config.yaml``.
         run_dir: The run directory (Hydra's output directory under ``train.py``).
 
     Returns:
         The trainer's final logged metrics as floats (``val_loss``, ``val_ppl``, ...).
+
+    Raises:
+        TrainingStopped: After ``SIGTERM``/``SIGINT`` stopped training and a checkpoint was
+            saved (``SystemExit`` with code ``128 + signal``).
+        RunDirectoryError: If the run directory holds another run or is in use.
+        FileNotFoundError, ValueError: For a bad ``resume`` checkpoint or bad data.
     """
     run_dir = Path(run_dir)
     if cfg.cpu_threads is not None and not torch.cuda.is_available():
@@ -117,21 +201,72 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     warnings.filterwarnings(
         "ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps"
     )
-    # The run directory always holds Hydra's files already; the CSV logger only writes its
-    # metrics.csv there, so its "directory exists and is not empty" warning would always fire.
+    # The run directory's safety is checked below (run_directory.py); the CSV logger appends.
     warnings.filterwarnings(
         "ignore", message="Experiment logs directory .* exists and is not empty"
+    )
+    warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+    resumed_step = (
+        None if cfg.resume is None else read_resume_step(cfg.resume, cfg.data.global_batch_size)
     )
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: ESMDataModule = instantiate(cfg.data)
     module = build_module(cfg)
-    trainer = build_trainer(cfg, run_dir)
-    if trainer.is_global_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+    trainer = build_trainer(cfg, run_dir, resumed_step)
+    check_launcher(trainer)
+    if not trainer.is_global_zero:
+        # DDP's other ranks are processes this run started (multi-node ones are not global
+        # rank 0 either): the first process alone locks and checks the run directory.
+        return _fit(cfg, trainer, module, datamodule, run_dir)
+    datamodule.setup("fit")  # bad data fails here, before the run directory is touched
+    with RunDirectoryLock(run_dir) as lock:
+        resume = None if cfg.resume is None else Path(cfg.resume)
+        previous = check_run_directory(
+            run_dir, _checkpoint_dir(cfg, run_dir), resume, cfg.overwrite
+        )
+        lock.record_holder()
+        remove_outputs(previous)
+        save_config_keeping_previous(OmegaConf.to_yaml(cfg, resolve=True), run_dir / "config.yaml")
+        return _fit(cfg, trainer, module, datamodule, run_dir)
+
+
+def _fit(
+    cfg: DictConfig,
+    trainer: pl.Trainer,
+    module: ESM2MLMModule,
+    datamodule: ESMDataModule,
+    run_dir: Path,
+) -> dict[str, Any]:
+    stopper = next(c for c in trainer.callbacks if isinstance(c, StopOnSignal))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+    except SIGTERMException:
+        # Lightning's own handler is active outside the training loop (sanity check).
+        stopper.stop_signal = stopper.stop_signal or signal.SIGTERM
+    if stopper.stop_signal is not None:
+        _report_stop(trainer, stopper.stop_signal, _checkpoint_dir(cfg, run_dir))
     if cfg.validate_at_end and module.last_validation_step != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
+    return _finish(cfg, trainer, run_dir)
+
+
+def _report_stop(trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None:
+    for logger in trainer.loggers:
+        logger.save()
+    if trainer.is_global_zero:
+        name = signal.Signals(signum).name
+        if trainer.checkpoint_callback is None:
+            print(f"Stopped by {name} after step {trainer.global_step}; checkpointing is off.")
+        else:
+            last = checkpoint_dir / "last.ckpt"
+            print(
+                f"Stopped by {name} after step {trainer.global_step}; its checkpoint is {last}. "
+                f"Continue with the same command plus resume={last}"
+            )
+    raise TrainingStopped(128 + signum)
+
+
+def _finish(cfg: DictConfig, trainer: pl.Trainer, run_dir: Path) -> dict[str, Any]:
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         for logger in trainer.loggers:

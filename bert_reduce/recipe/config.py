@@ -181,9 +181,13 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """``ModelCheckpoint``: ``checkpoints/`` of the run directory unless ``dirpath`` is set."""
+    """:class:`bert_reduce.lightning.RunCheckpoint`, in ``checkpoints/`` unless ``dirpath``.
 
-    _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
+    Every ``every_n_train_steps`` steps; ``last.ckpt`` also at the last step and when a
+    signal stops training.
+    """
+
+    _target_: str = "bert_reduce.lightning.RunCheckpoint"
     dirpath: str | None = None
     filename: str = "step{step:06d}"
     auto_insert_metric_name: bool = False
@@ -227,7 +231,13 @@ class TrainConfig:
 
     Attributes:
         seed: Seeds the model initialization, data order, crops and masks.
-        resume: A checkpoint to resume from (e.g. ``<run dir>/checkpoints/last.ckpt``).
+        resume: A checkpoint to resume from (e.g. ``<run dir>/checkpoints/last.ckpt``). Into
+            the same run directory (``hydra.run.dir=<run dir>``), the run continues there:
+            ``metrics.csv`` keeps its rows up to the checkpoint's step and gets the later ones.
+        overwrite: Allow a new run in a run directory that holds another run, deleting that
+            run's outputs (``metrics.csv``, ``config.yaml``, ``curves.png``,
+            ``tensorboard/``, checkpoints) once the new run has loaded its data and model.
+            Without it, such a run is refused and nothing is changed.
         validate_at_end: Validate after training unless the last step was just validated.
         tensorboard: Also log to TensorBoard when it is installed.
         plot: Write ``curves.png`` at the end.
@@ -245,6 +255,7 @@ class TrainConfig:
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
     seed: int = 0
     resume: str | None = None
+    overwrite: bool = False
     validate_at_end: bool = True
     tensorboard: bool = True
     plot: bool = True

@@ -10,6 +10,7 @@ step is the same tensor content however it is split into micro-batches and ranks
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -56,6 +57,24 @@ def _check_not_empty(sequences: Sequence[str], source: str) -> None:
         raise ValueError(f"No sequences in {source}: the dataset is empty.")
 
 
+def _read_text(path: str | os.PathLike[str]) -> str:
+    """The UTF-8 text of ``path``, without a leading byte-order mark.
+
+    Raises:
+        ValueError: If the file is not UTF-8, naming the line and the offending bytes.
+    """
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(
+            f"{path}, line {line}: not UTF-8 text (byte(s) {data[error.start : error.end]!r} at "
+            f"offset {error.start}); a Latin-1 or Windows-1252 file, say. Convert it to UTF-8, "
+            f"e.g. iconv -f latin1 -t utf-8 {path} > converted{Path(path).suffix}"
+        ) from None
+
+
 def read_fasta(path: str | os.PathLike[str]) -> list[str]:
     """The sequences of a FASTA file, each possibly spread over several lines.
 
@@ -66,30 +85,27 @@ def read_fasta(path: str | os.PathLike[str]) -> list[str]:
         One string per record, in file order.
 
     Raises:
-        ValueError: On residue lines before the first header, characters outside the ESM
-            alphabet (naming the file and line number), a record without residues, or a file
-            without any record.
+        ValueError: On a file that is not UTF-8 (a byte-order mark is fine), residue lines
+            before the first header, characters outside the ESM alphabet (naming the file and
+            line number), a record without residues, or a file without any record.
     """
     tokenizer = ESMTokenizer()
     sequences: list[str] = []
     current: list[str] | None = None
     header_line = 0
-    with open(path, encoding="utf-8") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            line = raw.strip()
-            if not line:
-                continue
-            if line.startswith(">"):
-                if current is not None:
-                    _finish_record(sequences, current, path, header_line)
-                current, header_line = [], line_number
-                continue
-            if current is None:
-                raise ValueError(
-                    f"{path}, line {line_number}: sequence data before any '>' header."
-                )
-            _check_residues(line, tokenizer, f"{path}, line {line_number}")
-            current.append(line)
+    for line_number, raw in enumerate(_read_text(path).split("\n"), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith(">"):
+            if current is not None:
+                _finish_record(sequences, current, path, header_line)
+            current, header_line = [], line_number
+            continue
+        if current is None:
+            raise ValueError(f"{path}, line {line_number}: sequence data before any '>' header.")
+        _check_residues(line, tokenizer, f"{path}, line {line_number}")
+        current.append(line)
     if current is not None:
         _finish_record(sequences, current, path, header_line)
     _check_not_empty(sequences, str(path))
@@ -118,8 +134,8 @@ def read_table(path: str | os.PathLike[str], column: str = "sequence") -> list[s
 
     Raises:
         KeyError: If ``column`` is missing (the message lists the columns).
-        ValueError: On characters outside the ESM alphabet or an empty cell (naming the row),
-            or a file without rows.
+        ValueError: On a CSV/TSV that is not UTF-8 (a byte-order mark is fine), characters
+            outside the ESM alphabet or an empty cell (naming the row), or a file without rows.
         ImportError: For Parquet without ``pyarrow``.
     """
     path = Path(path)
@@ -136,13 +152,11 @@ def read_table(path: str | os.PathLike[str], column: str = "sequence") -> list[s
         values = [str(v) if v is not None else "" for v in table.column(column).to_pylist()]
         first_row = 0
     else:
-        with open(path, encoding="utf-8", newline="") as handle:
-            reader = csv.DictReader(handle, delimiter="\t" if path.suffix == ".tsv" else ",")
-            if reader.fieldnames is None or column not in reader.fieldnames:
-                raise KeyError(
-                    f"{path} has no column {column!r}; its columns are {reader.fieldnames}."
-                )
-            values = [row[column] or "" for row in reader]
+        handle = io.StringIO(_read_text(path), newline="")
+        reader = csv.DictReader(handle, delimiter="\t" if path.suffix == ".tsv" else ",")
+        if reader.fieldnames is None or column not in reader.fieldnames:
+            raise KeyError(f"{path} has no column {column!r}; its columns are {reader.fieldnames}.")
+        values = [row[column] or "" for row in reader]
         first_row = 2  # line numbers as a spreadsheet shows them: the header is line 1
     tokenizer = ESMTokenizer()
     sequences = []

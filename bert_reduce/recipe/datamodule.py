@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -82,9 +83,22 @@ class ResumableDataLoader(DataLoader):
             :class:`EpochKeyedBatchSampler`.
     """
 
-    def __init__(self, *args: Any, progress: Callable[[], tuple[int, int]], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, *args: Any, progress: Callable[[], tuple[int, int]], seed: int = 0, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, generator=torch.Generator(), **kwargs)
         self.progress = progress
+        self.seed = seed
+
+    @override
+    def __iter__(self) -> Iterator[Any]:
+        # DataLoader draws its worker base seed from `generator` when iteration starts: seeded
+        # by (seed, epoch), the draw neither depends on the run's history (a resumed run sees
+        # the same worker seeds) nor consumes the global generator that dropout draws from.
+        epoch = self.batch_sampler.sampler.epoch  # type: ignore[union-attr]
+        seed = np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0]
+        self.generator.manual_seed(int(seed))
+        return super().__iter__()
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch": ..., "batches_done": ...}`` of the training run."""
@@ -126,7 +140,8 @@ class ESMDataModule(pl.LightningDataModule):
             padded. Same losses as unpacked, less compute on padding.
 
     Raises:
-        ValueError: If ``val_fraction`` leaves no training or no validation sample.
+        ValueError: If ``mask_prob`` is not in ``(0, 1]``; if ``val_fraction`` leaves no
+            training or no validation sample.
     """
 
     def __init__(
@@ -150,6 +165,11 @@ class ESMDataModule(pl.LightningDataModule):
         pack_sequences: bool = False,
     ) -> None:
         super().__init__()
+        if not 0.0 < mask_prob <= 1.0:
+            raise ValueError(
+                f"data.mask_prob={mask_prob}: the masking probability must be in (0, 1] (0 masks "
+                "no token, so there is no loss to train on). The BERT/ESM-2 value is 0.15."
+            )
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.val_micro_batch_size = val_micro_batch_size or micro_batch_size
@@ -246,19 +266,58 @@ class ESMDataModule(pl.LightningDataModule):
             collate_fn=self.train_collate,
             num_workers=self.num_workers,
             progress=self._progress,
+            seed=self.seed,
         )
 
     @override
     def val_dataloader(self) -> DataLoader:
-        """This rank's contiguous slice of the validation set, every sample exactly once."""
+        """This rank's contiguous slice of the validation set, every sample exactly once.
+
+        Raises:
+            ValueError: If the validation set holds fewer samples than there are ranks.
+        """
         if self.val_dataset is None:
             self.setup("validate")
         assert self.val_dataset is not None
+        placement = self._replicas_and_rank()
+        ranks = placement.get("num_replicas", 1)
+        if len(self.val_dataset) < ranks:
+            # A rank without a validation batch skips the validation loop and its collectives,
+            # and the other ranks wait for it: refuse instead.
+            raise ValueError(
+                f"The validation set holds {len(self.val_dataset)} sequence(s), fewer than the "
+                f"{ranks} ranks (trainer.devices x trainer.num_nodes): every rank needs at least "
+                "one. Use more validation sequences (data.val_path, data.val_fraction or "
+                "data.num_val_sequences) or fewer devices."
+            )
         return DataLoader(
             self.val_dataset,
             batch_sampler=ShardedEvalBatchSampler(
-                len(self.val_dataset), self.val_micro_batch_size, **self._replicas_and_rank()
+                len(self.val_dataset), self.val_micro_batch_size, **placement
             ),
             collate_fn=self.collate,
             num_workers=self.num_workers,
+            # Its own generator: starting validation must not draw from the global generator,
+            # whose state the training steps' dropout continues from.
+            generator=torch.Generator().manual_seed(self.seed),
         )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """``{"global_batch_size": ...}``: checkpoints count global batches of this size."""
+        return {"global_batch_size": self.global_batch_size}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check that the checkpoint was trained with this global batch size.
+
+        Raises:
+            ValueError: If it was not: the batches to skip would be counted in other units.
+        """
+        saved = state_dict["global_batch_size"]
+        if saved != self.global_batch_size:
+            raise ValueError(
+                f"The checkpoint was trained with data.global_batch_size={saved}, this run has "
+                f"data.global_batch_size={self.global_batch_size}: keep the global batch size "
+                "to resume, or start a new run."
+            )

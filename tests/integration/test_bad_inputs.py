@@ -1,0 +1,489 @@
+"""Bad inputs, each with a test of what it gets: a clear error, or a correct result.
+
+Every probe below runs once per session; its test checks the outcome, and
+``docs/errors.md`` is the table of all outcomes, generated from these same runs:
+
+    python -m tests.integration.test_bad_inputs   # rewrites docs/errors.md
+
+``test_errors_doc_is_up_to_date`` fails when the table and the probes disagree. Recipe probes
+call :func:`bert_reduce.recipe.build.run` in this process with a config composed from
+``conf/`` (what ``train.py`` does, minus the process start); the fault tests that need real
+processes and signals are in ``tests/recipe/test_fault_tolerance.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
+from lightning.pytorch import Trainer
+
+from bert_reduce import BERTMLMLossWithReduction
+from bert_reduce.cross_entropy import masked_cross_entropy
+from bert_reduce.normalization import normalized_loss_terms
+from bert_reduce.packing import pack_batch, unpack_sequences
+from bert_reduce.recipe.build import run
+from bert_reduce.recipe.config import register_configs
+from bert_reduce.recipe.data import load_sequences
+from bert_reduce.recipe.datamodule import ESMDataModule
+from bert_reduce.recipe.resume import DATAMODULE_STATE_KEY
+from bert_reduce.recipe.run_directory import LOCK_NAME, RunDirectoryError, RunDirectoryLock
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "errors.md"
+TINY = [
+    "data.global_batch_size=16",
+    "data.num_train_sequences=80",
+    "data.num_val_sequences=37",
+    "trainer.max_steps=2",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "tensorboard=false",
+    "plot=false",
+    "cpu_threads=null",
+]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A bad input and what it must get.
+
+    ``run(tmp)`` either raises (``error`` and ``match`` say what it must raise) or returns
+    the sentence for the table after checking the result itself.
+    """
+
+    where: str
+    bad_input: str
+    run: Callable[[Path], str]
+    error: type[BaseException] | None = None
+    match: str = ""
+
+
+def train(tmp: Path, *overrides: str) -> str:
+    """``python train.py TINY overrides hydra.run.dir=tmp/run``, in this process."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, *overrides])
+    run(cfg, tmp / "run")
+    return "trained"
+
+
+def used_run_directory(tmp: Path) -> Path:
+    """What a finished run leaves: its lock file, metrics, config and checkpoints."""
+    run_dir = tmp / "run"
+    if not run_dir.is_dir():
+        (run_dir / "checkpoints").mkdir(parents=True)
+        recipe_checkpoint(run_dir / "checkpoints" / "last.ckpt", global_batch_size=16)
+        (run_dir / "metrics.csv").write_text("step,train_loss\n1,3.5\n")
+        (run_dir / "config.yaml").write_text("seed: 0\n")
+        (run_dir / LOCK_NAME).write_text("pid 1 on host h, started 2026-11-30: train.py\n")
+    return run_dir
+
+
+def refused_untouched(tmp: Path, *overrides: str) -> str:
+    """Train into a used run directory; whatever it raises, the directory must be unchanged."""
+    run_dir = used_run_directory(tmp)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    try:
+        return train(tmp, *overrides)
+    finally:
+        assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def recipe_checkpoint(path: Path, global_batch_size: int) -> Path:
+    """A file in the format of a ``train.py`` checkpoint, as far as resuming first reads it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {DATAMODULE_STATE_KEY: {"global_batch_size": global_batch_size}, "global_step": 3}
+    torch.save(state, path)
+    return path
+
+
+def second_run(tmp: Path) -> str:
+    return refused_untouched(tmp)
+
+
+def bad_resume(content: bytes | None) -> Callable[[Path], str]:
+    """Resume into the run's own directory from a missing (``None``) or bad checkpoint."""
+
+    def probe(tmp: Path) -> str:
+        path = used_run_directory(tmp) / "checkpoints" / "step000005.ckpt"
+        if content is not None:
+            path.write_bytes(content)
+        return refused_untouched(
+            tmp, f"resume={path if content is not None else path.with_name('lats.ckpt')}"
+        )
+
+    return probe
+
+
+def truncated_resume(tmp: Path) -> str:
+    path = used_run_directory(tmp) / "checkpoints" / "step000005.ckpt"
+    whole = recipe_checkpoint(tmp / "whole.ckpt", 16).read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    return refused_untouched(tmp, f"resume={path}")
+
+
+def concurrent_run(tmp: Path) -> str:
+    with RunDirectoryLock(tmp / "run") as lock:
+        lock.record_holder()
+        return train(tmp)
+
+
+def no_launcher(tmp: Path) -> str:
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK"):
+            patch.delenv(name, raising=False)
+        return train(tmp, "trainer.num_nodes=2", "trainer.accelerator=cpu")
+
+
+def val_smaller_than_devices(tmp: Path) -> str:
+    datamodule = ESMDataModule(global_batch_size=4, micro_batch_size=2, num_val_sequences=1)
+    # A real (unstarted) 2-process Trainer gives the data module its world size and rank.
+    datamodule.trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False
+    )
+    datamodule.setup("fit")
+    datamodule.val_dataloader()
+    return "no error"
+
+
+def bom_file(suffix: str, text: str) -> Callable[[Path], str]:
+    def probe(tmp: Path) -> str:
+        plain, bom = tmp / f"plain{suffix}", tmp / f"bom{suffix}"
+        plain.write_text(text, encoding="utf-8")
+        bom.write_text(text, encoding="utf-8-sig")
+        assert bom.read_bytes().startswith(b"\xef\xbb\xbf")
+        assert load_sequences(bom) == load_sequences(plain) == ["MKTAYIAK", "MSEQ"]
+        return "read as without the mark (the same sequences)"
+
+    return probe
+
+
+def latin1_fasta(tmp: Path) -> str:
+    path = tmp / "proteins.fasta"
+    path.write_bytes(">sp|P1|protéine 1\nMKTAYIAK\n".encode("latin-1"))
+    return str(load_sequences(path))
+
+
+def logits_labels(batch: int = 2, seq: int = 5, vocab: int = 33) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(seq, batch, vocab, dtype=torch.float64, generator=generator)
+    labels = torch.randint(0, vocab, (batch, seq), generator=generator)
+    return logits, labels
+
+
+def narrow_labels(dtype: torch.dtype) -> Callable[[Path], str]:
+    def probe(tmp: Path) -> str:
+        logits, labels = logits_labels()
+        mask = torch.ones_like(labels, dtype=torch.bool)
+        loss = BERTMLMLossWithReduction()
+        got, count, _ = loss.forward(
+            {"labels": labels.to(dtype), "loss_mask": mask}, {"token_logits": logits}
+        )
+        reference = F.cross_entropy(logits.permute(1, 2, 0), labels, reduction="sum")
+        torch.testing.assert_close(got, reference, rtol=1e-12, atol=0)
+        assert int(count) == labels.numel()
+        return "accepted: the same loss as int64 labels (read as int64)"
+
+    return probe
+
+
+def negative_weight(tmp: Path) -> str:
+    logits, labels = logits_labels()
+    weights = torch.ones(labels.shape, dtype=torch.float64)
+    weights[0, 1] = -1.0
+    loss_sum, _ = masked_cross_entropy(logits, labels, weights)
+    assert math.isnan(loss_sum)
+    return "a NaN loss, as an out-of-vocabulary label (no host sync to check the sign)"
+
+
+def negative_weight_checked(tmp: Path) -> str:
+    logits, labels = logits_labels()
+    weights = torch.ones(labels.shape, dtype=torch.float64)
+    weights[0, 1] = -1.0
+    BERTMLMLossWithReduction(check_labels=True).forward(
+        {"labels": labels, "loss_mask": weights}, {"token_logits": logits}
+    )
+    return "no error"
+
+
+def other_device(tmp: Path) -> str:
+    logits, labels = logits_labels()
+    BERTMLMLossWithReduction().forward(
+        {"labels": labels.to("meta"), "loss_mask": torch.ones(labels.shape, device="meta")},
+        {"token_logits": logits},
+    )
+    return "no error"
+
+
+def per_sequence_empty(tmp: Path) -> str:
+    per_token_loss = torch.zeros(2, 0, dtype=torch.float64)
+    mask = torch.zeros(2, 0, dtype=torch.bool)
+    for mode, extra in (("per_sequence", {}), ("constant", {"constant_per_sequence": 4})):
+        numerator, denominator = normalized_loss_terms(per_token_loss, mask, mode, **extra)
+        assert float(numerator) == 0.0 and int(denominator) == 0, mode
+    return "an empty loss: numerator 0, denominator 0 (per_sequence and constant)"
+
+
+def unpack(shape: tuple[int, ...], seq_dim: int) -> Callable[[Path], str]:
+    def probe(tmp: Path) -> str:
+        unpack_sequences(torch.zeros(shape), torch.tensor([0, 3, 6]), 4, seq_dim=seq_dim)
+        return "no error"
+
+    return probe
+
+
+def pack(lengths: object, batch: int = 2) -> Callable[[Path], str]:
+    def probe(tmp: Path) -> str:
+        pack_batch({"labels": torch.zeros(batch, 4, dtype=torch.int64)}, lengths)
+        return "no error"
+
+    return probe
+
+
+PROBES = [
+    Probe(
+        "`train.py`",
+        "`data.mask_prob=0.0`",
+        lambda t: train(t, "data.mask_prob=0.0"),
+        InstantiationException,
+        r"mask_prob=0\.0.*must be in \(0, 1\]",
+    ),
+    Probe(
+        "`train.py`",
+        "`data.mask_prob=2.0`",
+        lambda t: train(t, "data.mask_prob=2.0"),
+        InstantiationException,
+        r"mask_prob=2\.0.*must be in \(0, 1\]",
+    ),
+    Probe(
+        "`train.py`",
+        "a new run into a directory that holds a run",
+        second_run,
+        RunDirectoryError,
+        "already holds a run.*Nothing was changed",
+    ),
+    Probe(
+        "`train.py`",
+        "a run into a directory where a run is running",
+        concurrent_run,
+        RunDirectoryError,
+        "Another run is running in .*: pid .* holds",
+    ),
+    Probe(
+        "`train.py`",
+        "`overwrite=true` with `resume=` of the same directory",
+        lambda t: refused_untouched(
+            t, f"resume={t / 'run' / 'checkpoints' / 'last.ckpt'}", "overwrite=true"
+        ),
+        RunDirectoryError,
+        "overwrite=true would delete",
+    ),
+    Probe(
+        "`train.py`",
+        "`resume=` a mistyped path",
+        bad_resume(None),
+        FileNotFoundError,
+        "no such checkpoint file. Checkpoints in",
+    ),
+    Probe(
+        "`train.py`",
+        "`resume=` an empty checkpoint (0 bytes)",
+        bad_resume(b""),
+        ValueError,
+        r"the file is empty \(0 bytes\)",
+    ),
+    Probe(
+        "`train.py`",
+        "`resume=` a file that is not a checkpoint",
+        bad_resume(b"\x80\x04garbage"),
+        ValueError,
+        "not a PyTorch checkpoint",
+    ),
+    Probe(
+        "`train.py`",
+        "`resume=` a truncated checkpoint",
+        truncated_resume,
+        ValueError,
+        "not a readable PyTorch checkpoint",
+    ),
+    Probe(
+        "`train.py`",
+        "`resume=` with another `data.global_batch_size`",
+        lambda t: train(
+            t,
+            "data.global_batch_size=32",
+            f"resume={recipe_checkpoint(t / 'elsewhere' / 'last.ckpt', 16)}",
+        ),
+        ValueError,
+        "trained with data.global_batch_size=16, this run has data.global_batch_size=32",
+    ),
+    Probe(
+        "`train.py`",
+        "`trainer.num_nodes=2` without a launcher",
+        no_launcher,
+        RuntimeError,
+        r"num_nodes=2.*not started by a multi-node launcher",
+    ),
+    Probe(
+        "`train.py`",
+        "a validation set smaller than the number of devices",
+        val_smaller_than_devices,
+        ValueError,
+        "fewer than the 2 ranks",
+    ),
+    Probe(
+        "`train.py`",
+        "a FASTA file with a UTF-8 byte-order mark",
+        bom_file(".fasta", ">a\nMKTAYIAK\n>b\nMSEQ\n"),
+    ),
+    Probe(
+        "`train.py`",
+        "a CSV file with a UTF-8 byte-order mark",
+        bom_file(".csv", "id,sequence\na,MKTAYIAK\nb,MSEQ\n"),
+    ),
+    Probe(
+        "`train.py`",
+        "a FASTA file with a Latin-1 header",
+        latin1_fasta,
+        ValueError,
+        r"proteins\.fasta, line 1: not UTF-8 text",
+    ),
+    Probe(
+        "library",
+        "int16 / uint8 labels",
+        lambda t: (narrow_labels(torch.int16)(t), narrow_labels(torch.uint8)(t))[0],
+    ),
+    Probe("library", "a negative weight in `loss_mask`", negative_weight),
+    Probe(
+        "library",
+        "a negative weight in `loss_mask`, `check_labels=True`",
+        negative_weight_checked,
+        ValueError,
+        r"loss_mask holds 1 negative weight\(s\); first at \[b=0, s=1\]",
+    ),
+    Probe(
+        "library",
+        "`labels` and `loss_mask` on another device than the logits",
+        other_device,
+        ValueError,
+        "token_logits is on cpu and labels on meta",
+    ),
+    Probe(
+        "library",
+        "`per_sequence` / `constant` normalization of a `[b, 0]` batch",
+        per_sequence_empty,
+    ),
+    Probe(
+        "library",
+        "`unpack_sequences` on a `[T, v]` tensor",
+        unpack((6, 33), 0),
+        ValueError,
+        r"needs packed of shape \[T, 1, \.\.\.\], got \(6, 33\)",
+    ),
+    Probe(
+        "library",
+        "`unpack_sequences` on a `[2, T]` tensor",
+        unpack((2, 6), 1),
+        ValueError,
+        r"needs packed of shape \[1, T, \.\.\.\], got \(2, 6\)",
+    ),
+    Probe(
+        "library",
+        "`pack_batch` with float lengths",
+        pack([2.7, 3.0]),
+        TypeError,
+        "lengths must be integers",
+    ),
+    Probe(
+        "library",
+        "`pack_batch` on a batch of `b == 0` sequences",
+        pack([], batch=0),
+        ValueError,
+        "b = 0 sequences",
+    ),
+]
+
+
+def outcome(probe: Probe, tmp: Path) -> str | BaseException:
+    try:
+        return probe.run(tmp)
+    except Exception as error:  # the outcome to check and to document
+        return error
+
+
+def describe(result: str | BaseException, tmp: Path) -> str:
+    """The table's cell: the sentence, or ``Error: message`` with the temporary paths hidden."""
+    if not isinstance(result, BaseException):
+        return result
+    message = " ".join(str(result).split()).replace(str(tmp), "DIR").replace("|", "\\|")
+    # Who holds a lock changes from run to run.
+    message = re.sub(
+        r"pid \d+ on host .+? holds", "pid PID on host HOST, started TIME: COMMAND holds", message
+    )
+    return f"`{type(result).__name__}`: {message}"
+
+
+def render(outcomes: list[tuple[Probe, str | BaseException, Path]]) -> str:
+    lines = [
+        "# Bad inputs and what they get",
+        "",
+        "Generated by `python -m tests.integration.test_bad_inputs` from the probes in",
+        "`tests/integration/test_bad_inputs.py`, each of which is a test (`DIR` stands for the",
+        "run's directory). Edit the probes, not this file.",
+        "",
+        "| where | bad input | what it gets |",
+        "| --- | --- | --- |",
+    ]
+    for probe, result, tmp in outcomes:
+        lines.append(f"| {probe.where} | {probe.bad_input} | {describe(result, tmp)} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_probes(root: Path) -> list[tuple[Probe, str | BaseException, Path]]:
+    results = []
+    for number, probe in enumerate(PROBES):
+        tmp = root / f"probe{number:02d}"
+        tmp.mkdir()
+        results.append((probe, outcome(probe, tmp), tmp))
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[tuple[Probe, str | BaseException, Path]]:
+    return run_probes(tmp_path_factory.mktemp("probes"))
+
+
+@pytest.mark.parametrize("number", range(len(PROBES)), ids=[p.bad_input for p in PROBES])
+def test_probe(outcomes: list[tuple[Probe, str | BaseException, Path]], number: int) -> None:
+    probe, result, _ = outcomes[number]
+    if probe.error is None:
+        assert isinstance(result, str), result  # an error where a result was due
+        return
+    assert isinstance(result, probe.error), result
+    assert re.search(probe.match, str(result)), str(result)
+
+
+def test_errors_doc_is_up_to_date(outcomes: list[tuple[Probe, str | BaseException, Path]]) -> None:
+    assert DOC.read_text() == render(outcomes), (
+        "docs/errors.md is stale: python -m tests.integration.test_bad_inputs"
+    )
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        DOC.write_text(render(run_probes(Path(root))))
+    print(f"wrote {DOC.relative_to(ROOT)}", file=sys.stderr)

@@ -1,0 +1,95 @@
+"""Run directory safety: refusal, resume, overwrite, the lock, and the config history."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bert_reduce.recipe.run_directory import (
+    LOCK_NAME,
+    RunDirectoryError,
+    RunDirectoryLock,
+    check_run_directory,
+    existing_outputs,
+    remove_outputs,
+    save_config_keeping_previous,
+)
+
+
+def used_run(run_dir: Path) -> Path:
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"state")
+    (run_dir / "metrics.csv").write_text("step,train_loss\n1,3.5\n")
+    (run_dir / "config.yaml").write_text("seed: 0\n")
+    return run_dir / "checkpoints"
+
+
+def test_fresh_directory_and_empty_checkpoint_folder_hold_no_run(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / LOCK_NAME).write_text("")
+    assert existing_outputs(tmp_path, tmp_path / "checkpoints") == []
+    assert check_run_directory(tmp_path, tmp_path / "checkpoints", None, False) == []
+
+
+def test_new_run_into_used_directory_is_refused(tmp_path: Path) -> None:
+    checkpoints = used_run(tmp_path)
+    with pytest.raises(RunDirectoryError, match="already holds a run") as error:
+        check_run_directory(tmp_path, checkpoints, None, False)
+    message = str(error.value)
+    assert "checkpoints/last.ckpt, config.yaml, metrics.csv" in message
+    assert f"resume={checkpoints / 'last.ckpt'}" in message and "overwrite=true" in message
+    # Resuming from another directory's checkpoint does not continue this run either.
+    with pytest.raises(RunDirectoryError, match="already holds a run"):
+        check_run_directory(tmp_path, checkpoints, tmp_path.parent / "x" / "last.ckpt", False)
+
+
+def test_resume_of_this_run_is_allowed(tmp_path: Path) -> None:
+    checkpoints = used_run(tmp_path)
+    for name in ("last.ckpt", "step000005.ckpt"):
+        assert check_run_directory(tmp_path, checkpoints, checkpoints / name, False) == []
+
+
+def test_overwrite_returns_what_it_deletes(tmp_path: Path) -> None:
+    checkpoints = used_run(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    previous = check_run_directory(tmp_path, checkpoints, None, True)
+    assert [p.name for p in previous] == ["last.ckpt", "config.yaml", "metrics.csv"]
+    remove_outputs(previous)
+    assert existing_outputs(tmp_path, checkpoints) == []
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # not the recipe's: kept
+
+
+def test_overwrite_cannot_delete_the_checkpoint_it_resumes(tmp_path: Path) -> None:
+    checkpoints = used_run(tmp_path)
+    with pytest.raises(RunDirectoryError, match="overwrite=true would delete"):
+        check_run_directory(tmp_path, checkpoints, checkpoints / "last.ckpt", True)
+
+
+def test_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:
+    with RunDirectoryLock(tmp_path) as lock:
+        lock.record_holder()
+        with (
+            pytest.raises(RunDirectoryError, match=f"pid {os.getpid()} on host"),
+            RunDirectoryLock(tmp_path),
+        ):
+            pass
+    with RunDirectoryLock(tmp_path):  # released
+        pass
+
+
+def test_lock_file_unchanged_until_the_holder_is_recorded(tmp_path: Path) -> None:
+    (tmp_path / LOCK_NAME).write_text("pid 1 on host h, started ...\n")
+    with RunDirectoryLock(tmp_path):
+        assert (tmp_path / LOCK_NAME).read_text() == "pid 1 on host h, started ...\n"
+
+
+def test_config_history_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    assert save_config_keeping_previous("a: 1\n", path) is None
+    assert save_config_keeping_previous("a: 1\n", path) is None  # same: nothing kept
+    assert save_config_keeping_previous("a: 2\n", path) == tmp_path / "config.1.yaml"
+    assert save_config_keeping_previous("a: 3\n", path) == tmp_path / "config.2.yaml"
+    texts = [(tmp_path / n).read_text() for n in ("config.1.yaml", "config.2.yaml", "config.yaml")]
+    assert texts == ["a: 1\n", "a: 2\n", "a: 3\n"]
