@@ -61,7 +61,9 @@ class GlobalBatchLoss:
 
     Gradient accumulation needs no division: every share is already divided by the global
     denominator. Under DDP, wrap all but the last backward in ``model.no_sync()`` as usual;
-    under FSDP2, ``model.set_requires_gradient_sync(last)``.
+    under FSDP2, ``model.set_requires_gradient_sync(last)``. FSDP2 all-gathers parameters in
+    every forward, so there every rank must run the same number of micro-batches (one whose
+    labels are all ``ignore_index`` contributes nothing).
 
     A micro-batch is a mapping with ``labels`` (``[b, s]`` token ids, ``ignore_index`` where
     unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights; a token
