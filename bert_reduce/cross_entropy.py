@@ -37,7 +37,7 @@ This module is pure torch; Megatron-Core is only consulted (through
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,19 @@ from bert_reduce.functional import (
     masked_loss_sum,
 )
 
-__all__ = ["Capacity", "masked_cross_entropy", "masked_token_losses", "resolve_capacity"]
+__all__ = [
+    "Capacity",
+    "RowSelection",
+    "ShardedTargets",
+    "combine_shard_stats",
+    "masked_cross_entropy",
+    "masked_token_losses",
+    "resolve_capacity",
+    "scatter_row_losses",
+    "select_rows",
+    "shard_stats",
+    "shard_targets",
+]
 
 Capacity = int | float | Literal["all", "nonzero"]
 """How many rows :func:`masked_cross_entropy` computes; see the module docstring."""
@@ -97,6 +109,175 @@ def resolve_capacity(capacity: Capacity, num_positions: int) -> int | None:
     if capacity < 0:
         raise ValueError(f"capacity must be non-negative, got {capacity}.")
     return min(num_positions, capacity)
+
+
+class RowSelection(NamedTuple):
+    """Which flat rows a masked loss computes.
+
+    Attributes:
+        index: int64 ``[rows]`` flat row numbers, scored rows first (each group in memory
+            order), or ``None`` for every row in order.
+        unselected: int64 flat rows left out (their gradient is zero), or ``None``.
+        overflow: ``[positions]`` bool, true on every scored row when more rows are scored
+            than selected (else all false), or ``None`` when no overflow is possible.
+    """
+
+    index: Tensor | None
+    unselected: Tensor | None
+    overflow: Tensor | None
+
+
+def select_rows(
+    scored: Tensor, capacity: Capacity = "all", num_scored: Tensor | None = None
+) -> RowSelection:
+    """Choose the rows to compute from the flat ``[positions]`` bool ``scored``, without a sync.
+
+    Args:
+        scored: ``[positions]`` bool, true where the loss mask is non-zero.
+        capacity: See :func:`resolve_capacity`; ignored when ``num_scored`` is given.
+        num_scored: The number of scored positions as the data pipeline counted them: an
+            integer CPU tensor whose sum is the count (e.g. a collator's ``[b]`` per-sample
+            counts). Host data, so reading it costs no device sync. Used as an exact static
+            capacity: more scored rows than it says make the loss NaN (checked on the
+            device), fewer only cost unscored rows of work.
+
+    Returns:
+        The selection; ``index`` is ``None`` when every row is computed.
+
+    Raises:
+        ValueError: On a bad ``capacity``, a ``num_scored`` that is not on the CPU (reading it
+            would wait for the device), or one that sums to a negative count.
+    """
+    if num_scored is not None:
+        if num_scored.device.type != "cpu":
+            raise ValueError(
+                f"num_scored must stay on the CPU (it is on {num_scored.device}): it is the data "
+                "pipeline's count, read on the host; moving it to the device and back would "
+                "synchronize. Leave it out of the batch's transfer to the device."
+            )
+        # Host memory, read through numpy: no device involved.
+        limit: int | None = int(num_scored.numpy().sum())
+        if limit < 0:
+            raise ValueError(f"num_scored must be non-negative, got a sum of {limit}.")
+        limit = min(limit, scored.numel())
+    else:
+        limit = resolve_capacity(capacity, scored.numel())
+    if limit is not None and limit == scored.numel():
+        return RowSelection(None, None, None)
+    # A stable sort puts the scored rows first, each group in memory order. Static shapes
+    # and no host sync, unless the split point is read back ("nonzero").
+    order = torch.sort(scored.to(torch.uint8), descending=True, stable=True).indices
+    count = scored.sum(dtype=torch.int64)
+    overflow = None
+    if limit is None:
+        limit = int(count)
+    else:
+        overflow = scored & (count > limit)
+    return RowSelection(order[:limit], order[limit:], overflow)
+
+
+class ShardedTargets(NamedTuple):
+    """Where each row's target falls in this rank's vocab shard.
+
+    Attributes:
+        local: int64 ``[rows, 1]`` target id within the shard (0 where not in it).
+        in_shard: ``[rows]`` bool, whether the target lies in this rank's shard.
+        in_vocab: ``[rows]`` bool, whether the target lies in the whole vocabulary.
+    """
+
+    local: Tensor
+    in_shard: Tensor
+    in_vocab: Tensor
+
+
+def shard_targets(
+    targets: Tensor, shard: int, tp_group: dist.ProcessGroup | None = None
+) -> ShardedTargets:
+    """Locate ``[rows]`` target ids in this rank's vocab shard of size ``shard``.
+
+    ``tp_group``: the vocab-sharding group; see :func:`masked_token_losses`.
+    """
+    _, tp_size, tp_rank = _tensor_parallel(tp_group)
+    local = targets - _vocab_start(shard, tp_rank, tp_size)
+    in_shard = (local >= 0) & (local < shard)
+    in_vocab = (targets >= 0) & (targets < shard * tp_size)
+    return ShardedTargets(torch.where(in_shard, local, 0).unsqueeze(1), in_shard, in_vocab)
+
+
+def shard_stats(
+    rows: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """The zeroed ``[tp, 2, rows]`` buffer :func:`combine_shard_stats` reduces.
+
+    This rank fills its slot, ``stats[tp_rank]``, with its shard's per-row (log-sum-exp,
+    target logit) and leaves the other slots at zero.
+    """
+    _, tp_size, _ = _tensor_parallel(tp_group)
+    return torch.zeros(tp_size, 2, rows, dtype=dtype, device=device)
+
+
+def combine_shard_stats(
+    stats: Tensor, targets: ShardedTargets, tp_group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, Tensor]:
+    """The global per-row log-sum-exp and target logit, in ONE collective under TP.
+
+    Args:
+        stats: ``[tp, 2, rows]`` from :func:`shard_stats`, this rank's slot filled in.
+        targets: This rank's :func:`shard_targets`.
+        tp_group: The vocab-sharding group (see :func:`masked_token_losses`).
+
+    Returns:
+        ``(lse, target_logit)``, each ``[rows]``: the log-sum-exp over the whole vocabulary
+        (the log-sum-exp of the shards') and the target's logit (from the shard holding it).
+    """
+    group, _, tp_rank = _tensor_parallel(tp_group)
+    # Only the shard holding the target contributes its logit; every other slot stays 0 so
+    # that a single SUM all-reduce fills in every shard's.
+    stats[tp_rank, 1] = torch.where(targets.in_shard, stats[tp_rank, 1], 0)
+    if group is not None:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    return torch.logsumexp(stats[:, 0], dim=0), stats[:, 1].sum(dim=0)
+
+
+def scatter_row_losses(
+    lse: Tensor,
+    target_logit: Tensor,
+    targets: ShardedTargets,
+    scored: Tensor,
+    selection: RowSelection,
+    positions: int,
+) -> tuple[Tensor, Tensor]:
+    """Per-position losses from the selected rows' statistics.
+
+    Args:
+        lse: ``[rows]`` global log-sum-exp of the selected rows.
+        target_logit: ``[rows]`` their target logits.
+        targets: Their :class:`ShardedTargets`.
+        scored: ``[rows]`` bool, whether each selected row is scored.
+        selection: The :class:`RowSelection` the rows come from.
+        positions: Number of flat positions (``b * s``).
+
+    Returns:
+        ``(losses, scored)``: ``[positions]`` losses (``lse - target_logit`` on scored rows,
+        NaN for a target outside the vocabulary, 0 elsewhere, NaN on every scored row after a
+        capacity overflow), and the ``[rows]`` rows whose gradient is not zero (none after
+        an overflow, whose gradient is NaN instead).
+    """
+    loss = torch.where(targets.in_vocab, lse - target_logit, torch.nan)
+    # `where`, not a product: whatever an unscored row holds must not reach the output.
+    loss = torch.where(scored, loss, 0)
+    if selection.index is None:
+        losses = loss
+    else:
+        losses = loss.new_zeros(positions).index_copy_(0, selection.index, loss)
+    if selection.overflow is not None:
+        # Scored rows past the capacity have no loss: poison every scored row instead.
+        losses = torch.where(selection.overflow, torch.nan, losses)
+        scored = scored & ~selection.overflow.any()
+    return losses, scored
 
 
 def _tensor_parallel(
@@ -216,40 +397,22 @@ class _MaskedTokenLosses(torch.autograd.Function):
         whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
         true on every scored row when more rows are scored than selected, else all false.
         """
-        group, tp_size, tp_rank = _tensor_parallel(tp_group)
+        _, _, tp_rank = _tensor_parallel(tp_group)
         acc = accumulation_dtype(logits.dtype)
         seq_len, batch_size, shard = logits.shape
-        local = targets - _vocab_start(shard, tp_rank, tp_size)
-        in_shard = (local >= 0) & (local < shard)
-        local = torch.where(in_shard, local, 0).unsqueeze(1)
-
-        # Slot tp_rank holds this shard's (log-sum-exp, target logit) per row; the other slots
-        # stay 0 so that a single SUM all-reduce fills in every shard's.
-        stats = torch.zeros(tp_size, 2, rows.count, dtype=acc, device=logits.device)
+        sharded = shard_targets(targets, shard, tp_group)
+        stats = shard_stats(rows.count, acc, logits.device, tp_group)
         private = not rows.is_view(logits, acc)
         for start, end in rows.chunks():
             x = rows.read_as(logits, start, end, acc)
-            stats[tp_rank, 1, start:end] = x.gather(1, local[start:end]).squeeze(1)
+            stats[tp_rank, 1, start:end] = x.gather(1, sharded.local[start:end]).squeeze(1)
             stats[tp_rank, 0, start:end] = _logsumexp_(x) if private else x.logsumexp(dim=-1)
-        stats[tp_rank, 1] = torch.where(in_shard, stats[tp_rank, 1], 0)
-        if group is not None:
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-        lse = torch.logsumexp(stats[:, 0], dim=0)
-        target_logit = stats[:, 1].sum(dim=0)
-
-        in_vocab = (targets >= 0) & (targets < shard * tp_size)
-        loss = torch.where(in_vocab, lse - target_logit, torch.nan)
-        # `where`, not a product: whatever an unscored row holds must not reach the output.
-        loss = torch.where(scored, loss, 0)
-        losses = torch.zeros(seq_len * batch_size, dtype=acc, device=logits.device)
-        if rows.index is None:
-            losses = loss
-        else:
-            losses.index_copy_(0, rows.index, loss)
-        if overflow is not None:
-            # Scored rows past the capacity have no loss: poison every scored row instead.
-            losses = torch.where(overflow, torch.nan, losses)
-            scored = scored & ~overflow.any()
+        lse, target_logit = combine_shard_stats(stats, sharded, tp_group)
+        selection = RowSelection(rows.index, unselected, overflow)
+        losses, scored = scatter_row_losses(
+            lse, target_logit, sharded, scored, selection, seq_len * batch_size
+        )
+        local, in_shard = sharded.local, sharded.in_shard
         ctx.rows, ctx.in_place = rows, in_place
         ctx.save_for_backward(logits, lse, local, in_shard, scored, unselected, overflow)
         return losses.view(seq_len, batch_size).t().contiguous()
@@ -300,6 +463,7 @@ def masked_token_losses(
     in_place: bool = False,
     chunk_elements: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    num_scored: Tensor | None = None,
 ) -> Tensor:
     """Per-token cross-entropy on the scored positions, computing only what the mask needs.
 
@@ -330,6 +494,9 @@ def masked_token_losses(
         tp_group: The group the vocabulary is sharded over (its one all-reduce runs there);
             ``None``: Megatron-Core's tensor-parallel group when its parallel state is
             initialized, else no sharding.
+        num_scored: The data pipeline's count of scored positions (e.g. the collator's
+            per-sample ``[b]`` counts, summed), a CPU tensor: computes exactly that many
+            rows, with no host sync; overrides ``capacity``. See :func:`select_rows`.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
@@ -356,18 +523,9 @@ def masked_token_losses(
     scored = (loss_mask != 0).transpose(0, 1).reshape(-1)
     targets = labels.transpose(0, 1).reshape(-1).to(torch.int64)  # gather takes int64
 
-    limit = resolve_capacity(capacity, scored.numel())
-    index = overflow = unselected = None
-    if limit is None or limit < scored.numel():
-        # A stable sort puts the scored rows first, each group in memory order. Static shapes
-        # and no host sync, unless the split point is read back ("nonzero").
-        order = torch.sort(scored.to(torch.uint8), descending=True, stable=True).indices
-        count = scored.sum(dtype=torch.int64)
-        if limit is None:
-            limit = int(count)
-        else:
-            overflow = scored & (count > limit)
-        index, unselected = order[:limit], order[limit:]
+    selection = select_rows(scored, capacity, num_scored)
+    index, unselected, overflow = selection.index, selection.unselected, selection.overflow
+    if index is not None:
         targets, scored = targets[index], scored[index]
     rows = _Rows(logits.shape, index, chunk_elements)
     return _MaskedTokenLosses.apply(
@@ -384,6 +542,7 @@ def masked_cross_entropy(
     in_place: bool = False,
     chunk_elements: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    num_scored: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Cross-entropy summed over the scored tokens, and its denominator.
 
@@ -400,6 +559,8 @@ def masked_cross_entropy(
         in_place: Write the gradient into ``logits``; see :func:`masked_token_losses`.
         chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
         tp_group: The vocab-sharding group; see :func:`masked_token_losses`.
+        num_scored: The data pipeline's count of scored positions; see
+            :func:`masked_token_losses`.
 
     Returns:
         ``(loss_sum, denominator)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
@@ -417,5 +578,6 @@ def masked_cross_entropy(
         in_place=in_place,
         chunk_elements=chunk_elements,
         tp_group=tp_group,
+        num_scored=num_scored,
     )
     return masked_loss_sum(losses, loss_mask)

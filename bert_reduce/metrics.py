@@ -36,6 +36,7 @@ __all__ = [
     "token_loss_sums",
 ]
 
+
 def perplexity_from_sums(loss_sum: Tensor, denominator: Tensor) -> Tensor:
     """``exp(loss_sum / denominator)`` in fp64, and 1.0 where ``denominator == 0``; no host sync.
 

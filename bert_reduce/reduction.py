@@ -21,6 +21,14 @@ from bert_reduce.functional import (
     unreduced_token_loss_fn,
     validate_masked_labels,
 )
+from bert_reduce.linear_cross_entropy import (
+    HIDDEN_LAYOUT_KEY,
+    HIDDEN_STATES_KEY,
+    OUTPUT_BIAS_KEY,
+    OUTPUT_WEIGHT_KEY,
+    head_logits,
+    linear_masked_token_losses,
+)
 from bert_reduce.normalization import Normalization, normalized_loss_terms
 from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.reports import (
@@ -145,7 +153,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         mask_capacity: Which rows ``"masked"`` computes: ``"all"`` (default; exact for any
             mask, no host sync), a static row count or fraction of ``b * s`` (faster; exact up
             to that many masked tokens, NaN beyond), or ``"nonzero"`` (exact, one host sync).
-            See :mod:`bert_reduce.cross_entropy`.
+            See :mod:`bert_reduce.cross_entropy`. A ``batch["num_scored"]`` (the data
+            pipeline's count, a CPU tensor) overrides it with the exact count, sync-free.
 
     Per-sequence and constant modes need to know which tokens form a sequence (see
     :func:`bert_reduce.packing.batch_sequence_normalizers`). By default each ``[b, s]`` row is
@@ -206,7 +215,12 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 non-zero where scored, or float weights); under context parallelism, this
                 rank's shard. Optionally ``sequence_weight`` and ``sequence_start`` (``[b, s]``)
                 or ``cu_seqlens``/``cu_seqlens_padded`` for the per-sequence and constant modes.
-            forward_out: ``token_logits`` of shape ``[s, b, v]`` (``v`` sharded under TP).
+            forward_out: ``token_logits`` of shape ``[s, b, v]`` (``v`` sharded under TP);
+                or, for the fused masked-only head (:func:`bert_reduce.linear_masked_token_losses`,
+                no ``[s, b, v]`` logits), ``hidden_states`` (``[s, b, h]``, or ``[b, s, h]`` with
+                ``hidden_layout="bsh"``), ``output_weight`` (``[v, h]``) and optionally
+                ``output_bias`` (``[v]``). A ``batch["num_scored"]`` (the collator's count of
+                scored positions, on the CPU) sets how many rows either path computes.
 
         Returns:
             ``(loss_sum, num_tokens, report)``: the mode's 0-dim numerator in fp32 that carries
@@ -222,20 +236,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         """
         labels = _require(batch, "labels", "batch")
         loss_mask = _require(batch, "loss_mask", "batch")
-        logits = _require(forward_out, "token_logits", "forward_out")
         check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
-        if self.check_labels:
-            vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
-            validate_masked_labels(labels, loss_mask, vocab_size)
-
-        if self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion:
-            per_token_loss = masked_token_losses(
-                logits, labels, loss_mask, capacity=self.mask_capacity
-            )
-        else:
-            per_token_loss = unreduced_token_loss_fn(
-                logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
-            )
+        per_token_loss = self._per_token_loss(batch, forward_out, labels, loss_mask)
         loss_sum, num_tokens = normalized_loss_terms(
             per_token_loss,
             loss_mask,
@@ -255,6 +257,47 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 forward_out=_detached(forward_out),
             )
         return loss_sum, num_tokens, report
+
+    def _per_token_loss(
+        self,
+        batch: Mapping[str, Any],
+        forward_out: Mapping[str, Any],
+        labels: Tensor,
+        loss_mask: Tensor,
+    ) -> Tensor:
+        """``[b, s]`` losses from ``token_logits``, or from the output layer's inputs."""
+        num_scored = _require(batch, "num_scored", "batch") if "num_scored" in batch else None
+        fused_head = "token_logits" not in forward_out and HIDDEN_STATES_KEY in forward_out
+        masked = self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion
+        if fused_head:
+            weight = _require(forward_out, OUTPUT_WEIGHT_KEY, "forward_out")
+            vocab_shard = weight.size(0)
+        else:
+            logits = _require(forward_out, "token_logits", "forward_out")
+            vocab_shard = logits.size(-1)
+        if self.check_labels:
+            vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
+            validate_masked_labels(labels, loss_mask, vocab_size)
+        if fused_head and masked:
+            return linear_masked_token_losses(
+                _require(forward_out, HIDDEN_STATES_KEY, "forward_out"),
+                weight,
+                labels,
+                loss_mask,
+                bias=forward_out.get(OUTPUT_BIAS_KEY),
+                capacity=self.mask_capacity,
+                num_scored=num_scored,
+                layout=forward_out.get(HIDDEN_LAYOUT_KEY, "sbh"),
+            )
+        if fused_head:
+            logits = head_logits(forward_out)
+        if masked:
+            return masked_token_losses(
+                logits, labels, loss_mask, capacity=self.mask_capacity, num_scored=num_scored
+            )
+        return unreduced_token_loss_fn(
+            logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
+        )
 
     def _sequence_normalizers(
         self, batch: Mapping[str, Any], loss_mask: Tensor

@@ -57,5 +57,3 @@ def test_packed_cp_indices_match_loop_and_cover_each_position_once(cp_size) -> N
         assert index.tolist() == loop_partition(bounds.tolist(), cp_size, cp_rank)
         seen += index.tolist()
     assert sorted(seen) == list(range(64))
-
-

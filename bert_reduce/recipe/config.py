@@ -49,6 +49,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     pad_id: int = 1
     init_std: float = 0.02
+    fused_lm_head: bool = True
 
 
 @dataclass
@@ -73,7 +74,7 @@ class HFEsm2ModelConfig:
     mask_id: int = 32
     init_std: float = 0.02
     attn_implementation: str = "sdpa"
-    lm_head_inputs: bool = False
+    fused_lm_head: bool = True
 
 
 @dataclass

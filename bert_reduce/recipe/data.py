@@ -340,8 +340,11 @@ class MLMCollator:
 
     Returns (when called):
         ``input_ids`` (``[b, s]`` int64, padded with ``pad_id``), ``attention_mask`` (``[b, s]``
-        bool, false on padding), ``labels`` (``[b, s]`` int64) and ``loss_mask`` (``[b, s]``
-        bool, false on padding).
+        bool, false on padding), ``labels`` (``[b, s]`` int64), ``loss_mask`` (``[b, s]``
+        bool, false on padding) and ``num_scored`` (``[b]`` int64, each sample's number of
+        scored positions). ``num_scored`` is counted here, on the host, so that the loss can
+        compute exactly the scored rows without reading the mask back from the device
+        (keep it on the CPU: :class:`~bert_reduce.recipe.module.ESM2MLMModule` does).
     """
 
     def __init__(
@@ -374,6 +377,7 @@ class MLMCollator:
             batch["attention_mask"][row, :size] = True
             batch["labels"][row, :size] = sample["labels"]
             batch["loss_mask"][row, :size] = sample["loss_mask"]
+        batch["num_scored"] = batch["loss_mask"].sum(dim=1)
         return batch
 
 
@@ -384,7 +388,8 @@ class PackedMicroBatchCollator:
     the training step reads nothing back from the device. Each micro-batch is what
     :func:`bert_reduce.pack_batch` makes of ``micro_batch_size`` consecutive samples: one
     ``[1, T]`` row without padding (unless ``pad_to_multiple_of > 1``), with ``cu_seqlens``,
-    ``cu_seqlens_padded`` and the per-sequence normalizers.
+    ``cu_seqlens_padded``, the per-sequence normalizers, and the ``[b]`` ``num_scored`` of
+    :class:`MLMCollator` (their sum is the packed row's count of scored positions).
 
     Args:
         micro_batch_size: Samples per packed micro-batch.

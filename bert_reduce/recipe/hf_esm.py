@@ -3,11 +3,12 @@
 The model is built from an ``EsmConfig`` (ESM-2 8M's shape by default) or loaded from a local
 checkpoint directory (``save_pretrained``'s; nothing is downloaded). Like the recipe's own
 :class:`~bert_reduce.recipe.model.ESM2Model` it returns ``{"token_logits": [s, b, v]}``, so
-the same exact loss trains it. With ``lm_head_inputs=True`` it returns instead what a fused
-masked-only output head consumes, without computing the ``[s, b, v]`` logits:
+the same exact loss trains it. With ``fused_lm_head=True`` (as the recipe's own model) it
+returns in training mode what the loss's masked-only fused head consumes
+(:mod:`bert_reduce.linear_cross_entropy`), without computing the ``[s, b, v]`` logits:
 
-* ``hidden_states``: ``[s, b, h]``, the LM head's input to its decoder (after its dense
-  layer, GELU and LayerNorm);
+* ``hidden_states``: ``[b, s, h]`` (``hidden_layout: "bsh"``), the LM head's input to its
+  decoder (after its dense layer, GELU and LayerNorm);
 * ``output_weight``: ``[v, h]``, the decoder's weight (tied to the token embeddings);
 * ``output_bias``: ``[v]``, the head's bias;
 
@@ -19,8 +20,16 @@ Needs ``transformers`` (the ``hf`` extra); it is imported when the model is buil
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor, nn
+
+from bert_reduce.linear_cross_entropy import (
+    HIDDEN_LAYOUT_KEY,
+    HIDDEN_STATES_KEY,
+    OUTPUT_BIAS_KEY,
+    OUTPUT_WEIGHT_KEY,
+)
 
 __all__ = ["HFEsm2Model"]
 
@@ -43,8 +52,9 @@ class HFEsm2Model(nn.Module):
         mask_id: The ``<mask>`` id (used by ``token_dropout``).
         init_std: Standard deviation of the weight initialization.
         attn_implementation: ``"sdpa"`` or ``"eager"`` (Hugging Face's choices).
-        lm_head_inputs: Return the LM head's inputs (see the module docstring) instead of
-            ``token_logits``.
+        fused_lm_head: In training mode, return the decoder's inputs (see the module
+            docstring) instead of ``token_logits``, for the loss's masked-only fused head; in
+            eval mode, and with ``False``, return the logits.
 
     Raises:
         FileNotFoundError: If ``pretrained_path`` is not a directory with a ``config.json``.
@@ -66,7 +76,7 @@ class HFEsm2Model(nn.Module):
         mask_id: int = 32,
         init_std: float = 0.02,
         attn_implementation: str = "sdpa",
-        lm_head_inputs: bool = False,
+        fused_lm_head: bool = True,
     ) -> None:
         super().__init__()
         try:
@@ -107,7 +117,7 @@ class HFEsm2Model(nn.Module):
         # The contact-prediction head is not on the masked-LM path: it never gets a gradient,
         # which DDP would refuse as unused parameters.
         self.model.esm.contact_head.requires_grad_(False)
-        self.lm_head_inputs = lm_head_inputs
+        self.fused_lm_head = fused_lm_head
 
     def forward(
         self,
@@ -115,7 +125,8 @@ class HFEsm2Model(nn.Module):
         attention_mask: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
         cu_seqlens_padded: Tensor | None = None,
-    ) -> dict[str, Tensor]:
+        logits: bool | None = None,
+    ) -> dict[str, Any]:
         """``{"token_logits": [s, b, v]}`` of a padded ``[b, s]`` batch (or the head's inputs).
 
         Args:
@@ -124,10 +135,12 @@ class HFEsm2Model(nn.Module):
             cu_seqlens: Packed rows are not supported here (Hugging Face's ESM has no
                 variable-length attention on CPU); given only to name the problem.
             cu_seqlens_padded: As ``cu_seqlens``.
+            logits: Return ``token_logits`` (``True``) or the decoder's inputs (``False``);
+                ``None``: the inputs in training mode with ``fused_lm_head``, else the logits.
 
         Returns:
-            ``{"token_logits": [s, b, v]}``, or with ``lm_head_inputs``
-            ``{"hidden_states": [s, b, h], "output_weight": [v, h], "output_bias": [v]}``.
+            ``{"token_logits": [s, b, v]}``; or ``{"hidden_states": [b, s, h],
+            "hidden_layout": "bsh", "output_weight": [v, h], "output_bias": [v]}``.
 
         Raises:
             ValueError: On a packed batch.
@@ -137,17 +150,21 @@ class HFEsm2Model(nn.Module):
                 "model=hf_esm2 takes padded [b, s] batches, not packed rows: set "
                 "data.pack_sequences=false."
             )
-        if not self.lm_head_inputs:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-            return {"token_logits": logits.transpose(0, 1)}
+        if logits is None:
+            logits = not (self.training and self.fused_lm_head)
+        if logits:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            return {"token_logits": out.transpose(0, 1)}
         from transformers.models.esm.modeling_esm import gelu
 
         hidden = self.model.esm(input_ids=input_ids, attention_mask=attention_mask)[0]
         head = self.model.lm_head
         # EsmLMHead.forward up to its decoder: logits = features @ decoder.weight.T + bias.
         features = head.layer_norm(gelu(head.dense(hidden)))
+        # [b, s, h] as computed: the loss reads it in this layout without a copy.
         return {
-            "hidden_states": features.transpose(0, 1),
-            "output_weight": head.decoder.weight,
-            "output_bias": head.bias,
+            HIDDEN_STATES_KEY: features,
+            HIDDEN_LAYOUT_KEY: "bsh",
+            OUTPUT_WEIGHT_KEY: head.decoder.weight,
+            OUTPUT_BIAS_KEY: head.bias,
         }

@@ -3,7 +3,10 @@
 Like ESM-2: token embeddings without absolute positions, rotary position embeddings on the
 queries and keys, pre-LN blocks with a GELU feed-forward, a final LayerNorm, and a
 ``dense -> GELU -> LayerNorm -> decoder`` language-model head whose decoder weight is tied to
-the embeddings by default. Like Megatron, the output is ``{"token_logits": [s, b, v]}``.
+the embeddings by default. Like Megatron, the output is ``{"token_logits": [s, b, v]}``, or,
+in training with the fused head (the default), the decoder's inputs for
+:func:`bert_reduce.linear_masked_token_losses`, so that the loss computes the logits of the
+masked positions only and ``[s, b, v]`` logits never exist.
 """
 
 from __future__ import annotations
@@ -13,6 +16,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from bert_reduce.linear_cross_entropy import (
+    HIDDEN_LAYOUT_KEY,
+    HIDDEN_STATES_KEY,
+    OUTPUT_BIAS_KEY,
+    OUTPUT_WEIGHT_KEY,
+)
 
 __all__ = ["ESM2Model", "RotaryEmbedding"]
 
@@ -118,6 +128,9 @@ class ESM2Model(nn.Module):
         tie_embeddings: Share the LM decoder weight with the token embeddings (as ESM-2).
         pad_id: The ``<pad>`` id; its embedding row starts at zero.
         init_std: Standard deviation of the normal weight initialization.
+        fused_lm_head: In training mode, return the decoder's inputs (``hidden_states``,
+            ``output_weight``, ``output_bias``) instead of ``token_logits``, for the loss's
+            masked-only fused head; in eval mode, and with ``False``, return the logits.
 
     Raises:
         ValueError: If ``num_heads`` does not divide ``hidden_size``, or a size is not
@@ -135,6 +148,7 @@ class ESM2Model(nn.Module):
         tie_embeddings: bool = True,
         pad_id: int = 1,
         init_std: float = 0.02,
+        fused_lm_head: bool = True,
     ) -> None:
         super().__init__()
         sizes = {
@@ -161,6 +175,7 @@ class ESM2Model(nn.Module):
         self.lm_dense = nn.Linear(hidden_size, hidden_size)
         self.lm_norm = nn.LayerNorm(hidden_size)
         self.lm_decoder = nn.Linear(hidden_size, vocab_size)
+        self.fused_lm_head = fused_lm_head
         self._init_weights(init_std, num_layers)
         if tie_embeddings:
             self.lm_decoder.weight = self.embed_tokens.weight
@@ -185,8 +200,10 @@ class ESM2Model(nn.Module):
         attention_mask: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
         cu_seqlens_padded: Tensor | None = None,
-    ) -> dict[str, Tensor]:
-        """Logits for every position, of a padded ``[b, s]`` batch or one packed ``[1, T]`` row.
+        *,
+        logits: bool | None = None,
+    ) -> dict[str, Tensor | str]:
+        """Logits (or the decoder's inputs) of a padded ``[b, s]`` batch or a packed ``[1, T]`` row.
 
         Args:
             input_ids: ``[b, s]`` int token ids, or ``[1, T]`` packed sequences.
@@ -197,10 +214,13 @@ class ESM2Model(nn.Module):
                 its own sequence, and rotary positions restart at 0 with every sequence.
             cu_seqlens_padded: ``[n + 1]`` where each sequence starts in the row when they are
                 padded (``cu_seqlens`` when ``None``); padding slots are never attended to.
+            logits: Return ``token_logits`` (``True``) or the decoder's inputs (``False``);
+                ``None``: the inputs in training mode with ``fused_lm_head``, else the logits.
 
         Returns:
             ``{"token_logits": [s, b, v]}``, sequence first as in Megatron (``[T, 1, v]``
-            when packed).
+            when packed); or ``{"hidden_states": [b, s, h], "hidden_layout": "bsh",
+            "output_weight": [v, h], "output_bias": [v]}``, whose ``F.linear`` gives them.
 
         Raises:
             ValueError: If ``input_ids`` is not ``[b, s]``, the mask's shape differs, or a
@@ -230,7 +250,17 @@ class ESM2Model(nn.Module):
         for block in self.layers:
             x = block(x, attn_mask, positions)
         x = self.lm_norm(F.gelu(self.lm_dense(self.final_norm(x))))
-        return {"token_logits": self.lm_decoder(x).transpose(0, 1)}
+        if logits is None:
+            logits = not (self.training and self.fused_lm_head)
+        if logits:
+            return {"token_logits": self.lm_decoder(x).transpose(0, 1)}
+        # [b, s, h] as computed: the loss reads it in this layout without a copy.
+        return {
+            HIDDEN_STATES_KEY: x,
+            HIDDEN_LAYOUT_KEY: "bsh",
+            OUTPUT_WEIGHT_KEY: self.lm_decoder.weight,
+            OUTPUT_BIAS_KEY: self.lm_decoder.bias,
+        }
 
 
 def _packed_attention(

@@ -14,6 +14,9 @@ Small shims, nothing in Megatron is modified:
   ``scale_gradients`` multiplies them in place, as ``grad_data *= scaling_factor`` does.
 * ``single_process_megatron()``: a one-rank gloo group with Megatron's parallel state in the
   test process itself, torn down afterwards (no spawn).
+* ``sequence_parallel_mappings_on_cpu()``: Megatron's sequence-parallel all-gather and
+  reduce-scatter allocate their outputs on ``torch.cuda.current_device()``; inside the
+  context, that name of the mappings module only gives the CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -104,3 +107,30 @@ def single_process_megatron() -> Iterator[None]:
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
+
+
+class _TorchWithCpuCurrentDevice(ModuleType):
+    """``torch``, except that ``torch.cuda.current_device()`` names the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = SimpleNamespace(current_device=lambda: "cpu")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def sequence_parallel_mappings_on_cpu() -> Iterator[None]:
+    """Megatron-Core's sequence-parallel all-gather and reduce-scatter, on CPU tensors.
+
+    Test-only shim: ``megatron/core/tensor_parallel/mappings.py`` allocates their outputs with
+    ``torch.empty(..., device=torch.cuda.current_device())`` (``_gather_along_first_dim``,
+    line 141, and ``_reduce_scatter_along_first_dim``, line 181, in megatron-core 0.16.1). Within
+    the context, the ``torch`` name of that module only is a proxy whose
+    ``cuda.current_device()`` is ``"cpu"``; the collectives themselves are gloo's, unchanged.
+    """
+    from megatron.core.tensor_parallel import mappings
+
+    with mock.patch.object(mappings, "torch", _TorchWithCpuCurrentDevice()):
+        yield

@@ -250,6 +250,14 @@ def pack(lengths: object, batch: int = 2) -> Callable[[Path], str]:
     return probe
 
 
+def reduce_reports_of(reports: object) -> Callable[[Path], str]:
+    def probe(tmp: Path) -> str:
+        BERTMLMLossWithReduction().reduce(reports)  # type: ignore[arg-type]
+        return "reduced"
+
+    return probe
+
+
 PROBES = [
     Probe(
         "`train.py`",
@@ -410,6 +418,29 @@ PROBES = [
         pack([], batch=0),
         ValueError,
         "b = 0 sequences",
+    ),
+    Probe(
+        "library",
+        "`reduce` given a report that is a string",
+        reduce_reports_of([{"loss_sum_and_microbatch_size": torch.zeros(2)}, "loss"]),
+        TypeError,
+        r"report 1 must be a mapping with key 'loss_sum_and_microbatch_size'",
+    ),
+    Probe(
+        "library",
+        "`reduce` given a report of shape `[3]`",
+        reduce_reports_of([{"loss_sum_and_microbatch_size": torch.zeros(3)}]),
+        ValueError,
+        r"must have shape \[2\] or \[\.\.\., 2\] \(loss_sum, denominator\), got \(3,\)",
+    ),
+    Probe(
+        "library",
+        "`reduce` given per-token and legacy `avg` reports mixed",
+        reduce_reports_of(
+            [{"loss_sum_and_microbatch_size": torch.zeros(2)}, {"avg": torch.ones(1)}]
+        ),
+        ValueError,
+        "Cannot reduce these reports",
     ),
 ]
 

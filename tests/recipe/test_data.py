@@ -11,6 +11,7 @@ from bert_reduce.recipe.data import (
     BACKGROUND_FREQUENCIES,
     MLMCollator,
     MLMDataset,
+    PackedMicroBatchCollator,
     load_sequences,
     mask_tokens,
     read_fasta,
@@ -173,3 +174,13 @@ def test_packed_micro_batches_hold_the_same_tokens() -> None:
             0,
             *np.cumsum([len(s["labels"]) for s in chunk]),
         ]
+
+
+def test_collators_count_the_scored_positions_on_the_host() -> None:
+    dataset = MLMDataset(["MKVLAAGIWQ", "MSTNPKPQRKTKRNTNRRPQD", "MAL", "MGSSHH"], mask_prob=0.4)
+    samples = [dataset[index] for index in range(4)]
+    batch = MLMCollator()(samples)
+    assert batch["num_scored"].dtype == torch.int64 and batch["num_scored"].device.type == "cpu"
+    assert batch["num_scored"].tolist() == [int(s["loss_mask"].sum()) for s in samples]
+    for micro_batch in PackedMicroBatchCollator(2)(samples)["micro_batches"]:
+        assert int(micro_batch["num_scored"].sum()) == int(micro_batch["loss_mask"].sum())

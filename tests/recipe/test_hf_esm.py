@@ -38,22 +38,42 @@ def test_defaults_are_esm2_8m_and_typed() -> None:
         make("model.tie_embeddings=false")  # the own model's key, not this one's
 
 
-def test_instantiated_model_gives_sbv_logits_and_lm_head_inputs() -> None:
+def test_instantiated_model_gives_sbv_logits_and_fused_head_inputs() -> None:
     torch.manual_seed(0)
     model = instantiate(make(*TINY).model)
-    assert isinstance(model, HFEsm2Model)
+    assert isinstance(model, HFEsm2Model) and model.fused_lm_head
     ids = torch.randint(4, 24, (3, 9))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
+    model.eval()
     logits = model(ids, mask)["token_logits"]
     assert logits.shape == (9, 3, 33)
-    model.lm_head_inputs = True
+    model.train()
     head = model(ids, mask)
-    assert set(head) == {"hidden_states", "output_weight", "output_bias"}
-    assert head["hidden_states"].shape == (9, 3, 16)
+    assert set(head) == {"hidden_states", "hidden_layout", "output_weight", "output_bias"}
+    assert head["hidden_states"].shape == (3, 9, 16) and head["hidden_layout"] == "bsh"
     assert head["output_weight"] is model.model.esm.embeddings.word_embeddings.weight  # tied
     recomputed = head["hidden_states"] @ head["output_weight"].T + head["output_bias"]
-    torch.testing.assert_close(recomputed, logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(recomputed.transpose(0, 1), logits, rtol=1e-6, atol=1e-6)
+    assert "token_logits" in model(ids, mask, logits=True)
+    model.fused_lm_head = False
+    assert "token_logits" in model(ids, mask)
+
+
+def test_fused_head_loss_equals_logits_loss() -> None:
+    from bert_reduce import BERTMLMLossWithReduction
+
+    torch.manual_seed(0)
+    model = instantiate(make(*TINY).model).double()
+    ids = torch.randint(4, 24, (3, 9))
+    batch = {"labels": ids, "loss_mask": torch.rand(3, 9) < 0.3}
+    values = []
+    for logits in (True, False):
+        loss_fn = BERTMLMLossWithReduction()
+        loss_fn.setup(batch)
+        _, _, report = loss_fn(model(ids, torch.ones_like(ids), logits=logits))
+        values.append(loss_fn.reduce([report]))
+    torch.testing.assert_close(values[0], values[1], rtol=1e-12, atol=0)
 
 
 def test_pretrained_path_loads_a_local_checkpoint(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ def test_pad_rejects_overlong() -> None:
 def test_output_layout_and_tied_head() -> None:
     model = ESM2Model(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64)
     ids = torch.randint(4, 24, (3, 7))
-    logits = model(ids)["token_logits"]
+    logits = model(ids, logits=True)["token_logits"]
     assert logits.shape == (7, 3, 33)
     assert model.lm_decoder.weight is model.embed_tokens.weight
     untied = ESM2Model(hidden_size=32, num_heads=4, tie_embeddings=False)
@@ -76,7 +76,8 @@ def test_dropout_only_in_training() -> None:
     model.eval()
     torch.testing.assert_close(model(ids)["token_logits"], model(ids)["token_logits"])
     model.train()
-    assert not torch.allclose(model(ids)["token_logits"], model(ids)["token_logits"])
+    first, second = (model(ids, logits=True)["token_logits"] for _ in range(2))
+    assert not torch.allclose(first, second)
 
 
 @pytest.mark.parametrize(
@@ -128,3 +129,19 @@ def test_packed_row_equals_padded_batch(pad_to_multiple_of: int) -> None:
     # Without the boundaries, the row is one long sequence: the check above can fail.
     merged = model(packed["input_ids"])["token_logits"]
     assert not torch.allclose(merged[: lengths[0], 0], padded[: lengths[0], 0])
+
+
+def test_fused_head_outputs_in_training_logits_in_eval() -> None:
+    model = ESM2Model(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64).double()
+    ids = torch.randint(4, 24, (3, 7))
+    fused = model(ids)
+    assert set(fused) == {"hidden_states", "hidden_layout", "output_weight", "output_bias"}
+    assert fused["hidden_layout"] == "bsh" and fused["hidden_states"].shape == (3, 7, 32)
+    assert fused["output_weight"] is model.embed_tokens.weight
+    logits = torch.nn.functional.linear(
+        fused["hidden_states"], fused["output_weight"], fused["output_bias"]
+    )
+    expected = model(ids, logits=True)["token_logits"]
+    torch.testing.assert_close(logits.transpose(0, 1), expected, rtol=1e-12, atol=1e-12)
+    assert set(model.eval()(ids)) == {"token_logits"}
+    assert set(ESM2Model(hidden_size=32, num_heads=4, fused_lm_head=False)(ids)) == {"token_logits"}

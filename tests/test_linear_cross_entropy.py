@@ -1,0 +1,302 @@
+"""The fused masked-only LM head against F.linear + F.cross_entropy on the whole unsplit batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bert_reduce import (
+    BERTMLMLossWithReduction,
+    get_batch_on_this_cp_rank,
+    linear_masked_token_losses,
+    pack_batch,
+)
+from bert_reduce.recipe.data import MLMCollator
+from tests.helpers.linear_reference import linear_reference, make_head_batch
+from tests.helpers.mode_reference import reference_mode_loss
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
+
+# Small chunks, so that every test crosses row and vocabulary chunk boundaries.
+CHUNKS = {"chunk_rows": 4, "chunk_vocab": 5}
+CAPACITIES = ["all", "nonzero", 15, 0.5, 1.0]
+
+
+def fused(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    mask: Tensor,
+    coef: Tensor,
+    **kwargs,
+) -> tuple[Tensor, ...]:
+    """The fused losses and the gradients of ``sum(coef * losses)``."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
+    bias_leaf = None if bias is None else bias.detach().clone().requires_grad_(True)
+    losses = linear_masked_token_losses(
+        leaves[0], leaves[1], labels, mask, bias=bias_leaf, **kwargs
+    )
+    (losses * coef.to(losses.dtype)).sum().backward()
+    grads = [leaf.grad for leaf in leaves] + [None if bias_leaf is None else bias_leaf.grad]
+    return losses.detach(), *grads
+
+
+def assert_matches(got: tuple[Tensor, ...], expected: tuple[Tensor, ...], rtol: float) -> None:
+    for name, a, e in zip(("loss", "hidden", "weight", "bias"), got, expected, strict=True):
+        if e is None:
+            assert a is None, name
+            continue
+        torch.testing.assert_close(a.to(torch.float64), e, rtol=rtol, atol=rtol, msg=name)
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+@pytest.mark.parametrize("layout", ["sbh", "bsh"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_linear_then_cross_entropy_fp64(capacity, layout, weighted, with_bias) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(layout=layout, empty_rows=(2,))
+    assert int(mask.sum()) <= 15
+    bias = bias if with_bias else None
+    # Per-token coefficients make every row's gradient distinct (any normalization's shape).
+    coef = mask * (torch.rand(mask.shape, dtype=torch.float64) + 0.5 if weighted else 1.0)
+    got = fused(
+        hidden, weight, bias, labels, mask, coef, capacity=capacity, layout=layout, **CHUNKS
+    )
+    expected = linear_reference(hidden, weight, bias, labels, coef, layout)
+    assert got[0].dtype == torch.float64 and got[0].shape == labels.shape
+    assert_matches(got, expected, rtol=1e-10)
+    unscored = ~mask if layout == "bsh" else ~mask.t()
+    assert torch.equal(got[1][unscored], torch.zeros_like(got[1][unscored]))
+
+
+@pytest.mark.parametrize("chunks", [(1, 1), (3, 13), (100, 2), (None, None)])
+def test_chunk_sizes_do_not_change_the_result(chunks) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(v=11)
+    coef = mask.double()
+    got = fused(
+        hidden, weight, bias, labels, mask, coef, capacity=0.5,
+        chunk_rows=chunks[0], chunk_vocab=chunks[1],
+    )  # fmt: skip
+    assert_matches(got, linear_reference(hidden, weight, bias, labels, coef), rtol=1e-10)
+
+
+def test_collator_count_is_exact_without_host_sync_or_collective() -> None:
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for length in (7, 3, 9, 5):
+        ids = torch.randint(4, 24, (length,), generator=gen)
+        mask = torch.rand(length, generator=gen) < 0.4
+        samples.append({"input_ids": ids, "labels": ids, "loss_mask": mask})
+    batch = MLMCollator()(samples)
+    assert torch.equal(batch["num_scored"], batch["loss_mask"].sum(dim=1))
+    assert batch["num_scored"].device.type == "cpu"
+    b, s = batch["labels"].shape
+    hidden, weight, bias, _, _ = make_head_batch(b, s, v=33)
+    labels, mask = batch["labels"], batch["loss_mask"]
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    with forbid_host_syncs(), count_collectives() as calls:
+        losses = linear_masked_token_losses(
+            leaves[0], leaves[1], labels, mask, bias=leaves[2], num_scored=batch["num_scored"]
+        )
+        losses.sum().backward()
+    assert sum(calls.values()) == 0
+    got = (losses.detach(), *(leaf.grad for leaf in leaves))
+    assert_matches(got, linear_reference(hidden, weight, bias, labels, mask.double()), rtol=1e-10)
+
+
+def test_num_scored_overrides_capacity_and_guards_against_undercounting() -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
+    count = int(mask.sum())
+    coef = mask.double()
+    expected = linear_reference(hidden, weight, bias, labels, coef)
+    # An overcount only costs unscored rows of work; the capacity is ignored.
+    for num_scored in (torch.tensor(count), mask.sum(dim=1), torch.tensor([count + 5])):
+        got = fused(hidden, weight, bias, labels, mask, coef, capacity=1, num_scored=num_scored)
+        assert_matches(got, expected, rtol=1e-10)
+    # An undercount cannot pass silently: the loss and every gradient are NaN.
+    with forbid_host_syncs():
+        got = fused(hidden, weight, bias, labels, mask, coef, num_scored=torch.tensor(count - 1))
+    assert got[0][mask].isnan().all() and all(g.isnan().any() for g in got[1:])
+    with pytest.raises(ValueError, match="num_scored must stay on the CPU"):
+        linear_masked_token_losses(
+            hidden, weight, labels, mask, num_scored=torch.tensor(count, device="meta")
+        )
+
+
+@pytest.mark.parametrize("capacity", ["all", "nonzero", 4])
+def test_empty_mask_gives_zero_loss_and_gradients(capacity) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(3, 5, empty_rows=(0, 1, 2))
+    for num_scored in (None, torch.zeros(3, dtype=torch.int64)):
+        got = fused(
+            hidden, weight, bias, labels, mask, mask.double(),
+            capacity=capacity, num_scored=num_scored,
+        )  # fmt: skip
+        for value in got:
+            assert torch.equal(value, torch.zeros_like(value))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_accumulates_in_fp32(dtype) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(4, 32, 16, 40, mask_prob=0.5)
+    hidden, weight, bias = (t.to(dtype) for t in (hidden, weight, bias))
+    coef = mask.double()
+    got = fused(hidden, weight, bias, labels, mask, coef, capacity=0.6, **CHUNKS)
+    assert got[0].dtype == torch.float32 and all(g.dtype == dtype for g in got[1:])
+    # The reference runs in fp64 on the same (rounded) inputs: the fused head's logits and
+    # gradient chunks are rounded to the input dtype once each, as F.linear's would be.
+    expected = linear_reference(hidden, weight, bias, labels, coef)
+    rtol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(got[0].double(), expected[0], rtol=rtol, atol=rtol)
+    for a, e in zip(got[1:], expected[1:], strict=True):
+        scale = e.abs().max()
+        torch.testing.assert_close(a.double() / scale, e / scale, rtol=0, atol=rtol)
+
+
+def test_capacity_overflow_is_nan_without_sync() -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
+    count = int(mask.sum())
+    with forbid_host_syncs():
+        got = fused(hidden, weight, bias, labels, mask, mask.double(), capacity=count - 1)
+    assert got[0][mask].isnan().all() and all(g.isnan().any() for g in got[1:])
+
+
+def test_masked_label_outside_vocab_is_nan_unmasked_is_ignored() -> None:
+    hidden, weight, bias, labels, mask = make_head_batch()
+    losses = linear_masked_token_losses(hidden, weight, labels, mask, bias=bias)
+    assert losses.isfinite().all()
+    bad = labels.clone()
+    bad[mask.nonzero()[0].unbind()] = 13
+    for capacity in CAPACITIES:
+        losses = linear_masked_token_losses(hidden, weight, bad, mask, capacity=capacity)
+        assert losses.isnan().sum() == 1
+
+
+def test_shape_and_argument_errors_name_what_is_wrong() -> None:
+    hidden, weight, bias, labels, mask = make_head_batch()
+    cases = [
+        ({"hidden": hidden.transpose(0, 1)}, r"hidden of shape \(4, 9, 6\) must be \[s, b, h\]"),
+        ({"layout": "bsh"}, r"must be \[b, s, h\] = \[4, 9, h\]"),
+        ({"layout": "bs"}, "layout must be"),
+        ({"weight": weight[:, :5]}, r"weight of shape \(13, 5\) must be \[v, h\] with h = 6"),
+        ({"bias": bias[:4]}, r"bias of shape \(4,\) must be \[v\] = \[13\]"),
+        ({"mask": mask[:, :4]}, r"loss_mask of shape \(4, 4\)"),
+        ({"weight": weight.float()}, "must share one dtype"),
+        ({"chunk_rows": 0}, "chunk_rows and chunk_vocab must be positive"),
+        ({"sequence_parallel": True, "layout": "bsh"}, "sequence_parallel=True needs"),
+        ({"labels": labels.double()}, "labels must be integer token ids"),
+        ({"weight": weight.to("meta")}, "hidden is on cpu and weight on meta"),
+        ({"bias": bias.to("meta")}, "weight is on cpu and bias on meta"),
+        ({"mask": mask.to("meta")}, "loss_mask is on meta and labels on cpu"),
+    ]
+    for overrides, match in cases:
+        args = {"hidden": hidden, "weight": weight, "mask": mask, "bias": bias, "labels": labels}
+        args.update(overrides)
+        kwargs = {
+            k: args.pop(k) for k in ("layout", "chunk_rows", "sequence_parallel") if k in args
+        }
+        with pytest.raises(ValueError, match=match):
+            linear_masked_token_losses(
+                args["hidden"],
+                args["weight"],
+                args["labels"],
+                args["mask"],
+                bias=args["bias"],
+                **kwargs,
+            )
+
+
+@pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_loss_reduction_with_head_inputs_matches_reference_in_every_mode(mode, packed) -> None:
+    b, s, v = 4, 9, 13
+    hidden, weight, bias, labels, mask = make_head_batch(b, s, v=v, empty_rows=(1,))
+    lengths = [9, 4, 7, 6]
+    for row, length in enumerate(lengths):
+        mask[row, length:] = False
+    labels = torch.where(mask, labels, -100)
+    kwargs = {"constant_per_sequence": s} if mode == "constant" else {}
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    batch = {"labels": labels, "loss_mask": mask, "num_scored": mask.sum(dim=1)}
+    hidden_in = leaves[0]
+    if packed:
+        batch = pack_batch({**batch, "hidden": leaves[0].transpose(0, 1)}, lengths)
+        hidden_in = batch.pop("hidden").transpose(0, 1)  # [T, 1, h]
+    loss_fn = BERTMLMLossWithReduction(normalization=mode, **kwargs)
+    loss_fn.setup(batch)
+    forward_out = {"hidden_states": hidden_in, "output_weight": leaves[1], "output_bias": leaves[2]}
+    with forbid_host_syncs(), count_collectives() as calls:
+        numerator, denominator, report = loss_fn(forward_out)
+    assert sum(calls.values()) == 0
+    (numerator / denominator).backward()
+
+    ref_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    logits = F.linear(*ref_leaves)
+    ref = reference_mode_loss(logits, labels, mask, mode, lengths=lengths, **kwargs)
+    ref.backward()
+    torch.testing.assert_close(numerator / denominator, ref, rtol=1e-10, atol=0)
+    torch.testing.assert_close(loss_fn.reduce([report]), ref, rtol=1e-10, atol=0)
+    for leaf, ref_leaf in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("cross_entropy", ["masked", "megatron"])
+@pytest.mark.parametrize("layout", ["sbh", "bsh"])
+def test_head_inputs_and_logits_give_the_same_loss(cross_entropy, layout) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(layout=layout)
+    loss_fn = BERTMLMLossWithReduction(cross_entropy=cross_entropy, check_labels=True)
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    logits = F.linear(hidden, weight, bias)
+    from_logits = loss_fn({"token_logits": logits.transpose(0, 1) if layout == "bsh" else logits})
+    from_head = loss_fn(
+        {
+            "hidden_states": hidden,
+            "hidden_layout": layout,
+            "output_weight": weight,
+            "output_bias": bias,
+        }
+    )
+    torch.testing.assert_close(from_head[0], from_logits[0], rtol=1e-12, atol=0)
+    assert torch.equal(from_head[1], from_logits[1])
+    labels[mask.nonzero()[0].unbind()] = 13
+    with pytest.raises(ValueError, match="outside"):
+        loss_fn({"hidden_states": hidden, "hidden_layout": layout, "output_weight": weight})
+
+
+def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> None:
+    b, s = 3, 8
+    hidden, weight, bias, labels, mask = make_head_batch(b, s, mask_prob=0.4)
+    batch = {"labels": labels, "loss_mask": mask, "num_scored": mask.sum(dim=1)}
+    with pytest.raises(ValueError, match="num_scored"):
+        get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=0)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    total = torch.zeros((), dtype=torch.float64)
+    for cp_rank in range(2):
+        shard = get_batch_on_this_cp_rank(
+            {**batch, "hidden": leaves[0]},
+            cp_size=2,
+            cp_rank=cp_rank,
+            seq_dims={"num_scored": None, "hidden": 0},
+        )
+        with forbid_host_syncs():
+            losses = linear_masked_token_losses(
+                shard["hidden"], leaves[1], shard["labels"], shard["loss_mask"],
+                bias=leaves[2], num_scored=shard["num_scored"],
+            )  # fmt: skip
+        assert not losses.isnan().any()
+        total = total + losses.sum()
+    total.backward()
+    expected = linear_reference(hidden, weight, bias, labels, mask.double())
+    torch.testing.assert_close(total, expected[0].sum(), rtol=1e-10, atol=0)
+    for leaf, grad in zip(leaves, expected[1:], strict=True):
+        torch.testing.assert_close(leaf.grad, grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.uint8])
+def test_any_integer_label_dtype(dtype) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch()
+    expected = linear_masked_token_losses(hidden, weight, labels, mask, bias=bias)
+    narrow = torch.where(mask, labels, 0).to(dtype)
+    got = linear_masked_token_losses(hidden, weight, narrow, mask, bias=bias)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
