@@ -21,6 +21,8 @@ _EXPORTS: dict[str, str] = {
     "PerTokenLossDict": "bert_reduce.reports",
     "DataParallelGroupLossAndIO": "bert_reduce.reports",
     "SameSizeLossDict": "bert_reduce.reports",
+    # Plain PyTorch loops (DDP, FSDP2) and Hugging Face models.
+    "GlobalBatchLoss": "bert_reduce.torch_loop",
     # Perplexity (torchmetrics).
     "TokenPerplexity": "bert_reduce.metrics",
     # The maths: masked cross-entropy, per-token losses, normalization modes.
@@ -38,6 +40,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "BERTMLMLossWithReduction",
     "DataParallelGroupLossAndIO",
+    "GlobalBatchLoss",
     "MegatronLossReduction",
     "Normalization",
     "PerTokenLossDict",
@@ -66,6 +69,7 @@ if TYPE_CHECKING:
         PerTokenLossDict,
         SameSizeLossDict,
     )
+    from bert_reduce.torch_loop import GlobalBatchLoss
 
 
 def __getattr__(name: str) -> Any:

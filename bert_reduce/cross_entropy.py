@@ -197,8 +197,8 @@ def shard_targets(
 
     ``tp_group``: the vocab-sharding group; see :func:`masked_token_losses`.
     """
-    _, tp_size, tp_rank = _tensor_parallel(tp_group)
-    local = targets - _vocab_start(shard, tp_rank, tp_size)
+    _, tp_size, tp_rank = tensor_parallel_placement(tp_group)
+    local = targets - vocab_start(shard, tp_rank, tp_size)
     in_shard = (local >= 0) & (local < shard)
     in_vocab = (targets >= 0) & (targets < shard * tp_size)
     return ShardedTargets(torch.where(in_shard, local, 0).unsqueeze(1), in_shard, in_vocab)
@@ -215,7 +215,7 @@ def shard_stats(
     This rank fills its slot, ``stats[tp_rank]``, with its shard's per-row (log-sum-exp,
     target logit) and leaves the other slots at zero.
     """
-    _, tp_size, _ = _tensor_parallel(tp_group)
+    _, tp_size, _ = tensor_parallel_placement(tp_group)
     return torch.zeros(tp_size, 2, rows, dtype=dtype, device=device)
 
 
@@ -233,7 +233,7 @@ def combine_shard_stats(
         ``(lse, target_logit)``, each ``[rows]``: the log-sum-exp over the whole vocabulary
         (the log-sum-exp of the shards') and the target's logit (from the shard holding it).
     """
-    group, _, tp_rank = _tensor_parallel(tp_group)
+    group, _, tp_rank = tensor_parallel_placement(tp_group)
     # Only the shard holding the target contributes its logit; every other slot stays 0 so
     # that a single SUM all-reduce fills in every shard's.
     stats[tp_rank, 1] = torch.where(targets.in_shard, stats[tp_rank, 1], 0)
@@ -280,7 +280,7 @@ def scatter_row_losses(
     return losses, scored
 
 
-def _tensor_parallel(
+def tensor_parallel_placement(
     group: dist.ProcessGroup | None = None,
 ) -> tuple[dist.ProcessGroup | None, int, int]:
     """``(group, world_size, rank)`` of the vocab-sharding group (``(None, 1, 0)`` without).
@@ -298,7 +298,7 @@ def _tensor_parallel(
     return group, world_size, dist.get_rank(group)
 
 
-def _vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
+def vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
     """First vocab id of this rank's contiguous shard.
 
     Megatron-Core's rule (``VocabUtility.vocab_range_from_per_partition_vocab_size``):
@@ -369,7 +369,7 @@ class _Rows:
             tensor.index_put_(where, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
 
 
-def _logsumexp_(x: Tensor) -> Tensor:
+def logsumexp_(x: Tensor) -> Tensor:
     """``x.logsumexp(dim=-1)`` for a ``[c, v]`` buffer it may overwrite: no temporary."""
     shift = x.amax(dim=-1, keepdim=True)
     # A row of -inf (or +inf) keeps logsumexp's answer instead of inf - inf = NaN.
@@ -397,7 +397,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
         whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
         true on every scored row when more rows are scored than selected, else all false.
         """
-        _, _, tp_rank = _tensor_parallel(tp_group)
+        _, _, tp_rank = tensor_parallel_placement(tp_group)
         acc = accumulation_dtype(logits.dtype)
         seq_len, batch_size, shard = logits.shape
         sharded = shard_targets(targets, shard, tp_group)
@@ -406,7 +406,7 @@ class _MaskedTokenLosses(torch.autograd.Function):
         for start, end in rows.chunks():
             x = rows.read_as(logits, start, end, acc)
             stats[tp_rank, 1, start:end] = x.gather(1, sharded.local[start:end]).squeeze(1)
-            stats[tp_rank, 0, start:end] = _logsumexp_(x) if private else x.logsumexp(dim=-1)
+            stats[tp_rank, 0, start:end] = logsumexp_(x) if private else x.logsumexp(dim=-1)
         lse, target_logit = combine_shard_stats(stats, sharded, tp_group)
         selection = RowSelection(rows.index, unselected, overflow)
         losses, scored = scatter_row_losses(

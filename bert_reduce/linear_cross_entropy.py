@@ -41,13 +41,13 @@ from torch.autograd.function import once_differentiable
 from bert_reduce.cross_entropy import (
     Capacity,
     RowSelection,
-    _logsumexp_,
-    _tensor_parallel,
     combine_shard_stats,
+    logsumexp_,
     scatter_row_losses,
     select_rows,
     shard_stats,
     shard_targets,
+    tensor_parallel_placement,
 )
 from bert_reduce.functional import accumulation_dtype, check_same_device
 
@@ -132,7 +132,7 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
 
         ``targets`` and ``scored`` are ``[rows]``, aligned with ``selection.index``.
         """
-        _, _, tp_rank = _tensor_parallel(tp_group)
+        _, _, tp_rank = tensor_parallel_placement(tp_group)
         acc = accumulation_dtype(hidden.dtype)
         index = selection.index
         rows_hidden = hidden if index is None else hidden.index_select(0, index)
@@ -152,7 +152,7 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
                 ).squeeze(1)
                 # Online log-sum-exp over vocabulary chunks: lse = log(exp(lse) + sum(exp(x))).
                 running = lse[rows[0] : rows[1]]
-                torch.logaddexp(running, _logsumexp_(x), out=running)
+                torch.logaddexp(running, logsumexp_(x), out=running)
         global_lse, global_target = combine_shard_stats(stats, sharded, tp_group)
         losses, scored = scatter_row_losses(
             global_lse, global_target, sharded, scored, selection, hidden.size(0)
@@ -281,7 +281,7 @@ def _gather_sequence_parallel(hidden: Tensor, tp_group: dist.ProcessGroup | None
     Megatron-Core's own mapping: all-gather along ``s`` in forward, reduce-scatter of the
     (vocab-shard partial) gradient in backward, so the gradient of the local shard is whole.
     """
-    group, tp_size, _ = _tensor_parallel(tp_group)
+    group, tp_size, _ = tensor_parallel_placement(tp_group)
     if tp_size == 1:
         return hidden
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -354,7 +354,7 @@ def linear_masked_token_losses(
     """
     if sequence_parallel and layout != "sbh":
         raise ValueError("sequence_parallel=True needs layout='sbh' (Megatron's [s/tp, b, h]).")
-    _, tp_size, _ = _tensor_parallel(tp_group)
+    _, tp_size, _ = tensor_parallel_placement(tp_group)
     _check_shapes(hidden, weight, labels, loss_mask, bias, layout, sequence_parallel, tp_size)
     if sequence_parallel:
         hidden = _gather_sequence_parallel(hidden, tp_group)

@@ -10,6 +10,11 @@ Context parallelism then splits every padded sequence by the one CP rule of
 :mod:`bert_reduce.context_parallel`; ``cu_seqlens`` stay global on every rank.
 
 Packing reads the lengths on the host: it belongs to the data pipeline, not the step.
+
+Which tokens form a sequence (for the per-sequence and constant normalizations) is read from a
+batch by :func:`batch_sequence_normalizers`, the one lookup every loss path uses. It knows
+this library's key names (``cu_seqlens``, ``cu_seqlens_padded``) and Hugging Face's
+(``DataCollatorWithFlattening``: ``cu_seq_lens_q``, ``cu_seq_lens_q_padded``, ``position_ids``).
 """
 
 from __future__ import annotations
@@ -21,12 +26,30 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bert_reduce.functional import mask_weights
 from bert_reduce.normalization import sequence_normalizers
 
 __all__ = [
+    "SEQUENCE_BOUNDARY_KEYS",
+    "batch_sequence_normalizers",
     "pack_batch",
+    "position_sequence_normalizers",
     "unpack_sequences",
 ]
+
+SEQUENCE_BOUNDARY_KEYS = (
+    "cu_seqlens_padded",
+    "cu_seq_lens_q_padded",
+    "cu_seqlens",
+    "cu_seq_lens_q",
+)
+"""Keys of ``[n + 1]`` sequence boundaries within a packed ``[1, T]`` row, in the order they are
+looked up: padded boundaries (where each sequence starts in the row) before real ones. The
+``cu_seq_lens_q*`` names are Hugging Face's (``DataCollatorWithFlattening``, flash attention)."""
+
+_PACKING_HINT_PREFIXES = ("cu_seq", "max_length_", "max_seqlen", "seq_idx")
+"""Key prefixes of a packed batch (Hugging Face's, Transformer Engine's) that say nothing
+this library can read about where its sequences start."""
 
 _PAD_VALUES: dict[str, int | float] = {"labels": -100}
 
@@ -201,3 +224,103 @@ def unpack_sequences(
     out = flat.new_full((len(lengths), seq_len, *flat.shape[1:]), pad_value)
     out = out.index_put((rows.to(flat.device), cols.to(flat.device)), flat[dest])
     return out.transpose(0, 1) if seq_dim == 0 else out
+
+
+def position_sequence_normalizers(loss_mask: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`~bert_reduce.normalization.sequence_normalizers` of rows whose positions restart.
+
+    Hugging Face's ``DataCollatorWithFlattening`` packs sequences into one ``[1, T]`` row and
+    marks where each starts by restarting ``position_ids`` at 0. A sequence starts at every 0
+    and at the first token of every row. No host sync.
+
+    Args:
+        loss_mask: ``[b, s]`` bool, integer or float weights.
+        position_ids: ``[b, s]`` position of each token within its sequence.
+
+    Returns:
+        ``(sequence_weight, sequence_start)``, as
+        :func:`~bert_reduce.normalization.sequence_normalizers` returns them.
+
+    Raises:
+        ValueError: If the two shapes differ or are not ``[b, s]``.
+    """
+    if loss_mask.dim() != 2 or position_ids.shape != loss_mask.shape:
+        raise ValueError(
+            f"position_ids of shape {tuple(position_ids.shape)} and loss_mask of shape "
+            f"{tuple(loss_mask.shape)} must have the same [b, s] shape."
+        )
+    sequence_start = position_ids.to(loss_mask.device) == 0
+    sequence_start[:, 0] = True
+    # Sequence id of every token in row-major order; T ids at most, so index_add's size is
+    # static: total weight of sequence k = sum of the weights of the tokens with id k.
+    seq_id = sequence_start.reshape(-1).cumsum(0) - 1
+    weights = mask_weights(loss_mask).reshape(-1)
+    totals = torch.zeros_like(weights).index_add_(0, seq_id, weights)
+    return totals[seq_id].view(loss_mask.shape), sequence_start
+
+
+def batch_sequence_normalizers(
+    batch: Mapping[str, Any], loss_mask: Tensor, *, context_parallel_size: int = 1
+) -> dict[str, Tensor]:
+    """``sequence_weight`` and ``sequence_start`` of a batch, from what it says about sequences.
+
+    The one lookup behind the per-sequence and constant normalizations of every loss path
+    (:class:`bert_reduce.BERTMLMLossWithReduction`, :class:`bert_reduce.GlobalBatchLoss`), in
+    this order:
+
+    1. ``batch["sequence_weight"]`` and ``batch["sequence_start"]``, as given (computed on the
+       unsliced batch; the only way under context parallelism);
+    2. the first of :data:`SEQUENCE_BOUNDARY_KEYS` the batch holds, for a packed ``[1, T]``
+       row (:func:`~bert_reduce.normalization.sequence_normalizers`);
+    3. ``batch["position_ids"]`` of a ``[1, T]`` row (:func:`position_sequence_normalizers`);
+    4. otherwise each ``[b, s]`` row is one sequence: an empty dict.
+
+    Args:
+        batch: The micro-batch (or this rank's shard of it).
+        loss_mask: Its ``[b, s]`` loss mask (bool, integer or float weights).
+        context_parallel_size: How many shards each sequence is split into; above 1, only
+            step 1 is valid (a shard never sees whole sequences).
+
+    Returns:
+        ``{"sequence_weight": ..., "sequence_start": ...}`` (``[b, s]`` each), or ``{}`` when
+        each row is one sequence.
+
+    Raises:
+        KeyError: If only one of ``sequence_weight`` and ``sequence_start`` is present.
+        ValueError: Under context parallelism without both; or for a ``[1, T]`` row that
+            looks packed (a key such as ``cu_seq_lens_k`` or ``max_length_q``) but holds none
+            of the boundary keys above, whose sequences would otherwise silently count as one.
+    """
+    if "sequence_weight" in batch or "sequence_start" in batch:
+        if "sequence_weight" not in batch or "sequence_start" not in batch:
+            raise KeyError(
+                "batch must hold both 'sequence_weight' and 'sequence_start' (bert_reduce."
+                "normalization.sequence_normalizers on the unsliced batch), or neither; it has "
+                f"{sorted(batch)}."
+            )
+        return {
+            "sequence_weight": batch["sequence_weight"],
+            "sequence_start": batch["sequence_start"],
+        }
+    if context_parallel_size > 1:
+        raise ValueError(
+            "The per-sequence and constant normalizations under context parallelism need "
+            "batch['sequence_weight'] and batch['sequence_start'], computed on the unsliced "
+            "batch (bert_reduce.normalization.sequence_normalizers) and sliced with it; the "
+            f"batch has {sorted(batch)}."
+        )
+    for key in SEQUENCE_BOUNDARY_KEYS:
+        if key in batch:
+            weight, start = sequence_normalizers(loss_mask, batch[key])
+            return {"sequence_weight": weight, "sequence_start": start}
+    if loss_mask.size(0) == 1 and "position_ids" in batch:
+        weight, start = position_sequence_normalizers(loss_mask, batch["position_ids"])
+        return {"sequence_weight": weight, "sequence_start": start}
+    hints = sorted(k for k in batch if k.startswith(_PACKING_HINT_PREFIXES))
+    if loss_mask.size(0) == 1 and hints:
+        raise ValueError(
+            f"This [1, T] batch looks packed (it has {hints}) but says nowhere where its "
+            f"sequences start: add one of {list(SEQUENCE_BOUNDARY_KEYS)} or 'position_ids' "
+            "(restarting at 0 with every sequence), or 'sequence_weight' and 'sequence_start'."
+        )
+    return {}

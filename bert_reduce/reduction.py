@@ -30,7 +30,8 @@ from bert_reduce.linear_cross_entropy import (
     head_logits,
     linear_masked_token_losses,
 )
-from bert_reduce.normalization import Normalization, normalized_loss_terms, sequence_normalizers
+from bert_reduce.normalization import Normalization, normalized_loss_terms
+from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.reports import (
     DataParallelGroupLossAndIO,
     LossReport,
@@ -172,12 +173,14 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             See :mod:`bert_reduce.cross_entropy`. A ``batch["num_scored"]`` (the data
             pipeline's count, a CPU tensor) overrides it with the exact count, sync-free.
 
-    Per-sequence and constant modes need to know which tokens form a sequence. By default each
-    ``[b, s]`` row is one, or, when the batch holds ``cu_seqlens_padded`` or ``cu_seqlens``
-    (a packed ``[1, T]`` row), each packed segment. Under context parallelism a shard cannot
-    see whole sequences: the batch must then carry ``sequence_weight`` and ``sequence_start``
-    (``[b, s]``, from :func:`bert_reduce.normalization.sequence_normalizers` on the unsliced
-    batch, sliced with it; :func:`bert_reduce.pack_batch` adds them to packed batches).
+    Per-sequence and constant modes need to know which tokens form a sequence (see
+    :func:`bert_reduce.packing.batch_sequence_normalizers`). By default each ``[b, s]`` row is
+    one; in a packed ``[1, T]`` row, each segment of ``cu_seqlens_padded``/``cu_seqlens`` or
+    Hugging Face's ``cu_seq_lens_q_padded``/``cu_seq_lens_q``/``position_ids``. Under context
+    parallelism a shard cannot see whole sequences: the batch must then carry
+    ``sequence_weight`` and ``sequence_start`` (``[b, s]``, from
+    :func:`bert_reduce.normalization.sequence_normalizers` on the unsliced batch, sliced with
+    it; :func:`bert_reduce.pack_batch` adds them to packed batches).
     """
 
     def __init__(
@@ -356,23 +359,9 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     ) -> dict[str, Tensor]:
         if self.normalization is Normalization.PER_TOKEN:
             return {}
-        if "sequence_weight" in batch or "sequence_start" in batch:
-            return {
-                "sequence_weight": _require(batch, "sequence_weight", "batch"),
-                "sequence_start": _require(batch, "sequence_start", "batch"),
-            }
-        if distributed.context_parallel_world_size() > 1:
-            raise ValueError(
-                f"normalization={self.normalization.value!r} under context parallelism needs "
-                "batch['sequence_weight'] and batch['sequence_start'], computed on the unsliced "
-                "batch (bert_reduce.normalization.sequence_normalizers) and sliced with it; the "
-                f"batch has {sorted(batch)}."
-            )
-        for key in ("cu_seqlens_padded", "cu_seqlens"):
-            if key in batch:
-                weight, start = sequence_normalizers(loss_mask, _require(batch, key, "batch"))
-                return {"sequence_weight": weight, "sequence_start": start}
-        return {}
+        return batch_sequence_normalizers(
+            batch, loss_mask, context_parallel_size=distributed.context_parallel_world_size()
+        )
 
     def reduce(self, losses_reduced_per_micro_batch: Sequence[LossReport]) -> Tensor:
         """Exact mean loss over every masked token of the global batch, as a float32 scalar.

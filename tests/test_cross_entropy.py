@@ -274,11 +274,11 @@ def test_explicit_tp_group_without_megatron_matches_full_vocab_reference() -> No
 def test_vocab_ranges_follow_megatron(shard, tp_size) -> None:
     from megatron.core.tensor_parallel.utils import VocabUtility
 
-    from bert_reduce.cross_entropy import _vocab_start
+    from bert_reduce.cross_entropy import vocab_start
 
     for rank in range(tp_size):
         start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(shard, rank, tp_size)
-        assert _vocab_start(shard, rank, tp_size) == start
+        assert vocab_start(shard, rank, tp_size) == start
 
 
 @pytest.mark.parametrize("capacity", ["all", 0.5])

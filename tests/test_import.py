@@ -17,12 +17,16 @@ def test_import_loads_no_heavy_framework() -> None:
 
 
 def test_core_needs_torch_alone() -> None:
-    # The core extra-free install is torch only: the maths, the report format and the
-    # Megatron loss-reduction class must work without Megatron, Lightning, torchmetrics or Hydra.
+    # The core extra-free install is torch only: the maths, the report format, the Megatron
+    # loss-reduction class and the PyTorch-loop loss must work without Megatron, Lightning,
+    # torchmetrics, Hydra or transformers.
     code = (
         "import sys, torch; "
         "from bert_reduce import BERTMLMLossWithReduction, masked_cross_entropy, pack_batch; "
         "import bert_reduce.context_parallel, bert_reduce.reports, bert_reduce.normalization; "
+        "from bert_reduce import GlobalBatchLoss; "
+        "mb = {'labels': torch.tensor([[1, -100]])}; g = GlobalBatchLoss(); g.begin([mb]); "
+        "g(torch.zeros(1, 2, 3), mb); assert abs(float(g.end()) - 1.0986122886681098) < 1e-6; "
         "loss = BERTMLMLossWithReduction(); "
         "loss.setup({'labels': torch.tensor([[1, 2]]), "
         "'loss_mask': torch.tensor([[True, False]])}); "

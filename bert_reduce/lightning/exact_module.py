@@ -7,12 +7,16 @@ of masked tokens. :class:`ExactMLMModule` instead receives this rank's share of 
 per ``training_step`` and, in the spirit of Megatron-Core's ``finalize_model_grads``:
 
 1. splits it into micro-batches and back-propagates each micro-batch's loss *numerator* (a sum,
-   not a mean) under DDP's ``no_sync``, so gradients accumulate locally, except for the last
-   micro-batch, whose backward runs DDP's one gradient all-reduce of the step;
+   not a mean) with gradient synchronization off (Lightning's own switches: DDP's ``no_sync``
+   through ``strategy.block_backward_sync()``, FSDP2's ``set_requires_gradient_sync(False)``
+   through Lightning's FSDP2 no-sync control), so gradients accumulate locally, except for
+   the last micro-batch, whose backward runs the one gradient reduction of the step;
 2. sums the numerators and denominators of all micro-batches locally and over the data-parallel
    group in ONE all-reduce of two fp64 numbers, with no host sync;
-3. multiplies the gradients by ``world_size / global_denominator``: ``world_size`` undoes DDP's
-   averaging and the division happens once, by the global count;
+3. multiplies the gradients (the local shards of DTensor gradients under FSDP2) by
+   ``dp_size / global_denominator``: ``dp_size`` (DDP's world, or the ``data_parallel``
+   dimension of the device mesh under ``ModelParallelStrategy``) undoes the gradient
+   averaging, and the division happens once, by the global count;
 4. clips (optionally), steps the optimizer and the learning-rate scheduler.
 
 The gradients are scaled after backward rather than the losses before it because the
@@ -30,9 +34,12 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.fabric.strategies.model_parallel import _FSDPNoSync
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -117,13 +124,20 @@ class ExactMLMModule(pl.LightningModule):
     runs one gradient all-reduce (DDP's, once per bucket) and one all-reduce of two fp64
     numbers, and reads no device value on the host.
 
-    Use it with ``Trainer(strategy="ddp" | "auto", use_distributed_sampler=False)`` and neither
+    Use it with ``Trainer(strategy="ddp" | "auto" | ModelParallelStrategy(...),
+    use_distributed_sampler=False)`` and neither
     ``accumulate_grad_batches`` nor ``gradient_clip_val`` on the Trainer (micro-batching and
     clipping happen here; Lightning refuses both under manual optimization anyway).
     ``trainer.global_step`` counts optimizer steps, so ``max_steps`` counts global batches.
     Mixed precision: ``"bf16-mixed"`` and ``"32-true"``/``"64-true"`` are supported;
     ``"16-mixed"`` works without clipping (its loss scaler would have to unscale before the
     clip, which Lightning's manual optimization does not do).
+
+    Under ``ModelParallelStrategy`` (FSDP2), :meth:`configure_model` shards the model over the
+    mesh's ``data_parallel`` dimension as one ``fully_shard`` unit; override it for finer units
+    (one per transformer layer) or tensor parallelism. FSDP2 all-gathers parameters in every
+    forward, so every rank must run the same number of micro-batches per step (equal shares of
+    the global batch, as :class:`bert_reduce.lightning.GlobalBatchSampler` gives).
 
     The model maps a micro-batch dict to ``{"token_logits": [s, b, v]}``; pass it to the
     constructor or override :meth:`forward`. Subclasses may override :meth:`micro_batches` to
@@ -228,13 +242,14 @@ class ExactMLMModule(pl.LightningModule):
         """Refuse strategies and precisions under which the step would not be exact.
 
         Raises:
-            ValueError: On a strategy other than DDP or single-device, or ``"16-mixed"`` with
-                gradient clipping.
+            ValueError: On a strategy other than DDP, ModelParallelStrategy (FSDP2) or
+                single-device, or ``"16-mixed"`` with gradient clipping.
         """
         strategy = self.trainer.strategy
-        if not isinstance(strategy, DDPStrategy | SingleDeviceStrategy):
+        if not isinstance(strategy, DDPStrategy | ModelParallelStrategy | SingleDeviceStrategy):
             raise ValueError(
-                f"ExactMLMModule supports DDPStrategy and SingleDeviceStrategy, got "
+                f"ExactMLMModule supports DDPStrategy, ModelParallelStrategy and "
+                f"SingleDeviceStrategy, got "
                 f"{type(strategy).__name__}: its gradient synchronization is not the one this "
                 "module rescales."
             )
@@ -260,20 +275,50 @@ class ExactMLMModule(pl.LightningModule):
             loaders = [loaders]
         check_sampler_placement(loaders, self.trainer.world_size, self.trainer.global_rank)
 
-    def _ddp(self) -> DistributedDataParallel | None:
-        model = self.trainer.strategy.model
-        return model if isinstance(model, DistributedDataParallel) else None
+    @override
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy``, shard the model with FSDP2 over data-parallel ranks.
 
-    def _local_gradient_accumulation(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        One ``fully_shard`` unit over ``device_mesh["data_parallel"]``; nothing under other
+        strategies or when the model is already sharded. Override for finer units.
+        """
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        if any(isinstance(module, FSDPModule) for module in self.model.modules()):
+            return
+        fully_shard(self.model, mesh=self.trainer.strategy.device_mesh["data_parallel"])
+
+    def _data_parallel(self) -> tuple[dist.ProcessGroup | None, int]:
+        """The group the loss sums over and the number of ranks gradients are averaged over."""
+        strategy = self.trainer.strategy
+        if isinstance(strategy, ModelParallelStrategy):
+            mesh = strategy.device_mesh["data_parallel"]
+            return mesh.get_group(), mesh.size()
+        model = strategy.model
+        if isinstance(model, DistributedDataParallel):
+            return distributed.loss_reduction_group(), dist.get_world_size(model.process_group)
+        return distributed.loss_reduction_group(), 1
+
+    def _local_gradient_accumulation(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         # Lightning's manual optimization prepares DDP's reducer in every manual_backward unless
-        # DDP is in no_sync: all micro-batches but the last only accumulate locally.
-        ddp = self._ddp()
-        if last or ddp is None:
+        # DDP is in no_sync, and FSDP2 reduce-scatters in every backward unless told not to:
+        # all micro-batches but the last only accumulate locally.
+        strategy = self.trainer.strategy
+        if last:
             return contextlib.nullcontext()
-        return ddp.no_sync()
+        if isinstance(strategy, ModelParallelStrategy):
+            return _FSDPNoSync(module=self.model, enabled=True)
+        if isinstance(strategy, DDPStrategy):
+            return strategy.block_backward_sync()
+        return contextlib.nullcontext()
 
     def _gradients(self) -> Iterator[Tensor]:
-        return (p.grad for p in self.parameters() if p.grad is not None)
+        # A DTensor gradient (FSDP2) is scaled through its local shard: the scale is the same
+        # on every rank, so scaling each shard scales the whole gradient.
+        for param in self.parameters():
+            grad = param.grad
+            if grad is not None:
+                yield grad.to_local() if isinstance(grad, DTensor) else grad
 
     @override
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
@@ -299,11 +344,11 @@ class ExactMLMModule(pl.LightningModule):
                 numerator, denominator, _ = self.loss_fn(forward_out)
                 self.manual_backward(numerator)
             totals += make_report(numerator, denominator)
-        distributed.all_reduce_sum_(totals, distributed.loss_reduction_group())
+        group, dp_size = self._data_parallel()
+        distributed.all_reduce_sum_(totals, group)
         global_numerator, global_denominator = totals.unbind()
-        ddp = self._ddp()
-        ddp_size = 1 if ddp is None else dist.get_world_size(ddp.process_group)
-        scale = safe_divide(torch.full_like(global_denominator, ddp_size), global_denominator)
+        # grad = dp_size * sum_local(d numerator) averaged over ranks / global_denominator
+        scale = safe_divide(torch.full_like(global_denominator, dp_size), global_denominator)
         for grad in self._gradients():
             grad.mul_(scale.to(grad.dtype))
         if self.gradient_clip_val is not None:

@@ -14,11 +14,13 @@ from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 __all__ = [
     "CallbacksConfig",
     "CheckpointConfig",
     "DataConfig",
+    "HFEsm2ModelConfig",
     "LossConfig",
     "ModelConfig",
     "NormalizationName",
@@ -47,6 +49,31 @@ class ModelConfig:
     tie_embeddings: bool = True
     pad_id: int = 1
     init_std: float = 0.02
+    fused_lm_head: bool = True
+
+
+@dataclass
+class HFEsm2ModelConfig:
+    """:class:`bert_reduce.recipe.hf_esm.HFEsm2Model`: Hugging Face's ``EsmForMaskedLM``.
+
+    The shape defaults are ESM-2 8M's (``esm2_t6_8M_UR50D``). ``pretrained_path`` loads a
+    local Hugging Face checkpoint directory instead (its own shape; nothing is downloaded).
+    """
+
+    _target_: str = "bert_reduce.recipe.hf_esm.HFEsm2Model"
+    pretrained_path: str | None = None
+    vocab_size: int = 33
+    hidden_size: int = 320
+    num_layers: int = 6
+    num_heads: int = 20
+    ffn_size: int = 1280
+    max_position_embeddings: int = 1026
+    dropout: float = 0.0
+    token_dropout: bool = True
+    pad_id: int = 1
+    mask_id: int = 32
+    init_std: float = 0.02
+    attn_implementation: str = "sdpa"
     fused_lm_head: bool = True
 
 
@@ -220,7 +247,8 @@ class TrainConfig:
             threads than free cores slow training down many times over.
     """
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # Any: the model group's schema (base_model or base_hf_esm2_model) types it.
+    model: Any = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -246,8 +274,9 @@ _GROUPS: dict[str, Any] = {
 
 
 def register_configs() -> None:
-    """Store ``base_config`` and each group's ``base_<group>`` schema in the ConfigStore."""
+    """Store ``base_config``, each group's ``base_<group>`` schema and ``base_hf_esm2_model``."""
     store = ConfigStore.instance()
     store.store(name="base_config", node=TrainConfig)
     for group, node in _GROUPS.items():
         store.store(group=group, name=f"base_{group}", node=node)
+    store.store(group="model", name="base_hf_esm2_model", node=HFEsm2ModelConfig)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.recipe.config import DataConfig, TrainConfig
 from bert_reduce.recipe.data import (
     MLMCollator,
     MLMDataset,
@@ -113,6 +114,8 @@ class ResumableDataLoader(DataLoader):
 class ESMDataModule(pl.LightningDataModule):
     """Protein MLM data: files or the built-in synthetic corpus, masked per sample.
 
+    The defaults are :class:`bert_reduce.recipe.config.DataConfig`'s, written there once.
+
     Args:
         global_batch_size: Samples per optimizer step over all ranks.
         micro_batch_size: Samples per forward pass on one rank; ``global_batch_size`` must be
@@ -146,23 +149,23 @@ class ESMDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        global_batch_size: int = 32,
-        micro_batch_size: int = 8,
-        val_micro_batch_size: int | None = None,
-        max_length: int = 128,
-        mask_prob: float = 0.15,
-        seed: int = 0,
-        train_path: str | None = None,
-        val_path: str | None = None,
-        column: str = "sequence",
-        val_fraction: float = 0.05,
-        num_train_sequences: int = 20_000,
-        num_val_sequences: int = 1_003,
-        corpus_seed: int = 0,
-        shuffle: bool = True,
-        pad_to_multiple_of: int = 1,
-        num_workers: int = 0,
-        pack_sequences: bool = False,
+        global_batch_size: int = DataConfig.global_batch_size,
+        micro_batch_size: int = DataConfig.micro_batch_size,
+        val_micro_batch_size: int | None = DataConfig.val_micro_batch_size,
+        max_length: int = DataConfig.max_length,
+        mask_prob: float = DataConfig.mask_prob,
+        seed: int = TrainConfig.seed,
+        train_path: str | None = DataConfig.train_path,
+        val_path: str | None = DataConfig.val_path,
+        column: str = DataConfig.column,
+        val_fraction: float = DataConfig.val_fraction,
+        num_train_sequences: int = DataConfig.num_train_sequences,
+        num_val_sequences: int = DataConfig.num_val_sequences,
+        corpus_seed: int = DataConfig.corpus_seed,
+        shuffle: bool = DataConfig.shuffle,
+        pad_to_multiple_of: int = DataConfig.pad_to_multiple_of,
+        num_workers: int = DataConfig.num_workers,
+        pack_sequences: bool = DataConfig.pack_sequences,
     ) -> None:
         super().__init__()
         if not 0.0 < mask_prob <= 1.0:

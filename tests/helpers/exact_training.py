@@ -219,9 +219,16 @@ def lightning_train(
     precision: str = "64-true",
     val_size: int = 0,
     steps: int = STEPS,
+    model_dtype: torch.dtype | None = None,
 ) -> Run:
-    """Train with Lightning, then validate on the first ``val_size`` validation samples."""
-    model = initial_model() if precision == "64-true" else initial_model().float()
+    """Train with Lightning, then validate on the first ``val_size`` validation samples.
+
+    The model is fp64 under ``"64-true"``, else fp32, unless ``model_dtype`` says otherwise
+    (``ModelParallelStrategy`` refuses ``"64-true"``: an fp64 model under ``"32-true"``).
+    """
+    if model_dtype is None:
+        model_dtype = torch.float64 if precision == "64-true" else torch.float32
+    model = initial_model().to(model_dtype)
     dataset = UnevenMaskDataset()
     sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, micro_batch_size, shuffle=False)
     val_loader = DataLoader(

@@ -1,0 +1,170 @@
+"""Hugging Face ``EsmForMaskedLM`` as a recipe model: ``python train.py model=hf_esm2``.
+
+The model is built from an ``EsmConfig`` (ESM-2 8M's shape by default) or loaded from a local
+checkpoint directory (``save_pretrained``'s; nothing is downloaded). Like the recipe's own
+:class:`~bert_reduce.recipe.model.ESM2Model` it returns ``{"token_logits": [s, b, v]}``, so
+the same exact loss trains it. With ``fused_lm_head=True`` (as the recipe's own model) it
+returns in training mode what the loss's masked-only fused head consumes
+(:mod:`bert_reduce.linear_cross_entropy`), without computing the ``[s, b, v]`` logits:
+
+* ``hidden_states``: ``[b, s, h]`` (``hidden_layout: "bsh"``), the LM head's input to its
+  decoder (after its dense layer, GELU and LayerNorm);
+* ``output_weight``: ``[v, h]``, the decoder's weight (tied to the token embeddings);
+* ``output_bias``: ``[v]``, the head's bias;
+
+so that ``logits = hidden_states @ output_weight.T + output_bias``.
+
+Needs ``transformers`` (the ``hf`` extra); it is imported when the model is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from bert_reduce.linear_cross_entropy import (
+    HIDDEN_LAYOUT_KEY,
+    HIDDEN_STATES_KEY,
+    OUTPUT_BIAS_KEY,
+    OUTPUT_WEIGHT_KEY,
+)
+
+__all__ = ["HFEsm2Model"]
+
+
+class HFEsm2Model(nn.Module):
+    """``transformers.EsmForMaskedLM`` behind the recipe's model interface.
+
+    Args:
+        pretrained_path: A local Hugging Face checkpoint directory to load (its config gives
+            the shape, the arguments below are then unused); ``None`` builds from them.
+        vocab_size: Number of tokens (33: the ESM alphabet of the recipe's tokenizer).
+        hidden_size: Width of the residual stream.
+        num_layers: Number of transformer layers.
+        num_heads: Attention heads; must divide ``hidden_size``.
+        ffn_size: Width of the feed-forward layer.
+        max_position_embeddings: Longest input (ESM-2: 1026).
+        dropout: Hidden and attention dropout.
+        token_dropout: ESM-2's rescaling of embeddings by the fraction of masked tokens.
+        pad_id: The ``<pad>`` id.
+        mask_id: The ``<mask>`` id (used by ``token_dropout``).
+        init_std: Standard deviation of the weight initialization.
+        attn_implementation: ``"sdpa"`` or ``"eager"`` (Hugging Face's choices).
+        fused_lm_head: In training mode, return the decoder's inputs (see the module
+            docstring) instead of ``token_logits``, for the loss's masked-only fused head; in
+            eval mode, and with ``False``, return the logits.
+
+    Raises:
+        FileNotFoundError: If ``pretrained_path`` is not a directory with a ``config.json``.
+        ModuleNotFoundError: Without ``transformers`` (install the ``hf`` extra).
+    """
+
+    def __init__(
+        self,
+        pretrained_path: str | None = None,
+        vocab_size: int = 33,
+        hidden_size: int = 320,
+        num_layers: int = 6,
+        num_heads: int = 20,
+        ffn_size: int = 1280,
+        max_position_embeddings: int = 1026,
+        dropout: float = 0.0,
+        token_dropout: bool = True,
+        pad_id: int = 1,
+        mask_id: int = 32,
+        init_std: float = 0.02,
+        attn_implementation: str = "sdpa",
+        fused_lm_head: bool = True,
+    ) -> None:
+        super().__init__()
+        try:
+            from transformers import EsmConfig, EsmForMaskedLM
+        except ModuleNotFoundError as error:
+            raise ModuleNotFoundError(
+                "model=hf_esm2 needs Hugging Face transformers: pip install 'bert_reduce[hf]'."
+            ) from error
+        if pretrained_path is not None:
+            if not (Path(pretrained_path) / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"model.pretrained_path={pretrained_path!r} is not a Hugging Face checkpoint "
+                    "directory (no config.json); save one with model.save_pretrained(DIR)."
+                )
+            self.model = EsmForMaskedLM.from_pretrained(
+                pretrained_path, local_files_only=True, attn_implementation=attn_implementation
+            )
+        else:
+            config = EsmConfig(
+                vocab_size=vocab_size,
+                hidden_size=hidden_size,
+                num_hidden_layers=num_layers,
+                num_attention_heads=num_heads,
+                intermediate_size=ffn_size,
+                max_position_embeddings=max_position_embeddings,
+                hidden_dropout_prob=dropout,
+                attention_probs_dropout_prob=dropout,
+                position_embedding_type="rotary",
+                emb_layer_norm_before=False,
+                token_dropout=token_dropout,
+                pad_token_id=pad_id,
+                mask_token_id=mask_id,
+                initializer_range=init_std,
+                tie_word_embeddings=True,
+            )
+            config._attn_implementation = attn_implementation
+            self.model = EsmForMaskedLM(config)
+        # The contact-prediction head is not on the masked-LM path: it never gets a gradient,
+        # which DDP would refuse as unused parameters.
+        self.model.esm.contact_head.requires_grad_(False)
+        self.fused_lm_head = fused_lm_head
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+        cu_seqlens_padded: Tensor | None = None,
+        logits: bool | None = None,
+    ) -> dict[str, Any]:
+        """``{"token_logits": [s, b, v]}`` of a padded ``[b, s]`` batch (or the head's inputs).
+
+        Args:
+            input_ids: ``[b, s]`` int token ids.
+            attention_mask: ``[b, s]``, 1 for real tokens and 0 for padding.
+            cu_seqlens: Packed rows are not supported here (Hugging Face's ESM has no
+                variable-length attention on CPU); given only to name the problem.
+            cu_seqlens_padded: As ``cu_seqlens``.
+            logits: Return ``token_logits`` (``True``) or the decoder's inputs (``False``);
+                ``None``: the inputs in training mode with ``fused_lm_head``, else the logits.
+
+        Returns:
+            ``{"token_logits": [s, b, v]}``; or ``{"hidden_states": [b, s, h],
+            "hidden_layout": "bsh", "output_weight": [v, h], "output_bias": [v]}``.
+
+        Raises:
+            ValueError: On a packed batch.
+        """
+        if cu_seqlens is not None or cu_seqlens_padded is not None:
+            raise ValueError(
+                "model=hf_esm2 takes padded [b, s] batches, not packed rows: set "
+                "data.pack_sequences=false."
+            )
+        if logits is None:
+            logits = not (self.training and self.fused_lm_head)
+        if logits:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            return {"token_logits": out.transpose(0, 1)}
+        from transformers.models.esm.modeling_esm import gelu
+
+        hidden = self.model.esm(input_ids=input_ids, attention_mask=attention_mask)[0]
+        head = self.model.lm_head
+        # EsmLMHead.forward up to its decoder: logits = features @ decoder.weight.T + bias.
+        features = head.layer_norm(gelu(head.dense(hidden)))
+        # [b, s, h] as computed: the loss reads it in this layout without a copy.
+        return {
+            HIDDEN_STATES_KEY: features,
+            HIDDEN_LAYOUT_KEY: "bsh",
+            OUTPUT_WEIGHT_KEY: head.decoder.weight,
+            OUTPUT_BIAS_KEY: head.bias,
+        }

@@ -1,0 +1,302 @@
+"""The exact masked-LM loss for a hand-written PyTorch training step (DDP, FSDP2, CP, packing).
+
+Hugging Face's ``outputs.loss`` is the mean over one rank's micro-batch. DDP and FSDP2 then
+average gradients over ranks and gradient accumulation divides by the number of steps: a
+mean of means, which is not the mean over the scored tokens of the global batch when ranks
+or micro-batches hold different numbers of them (and NaN on a rank that holds none).
+:class:`GlobalBatchLoss` counts first and divides once:
+
+    loss = sum over micro-batches and ranks of loss_sum / global_denominator
+
+1. ``begin(micro_batches)`` adds up this rank's denominators and all-reduces that one number
+   over the data (x context) parallel group: ``global_denominator``;
+2. ``loss_fn(logits, mb)`` returns this micro-batch's share,
+   ``loss_sum * world_size / global_denominator`` (``world_size`` undoes the gradient
+   averaging of DDP/FSDP2; 1 when gradients are summed); back-propagating every share gives,
+   after the ranks' gradient averaging, the gradient of the global mean;
+3. ``end()`` all-reduces the summed ``(loss_sum, denominator)`` reports once: the exact
+   global loss, for logging.
+
+No collective runs per micro-batch and nothing is read back to the host. A micro-batch, or a
+whole rank, without a scored token contributes 0 and a zero gradient; a global batch without
+one gives loss 0, never NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from bert_reduce import distributed
+from bert_reduce.cross_entropy import Capacity, masked_token_losses
+from bert_reduce.functional import check_same_shape, safe_divide
+from bert_reduce.normalization import Normalization, normalized_loss_terms
+from bert_reduce.packing import batch_sequence_normalizers
+from bert_reduce.reports import REPORT_KEY, make_report, sum_reports
+
+__all__ = ["GlobalBatchLoss"]
+
+LogitsLayout = Literal["bsv", "sbv"]
+GradientSync = Literal["mean", "sum"]
+
+_DEFAULT_GROUP: Any = object()
+
+
+class GlobalBatchLoss:
+    """Exact masked-LM loss of a global batch, fed micro-batch by micro-batch in your own loop.
+
+    Example (DDP or FSDP2; ``micro_batches`` is this rank's share of one global batch)::
+
+        loss_fn = GlobalBatchLoss()
+        loss_fn.begin(micro_batches)
+        for mb in micro_batches:
+            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+            loss_fn(logits, mb).backward()
+        step_loss = loss_fn.end()
+        optimizer.step()
+
+    Gradient accumulation needs no division: every share is already divided by the global
+    denominator. Under DDP, wrap all but the last backward in ``model.no_sync()`` as usual;
+    under FSDP2, ``model.set_requires_gradient_sync(last)``. FSDP2 all-gathers parameters in
+    every forward, so there every rank must run the same number of micro-batches (one whose
+    labels are all ``ignore_index`` contributes nothing).
+
+    A micro-batch is a mapping with ``labels`` (``[b, s]`` token ids, ``ignore_index`` where
+    unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights; a token
+    is scored where it is non-zero and its label is not ``ignore_index``). For the
+    per-sequence and constant modes, sequences are found by
+    :func:`bert_reduce.packing.batch_sequence_normalizers` (rows, packed boundaries under this
+    library's or Hugging Face's key names, or ``sequence_weight``/``sequence_start``).
+
+    Args:
+        group: The ranks whose micro-batches make up the global batch (data x context
+            parallel); ``None`` for none. By default, looked up at every :meth:`begin`:
+            Megatron-Core's data x context group when initialized, else the default process
+            group when initialized, else none (one process).
+        normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``; see
+            :mod:`bert_reduce.normalization`.
+        constant_per_sequence: The ``"constant"`` mode's denominator per sequence.
+        ignore_index: Label value of unscored tokens (``-100``, as Hugging Face).
+        logits_layout: ``"bsv"`` (default, Hugging Face's ``[b, s, v]``) or ``"sbv"``
+            (Megatron's ``[s, b, v]``).
+        gradient_sync: How the data-parallel wrapper combines the ranks' gradients:
+            ``"mean"`` (DDP's and FSDP2's default) or ``"sum"`` (e.g. FSDP2 with
+            ``set_gradient_divide_factor(1.0)``, or a hand-written all-reduce).
+        gradient_average_size: With ``gradient_sync="mean"``, how many ranks the gradients
+            are averaged over; the size of ``group`` by default.
+        context_parallel_size: How many shards each sequence is split into (1: no context
+            parallelism). Above 1, the per-sequence and constant modes need
+            ``sequence_weight`` and ``sequence_start`` in every micro-batch.
+        capacity: Which rows the cross-entropy computes; see
+            :func:`bert_reduce.masked_token_losses`.
+
+    Raises:
+        ValueError: On an unknown mode, layout or gradient sync, or a missing
+            ``constant_per_sequence`` in constant mode.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = _DEFAULT_GROUP,
+        *,
+        normalization: Normalization | str = Normalization.PER_TOKEN,
+        constant_per_sequence: int | None = None,
+        ignore_index: int = -100,
+        logits_layout: LogitsLayout = "bsv",
+        gradient_sync: GradientSync = "mean",
+        gradient_average_size: int | None = None,
+        context_parallel_size: int = 1,
+        capacity: Capacity = "all",
+    ) -> None:
+        self._group_argument = group
+        self.group: dist.ProcessGroup | None = None
+        self.normalization = Normalization(normalization)
+        if self.normalization is Normalization.CONSTANT and (
+            constant_per_sequence is None or constant_per_sequence <= 0
+        ):
+            raise ValueError(
+                "normalization='constant' needs a positive constant_per_sequence (e.g. the "
+                f"maximum sequence length), got {constant_per_sequence!r}."
+            )
+        if logits_layout not in ("bsv", "sbv"):
+            raise ValueError(
+                f"logits_layout must be 'bsv' ([b, s, v]) or 'sbv' ([s, b, v]), got "
+                f"{logits_layout!r}."
+            )
+        if gradient_sync not in ("mean", "sum"):
+            raise ValueError(f"gradient_sync must be 'mean' or 'sum', got {gradient_sync!r}.")
+        if context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size must be >= 1, got {context_parallel_size}.")
+        self.constant_per_sequence = constant_per_sequence
+        self.ignore_index = ignore_index
+        self.logits_layout = logits_layout
+        self.gradient_sync = gradient_sync
+        self.gradient_average_size = gradient_average_size
+        self.context_parallel_size = context_parallel_size
+        self.capacity = capacity
+        self._scale: Tensor | None = None
+        self._expected = 0
+        self._reports: list[Tensor] = []
+
+    def _group_size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def loss_mask(self, micro_batch: Mapping[str, Any]) -> Tensor:
+        """The ``[b, s]`` weights of the scored tokens of a micro-batch.
+
+        ``loss_mask`` where given (bool, integer or float), else 1, and 0 wherever the label
+        is ``ignore_index``.
+
+        Raises:
+            KeyError: If ``labels`` is missing.
+            ValueError: If ``labels`` is not ``[b, s]`` or ``loss_mask`` has another shape.
+        """
+        if "labels" not in micro_batch:
+            raise KeyError(f"The micro-batch has no 'labels'; it has {sorted(micro_batch)}.")
+        labels = micro_batch["labels"]
+        if labels.dim() != 2:
+            raise ValueError(f"labels must be [b, s], got shape {tuple(labels.shape)}.")
+        labelled = labels != self.ignore_index
+        mask = micro_batch.get("loss_mask")
+        if mask is None:
+            return labelled
+        check_same_shape(mask, labels, ("loss_mask", "labels"), "[b, s]")
+        return torch.where(labelled, mask, torch.zeros_like(mask))
+
+    def _terms(
+        self, micro_batch: Mapping[str, Any], mask: Tensor, per_token_loss: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """``(numerator, denominator)`` of one micro-batch with its ``mask``, in the mode."""
+        if per_token_loss is None:
+            # The denominator as normalized_loss_terms defines it; losses do not enter it.
+            per_token_loss = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        sequences = {}
+        if self.normalization is not Normalization.PER_TOKEN:
+            sequences = batch_sequence_normalizers(
+                micro_batch, mask, context_parallel_size=self.context_parallel_size
+            )
+        return normalized_loss_terms(
+            per_token_loss,
+            mask,
+            self.normalization,
+            **sequences,
+            constant_per_sequence=self.constant_per_sequence,
+        )
+
+    def begin(self, micro_batches: Sequence[Mapping[str, Any]]) -> Tensor:
+        """Start a step: the global denominator, from one all-reduce over ``group``.
+
+        Args:
+            micro_batches: This rank's micro-batches of the step (possibly none), in any
+                order; each is then passed once to :meth:`__call__`.
+
+        Returns:
+            The 0-dim fp64 global denominator (the number of scored tokens of the global
+            batch in per-token mode).
+
+        Raises:
+            TypeError: If ``micro_batches`` is not a sequence (a generator would be used up).
+            KeyError, ValueError: On a malformed micro-batch (see :meth:`loss_mask`).
+        """
+        if isinstance(micro_batches, Mapping) or not isinstance(micro_batches, Sequence):
+            raise TypeError(
+                "begin() takes this rank's micro-batches of the step as a list (a sequence of "
+                f"mappings), got {type(micro_batches).__name__}."
+            )
+        # The default group is looked up here, not at construction: the loss may be built
+        # before the process group is.
+        self.group = (
+            distributed.loss_reduction_group()
+            if self._group_argument is _DEFAULT_GROUP
+            else self._group_argument
+        )
+        device = distributed.default_device()
+        denominator = torch.zeros((), dtype=torch.float64, device=device)
+        for micro_batch in micro_batches:
+            _, count = self._terms(micro_batch, self.loss_mask(micro_batch), None)
+            denominator = denominator.to(count.device) + count.to(torch.float64)
+        distributed.all_reduce_sum_(denominator, self.group)
+        world = self.gradient_average_size or self._group_size()
+        ranks = world if self.gradient_sync == "mean" else 1
+        # share = loss_sum * ranks / global_denominator: the ranks' gradient mean then sums.
+        self._scale = safe_divide(torch.full_like(denominator, ranks), denominator)
+        self._expected = len(micro_batches)
+        self._reports = []
+        return denominator
+
+    def __call__(self, logits: Tensor, micro_batch: Mapping[str, Any]) -> Tensor:
+        """This micro-batch's share of the global loss, to back-propagate; no collective.
+
+        Args:
+            logits: ``[b, s, v]`` (or ``[s, b, v]`` with ``logits_layout="sbv"``), any float
+                dtype.
+            micro_batch: One of the micro-batches given to :meth:`begin`.
+
+        Returns:
+            The 0-dim ``loss_sum * world_size / global_denominator`` (fp32, fp64 for fp64
+            logits); these summed over micro-batches and averaged over ranks are the global
+            loss.
+
+        Raises:
+            RuntimeError: Before :meth:`begin`, or when called more often than it had
+                micro-batches.
+            ValueError: If the logits' shape does not match the labels'.
+        """
+        if self._scale is None or len(self._reports) >= self._expected:
+            raise RuntimeError(
+                f"GlobalBatchLoss was called {len(self._reports) + 1} times after begin() "
+                f"received {self._expected} micro-batches; call begin(micro_batches) with every "
+                "micro-batch of the step first."
+            )
+        mask = self.loss_mask(micro_batch)
+        if logits.dim() != 3:
+            raise ValueError(f"logits must have 3 dims, got shape {tuple(logits.shape)}.")
+        # masked_token_losses reads [s, b, v]; a [b, s, v] tensor is that layout with the roles
+        # of b and s swapped, so it is passed as is (no copy) with transposed labels and mask.
+        if self.logits_layout == "bsv":
+            if logits.shape[:2] != mask.shape:
+                raise ValueError(
+                    f"logits of shape {tuple(logits.shape)} must be [b, s, v] for labels of "
+                    f"shape {tuple(mask.shape)}."
+                )
+            labels = micro_batch["labels"]
+            per_token_loss = masked_token_losses(
+                logits, labels.t(), mask.t(), capacity=self.capacity
+            ).t()
+        else:
+            if logits.shape[:2] != mask.t().shape:
+                raise ValueError(
+                    f"logits of shape {tuple(logits.shape)} must be [s, b, v] for labels of "
+                    f"shape {tuple(mask.shape)}."
+                )
+            per_token_loss = masked_token_losses(
+                logits, micro_batch["labels"], mask, capacity=self.capacity
+            )
+        numerator, denominator = self._terms(micro_batch, mask, per_token_loss)
+        self._reports.append(make_report(numerator, denominator))
+        return numerator * self._scale.to(device=numerator.device, dtype=numerator.dtype)
+
+    def end(self) -> Tensor:
+        """Finish the step: the exact global loss, from one all-reduce over ``group``.
+
+        Returns:
+            The 0-dim fp64 global loss (detached); 0.0 when the global batch scores nothing.
+
+        Raises:
+            RuntimeError: If not every micro-batch given to :meth:`begin` was passed to
+                :meth:`__call__`.
+        """
+        if self._scale is None or len(self._reports) != self._expected:
+            raise RuntimeError(
+                f"end() after {len(self._reports)} of {self._expected} micro-batches: pass every "
+                "micro-batch given to begin() through the loss first."
+            )
+        # A rank without micro-batches still joins the all-reduce, with (0, 0).
+        loss_sum, denominator = sum_reports([{REPORT_KEY: r} for r in self._reports])
+        totals = distributed.all_reduce_sum_(torch.stack([loss_sum, denominator]), self.group)
+        self._scale, self._expected, self._reports = None, 0, []
+        return safe_divide(*totals.unbind())

@@ -1,0 +1,137 @@
+"""Exact masked-LM loss in a plain PyTorch FSDP2 loop with a Hugging Face ESM-2 model.
+
+The shape of a bionemo-recipes training script (argparse, ``torchrun``, FSDP2 with one
+``fully_shard`` per transformer layer, gradient accumulation, clipping), with
+``outputs.loss`` replaced by :class:`bert_reduce.GlobalBatchLoss`: every optimizer step is
+that of the mean over every masked token of the global batch, however it is split over
+ranks and micro-batches. Runs on CPU (gloo) or GPUs (NCCL)::
+
+    torchrun --nproc-per-node 2 examples/torch_fsdp2_loop.py --steps 20
+    torchrun --nproc-per-node 8 examples/torch_fsdp2_loop.py --model-path DIR   # a local checkpoint
+
+The data are random protein-like sequences of varying length, 15% of their tokens masked
+(Hugging Face's convention: labels are -100 where nothing is scored). Each rank takes its
+contiguous share of the global batch and cuts it into micro-batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import EsmConfig, EsmForMaskedLM
+
+from bert_reduce import GlobalBatchLoss
+
+PAD_ID, MASK_ID, VOCAB = 1, 32, 33  # the ESM alphabet: residues are ids 4..23
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-path", default=None, help="a local Hugging Face checkpoint")
+    parser.add_argument("--hidden-size", type=int, default=32, help="ESM-2 8M: 320")
+    parser.add_argument("--num-layers", type=int, default=2, help="ESM-2 8M: 6")
+    parser.add_argument("--num-heads", type=int, default=4, help="ESM-2 8M: 20")
+    return parser.parse_args()
+
+
+def build_model(args: argparse.Namespace) -> EsmForMaskedLM:
+    if args.model_path is not None:
+        return EsmForMaskedLM.from_pretrained(args.model_path, local_files_only=True)
+    config = EsmConfig(
+        vocab_size=VOCAB,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        intermediate_size=4 * args.hidden_size,
+        max_position_embeddings=args.max_length + 2,
+        position_embedding_type="rotary",
+        emb_layer_norm_before=False,
+        token_dropout=True,
+        pad_token_id=PAD_ID,
+        mask_token_id=MASK_ID,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return EsmForMaskedLM(config)
+
+
+def global_batch(step: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The step's whole global batch, the same on every rank (a real loader shards a dataset)."""
+    gen = torch.Generator().manual_seed(args.seed * 100_003 + step)
+    size, length = args.global_batch_size, args.max_length
+    lengths = torch.randint(length // 4, length + 1, (size,), generator=gen)
+    real = torch.arange(length) < lengths[:, None]
+    tokens = torch.where(real, torch.randint(4, 24, (size, length), generator=gen), PAD_ID)
+    masked = real & (torch.rand(size, length, generator=gen) < 0.15)
+    return {
+        "input_ids": torch.where(masked, MASK_ID, tokens),
+        "attention_mask": real.long(),
+        "labels": torch.where(masked, tokens, -100),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else "cpu"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.global_batch_size % (world * args.micro_batch_size):
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of the number of "
+            f"ranks ({world}) times --micro-batch-size {args.micro_batch_size}."
+        )
+    mesh = init_device_mesh(device.type if cuda else "cpu", (world,), mesh_dim_names=("dp",))
+
+    torch.manual_seed(args.seed)
+    model = build_model(args).to(device)
+    model.esm.contact_head.requires_grad_(False)  # not on the masked-LM path
+    for layer in model.esm.encoder.layer:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01
+    )
+    loss_fn = GlobalBatchLoss(group=mesh.get_group())  # FSDP2 averages gradients over "dp"
+
+    share = args.global_batch_size // world
+    for step in range(1, args.steps + 1):
+        batch = global_batch(step, args)
+        mine = {k: v[rank * share : (rank + 1) * share].to(device) for k, v in batch.items()}
+        micro_batches = [
+            {k: v[i : i + args.micro_batch_size] for k, v in mine.items()}
+            for i in range(0, share, args.micro_batch_size)
+        ]
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn.begin(micro_batches)  # one all-reduce: the global number of masked tokens
+        for index, mb in enumerate(micro_batches):
+            # Reduce-scatter gradients once, in the last micro-batch's backward.
+            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+            loss_fn(logits, mb).backward()  # this micro-batch's share of the global mean
+        step_loss = loss_fn.end()  # one all-reduce: the exact loss of the global batch
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        if rank == 0:
+            print(
+                f"step {step} loss {step_loss.item():.6f} grad_norm {grad_norm.full_tensor():.4f}",
+                flush=True,
+            )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The Hugging Face ESM recipe model: config, construction, local checkpoints, LM-head inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from bert_reduce.recipe.config import register_configs
+
+pytest.importorskip("transformers")
+
+from bert_reduce.recipe.hf_esm import HFEsm2Model
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+TINY = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.ffn_size=32"]
+
+register_configs()
+
+
+def make(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=["model=hf_esm2", *overrides])
+
+
+def test_defaults_are_esm2_8m_and_typed() -> None:
+    cfg = make()
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads) == (320, 6, 20)
+    assert cfg.model.ffn_size == 1280 and cfg.model.pretrained_path is None
+    with pytest.raises(ConfigCompositionException, match=r"model\.num_layers=six"):
+        make("model.num_layers=six")
+    with pytest.raises(ConfigCompositionException, match=r"model\.tie_embeddings"):
+        make("model.tie_embeddings=false")  # the own model's key, not this one's
+
+
+def test_instantiated_model_gives_sbv_logits_and_fused_head_inputs() -> None:
+    torch.manual_seed(0)
+    model = instantiate(make(*TINY).model)
+    assert isinstance(model, HFEsm2Model) and model.fused_lm_head
+    ids = torch.randint(4, 24, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    model.eval()
+    logits = model(ids, mask)["token_logits"]
+    assert logits.shape == (9, 3, 33)
+    model.train()
+    head = model(ids, mask)
+    assert set(head) == {"hidden_states", "hidden_layout", "output_weight", "output_bias"}
+    assert head["hidden_states"].shape == (3, 9, 16) and head["hidden_layout"] == "bsh"
+    assert head["output_weight"] is model.model.esm.embeddings.word_embeddings.weight  # tied
+    recomputed = head["hidden_states"] @ head["output_weight"].T + head["output_bias"]
+    torch.testing.assert_close(recomputed.transpose(0, 1), logits, rtol=1e-6, atol=1e-6)
+    assert "token_logits" in model(ids, mask, logits=True)
+    model.fused_lm_head = False
+    assert "token_logits" in model(ids, mask)
+
+
+def test_fused_head_loss_equals_logits_loss() -> None:
+    from bert_reduce import BERTMLMLossWithReduction
+
+    torch.manual_seed(0)
+    model = instantiate(make(*TINY).model).double()
+    ids = torch.randint(4, 24, (3, 9))
+    batch = {"labels": ids, "loss_mask": torch.rand(3, 9) < 0.3}
+    values = []
+    for logits in (True, False):
+        loss_fn = BERTMLMLossWithReduction()
+        loss_fn.setup(batch)
+        _, _, report = loss_fn(model(ids, torch.ones_like(ids), logits=logits))
+        values.append(loss_fn.reduce([report]))
+    torch.testing.assert_close(values[0], values[1], rtol=1e-12, atol=0)
+
+
+def test_pretrained_path_loads_a_local_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    saved = HFEsm2Model(hidden_size=16, num_layers=1, num_heads=2, ffn_size=32)
+    saved.model.save_pretrained(tmp_path)
+    loaded = instantiate(make(f"model.pretrained_path={tmp_path}").model)
+    assert loaded.model.config.hidden_size == 16  # the checkpoint's shape, not the config's
+    expected = saved.state_dict()
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_clear_errors() -> None:
+    with pytest.raises(FileNotFoundError, match=r"model\.pretrained_path='/nonexistent'"):
+        HFEsm2Model(pretrained_path="/nonexistent")
+    model = HFEsm2Model(hidden_size=16, num_layers=1, num_heads=2, ffn_size=32)
+    ids = torch.randint(4, 24, (1, 8))
+    with pytest.raises(ValueError, match=r"data\.pack_sequences=false"):
+        model(ids, cu_seqlens=torch.tensor([0, 3, 8]))

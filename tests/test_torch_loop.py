@@ -1,0 +1,313 @@
+"""GlobalBatchLoss in one process: modes, layouts, splits, packing, CP shards vs F.cross_entropy.
+
+Multi-process runs (DDP, FSDP2) are in tests/integration/test_torch_loop_distributed.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss, get_batch_on_this_cp_rank
+from bert_reduce.normalization import sequence_normalizers
+from bert_reduce.packing import pack_batch, position_sequence_normalizers, unpack_sequences
+from tests.helpers.mode_reference import reference_mode_loss, reference_mode_loss_and_grad
+from tests.helpers.reference import make_mlm_batch
+from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
+
+MODES = ["per_token", "per_sequence", "constant"]
+LENGTHS = [5, 12, 1, 9, 12, 3]
+SEQ_LEN, VOCAB = 12, 11
+
+
+def mode_kwargs(mode: str) -> dict:
+    return {"constant_per_sequence": SEQ_LEN} if mode == "constant" else {}
+
+
+def weighted(mask: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.1, 0)
+
+
+def run_steps(
+    logits_sbv: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    sizes: list[int],
+    layout: str = "bsv",
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drive GlobalBatchLoss over row micro-batches in one process; loss and [s, b, v] grad."""
+    leaf = logits_sbv.detach().clone().requires_grad_(True)
+    micro_batches, start = [], 0
+    for size in sizes:
+        mb = {"labels": labels[start : start + size]}
+        if loss_mask is not None:
+            mb["loss_mask"] = loss_mask[start : start + size]
+        micro_batches.append((slice(start, start + size), mb))
+        start += size
+    loss_fn = GlobalBatchLoss(group=None, logits_layout=layout, **kwargs)
+    loss_fn.begin([mb for _, mb in micro_batches])
+    for rows, mb in micro_batches:
+        logits = leaf[:, rows]
+        loss_fn(logits.transpose(0, 1) if layout == "bsv" else logits, mb).backward()
+    return loss_fn.end(), leaf.grad
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", ["bsv", "sbv"])
+@pytest.mark.parametrize("weights", [False, True])
+@pytest.mark.parametrize("sizes", [[8], [1, 3, 2, 2], [3, 0, 5], [1] * 8])
+def test_every_mode_layout_and_split_equals_reference(mode, layout, weights, sizes) -> None:
+    logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.3)
+    loss_mask = weighted(mask) if weights else mask
+    loss, grad = run_steps(
+        logits, labels, loss_mask, sizes, layout, normalization=mode, **mode_kwargs(mode)
+    )
+    ref_loss, ref_grad = reference_mode_loss_and_grad(
+        logits, labels, loss_mask, mode, **mode_kwargs(mode)
+    )
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-15)
+
+
+def test_labels_alone_use_the_ignore_index_and_a_loss_mask_never_scores_it() -> None:
+    logits, labels, mask = make_mlm_batch(6, 9, 5, empty_rows=(1,), mask_prob=0.4)
+    ref_loss, ref_grad = reference_mode_loss_and_grad(logits, labels, mask, "per_token")
+    for loss_mask in (None, torch.ones_like(mask)):  # the ones mask would score -100 labels
+        loss, grad = run_steps(logits, labels, loss_mask, [2, 4])
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-15)
+    other = torch.where(labels == -100, 7, labels)
+    loss, _ = run_steps(logits, torch.where(labels == 7, -100, other), None, [6], ignore_index=7)
+    assert torch.isfinite(loss)
+
+
+def test_empty_micro_batches_and_an_empty_step_give_zero_loss_and_zero_grad() -> None:
+    logits, labels, mask = make_mlm_batch(4, 6, 5, empty_rows=(0, 1, 2, 3))
+    for mode in MODES:
+        loss, grad = run_steps(
+            logits, labels, mask, [1, 3], normalization=mode, **mode_kwargs(mode)
+        )
+        assert float(loss) == 0.0
+        assert torch.equal(grad, torch.zeros_like(grad))
+    loss_fn = GlobalBatchLoss(group=None)
+    assert float(loss_fn.begin([])) == 0.0
+    assert float(loss_fn.end()) == 0.0
+
+
+def test_mean_of_micro_batch_means_would_differ() -> None:
+    # Guards the tests above: what outputs.loss / accumulation steps gives is not the mean.
+    logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3), mask_prob=0.3)
+    ref = reference_mode_loss(logits, labels, mask, "per_token")
+    means = [
+        reference_mode_loss(logits[:, r], labels[r], mask[r], "per_token")
+        for r in (slice(0, 2), slice(2, 8))
+    ]
+    assert abs(float(sum(means) / 2 - ref)) > 1e-2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_host_sync_and_no_collective_per_micro_batch(mode) -> None:
+    logits, labels, mask = make_mlm_batch(4, 8, 9)
+    bsv = logits.transpose(0, 1).detach().requires_grad_(True)
+    loss_fn = GlobalBatchLoss(group=None, normalization=mode, **mode_kwargs(mode))
+    mbs = [{"labels": labels[:2], "loss_mask": weighted(mask[:2])}, {"labels": labels[2:]}]
+    with forbid_host_syncs(), count_collectives() as calls:
+        loss_fn.begin(mbs)
+        for rows, mb in zip((slice(0, 2), slice(2, 4)), mbs, strict=True):
+            loss_fn(bsv[rows], mb).backward()
+        loss_fn.end()
+    assert sum(calls.values()) == 0
+
+
+def test_errors_name_what_to_do() -> None:
+    logits, labels, _ = make_mlm_batch(2, 4, 5)
+    bsv = logits.transpose(0, 1)
+    loss_fn = GlobalBatchLoss(group=None)
+    with pytest.raises(RuntimeError, match="call begin"):
+        loss_fn(bsv, {"labels": labels})
+    with pytest.raises(TypeError, match="as a list"):
+        loss_fn.begin(mb for mb in [{"labels": labels}])
+    with pytest.raises(KeyError, match="no 'labels'"):
+        loss_fn.begin([{"input_ids": labels}])
+    loss_fn.begin([{"labels": labels}])
+    with pytest.raises(RuntimeError, match="0 of 1 micro-batches"):
+        loss_fn.end()
+    with pytest.raises(ValueError, match=r"must be \[b, s, v\]"):
+        loss_fn(logits, {"labels": labels})
+    with pytest.raises(ValueError, match="needs a positive constant_per_sequence"):
+        GlobalBatchLoss(group=None, normalization="constant")
+    with pytest.raises(ValueError, match="gradient_sync must be"):
+        GlobalBatchLoss(group=None, gradient_sync="avg")  # type: ignore[arg-type]
+
+
+# --- Hugging Face packed batches (DataCollatorWithFlattening) --------------------------------
+
+
+def padded_batch(weights: bool, seed: int = 3):
+    logits, labels, mask = make_mlm_batch(len(LENGTHS), SEQ_LEN, VOCAB, mask_prob=0.4, seed=seed)
+    real = torch.arange(SEQ_LEN) < torch.tensor(LENGTHS)[:, None]
+    mask[2] = False
+    mask &= real
+    labels = torch.where(mask, labels, -100)
+    return logits, labels, weighted(mask) if weights else mask
+
+
+def hf_packed(labels, loss_mask, logits_sbv, keys: str, multiple: int = 1) -> dict:
+    """The batch as DataCollatorWithFlattening (and its CP-padded variant) names it."""
+    packed = pack_batch(
+        {"labels": labels, "loss_mask": loss_mask, "logits": logits_sbv.transpose(0, 1)},
+        LENGTHS,
+        pad_to_multiple_of=multiple,
+    )
+    bounds = packed["cu_seqlens_padded"].long()
+    total = packed["labels"].shape[1]
+    seq = torch.searchsorted(bounds[1:], torch.arange(total), right=True)
+    position_ids = (torch.arange(total) - bounds[seq])[None]
+    hf = {"labels": packed["labels"], "logits": packed["logits"]}
+    if "loss_mask" in keys:
+        hf["loss_mask"] = packed["loss_mask"]
+    if "cu_seq_lens_q" in keys:
+        hf["cu_seq_lens_q"] = hf["cu_seq_lens_k"] = packed["cu_seqlens"]
+        hf["max_length_q"] = hf["max_length_k"] = max(LENGTHS)
+    if "padded" in keys:
+        hf["cu_seq_lens_q_padded"] = packed["cu_seqlens_padded"]
+    if "position_ids" in keys:
+        hf["position_ids"] = position_ids
+    hf["_cu_seqlens"], hf["_cu_seqlens_padded"] = packed["cu_seqlens"], packed["cu_seqlens_padded"]
+    return hf
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "keys,multiple",
+    [
+        ("cu_seq_lens_q", 1),
+        ("position_ids", 1),
+        ("cu_seq_lens_q padded", 4),
+        ("position_ids loss_mask", 1),
+        ("cu_seq_lens_q padded loss_mask", 4),
+    ],
+)
+def test_hf_packed_batch_equals_unpacked_in_every_mode(mode, keys, multiple) -> None:
+    weights = "loss_mask" in keys
+    logits, labels, loss_mask = padded_batch(weights)
+    ref_loss, ref_grad = reference_mode_loss_and_grad(
+        logits, labels, loss_mask, mode, **mode_kwargs(mode)
+    )
+    hf = hf_packed(labels, loss_mask, logits, keys, multiple)
+    mb = {k: v for k, v in hf.items() if not k.startswith("_") and k != "logits"}
+    leaf = hf["logits"].detach().clone().requires_grad_(True)
+    loss_fn = GlobalBatchLoss(group=None, normalization=mode, **mode_kwargs(mode))
+    loss_fn.begin([mb])
+    loss_fn(leaf, mb).backward()
+    torch.testing.assert_close(loss_fn.end(), ref_loss, rtol=1e-12, atol=0)
+    grad = unpack_sequences(
+        leaf.grad, hf["_cu_seqlens"], SEQ_LEN, cu_seqlens_padded=hf["_cu_seqlens_padded"]
+    )
+    torch.testing.assert_close(grad.transpose(0, 1), ref_grad, rtol=1e-10, atol=1e-15)
+
+    # The Megatron / NeMo path reads the same keys through the same lookup.
+    megatron_loss = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
+    megatron_mb = {**mb, "loss_mask": loss_fn.loss_mask(mb)}
+    megatron_loss.setup(megatron_mb)
+    _, _, report = megatron_loss({"token_logits": hf["logits"].transpose(0, 1)})
+    torch.testing.assert_close(megatron_loss.reduce([report]), ref_loss, rtol=1e-12, atol=0)
+
+
+def test_packed_looking_batch_without_boundaries_is_refused() -> None:
+    logits, labels, loss_mask = padded_batch(False)
+    hf = hf_packed(labels, loss_mask, logits, "cu_seq_lens_q")
+    del hf["cu_seq_lens_q"]  # cu_seq_lens_k and max_length_q stay: it still looks packed
+    mb = {"labels": hf["labels"], "cu_seq_lens_k": hf["cu_seq_lens_k"], "max_length_q": 12}
+    for loss in (
+        GlobalBatchLoss(group=None, normalization="per_sequence"),
+        BERTMLMLossWithReduction(normalization="constant", constant_per_sequence=12),
+    ):
+        with pytest.raises(ValueError, match=r"looks packed \(it has \['cu_seq_lens_k'"):
+            if isinstance(loss, GlobalBatchLoss):
+                loss.begin([mb])
+            else:
+                loss.setup({**mb, "loss_mask": mb["labels"] != -100})
+                loss({"token_logits": hf["logits"].transpose(0, 1)})
+    # Per-token mode needs no boundaries.
+    GlobalBatchLoss(group=None).begin([mb])
+
+
+def test_packed_row_read_as_one_sequence_would_be_wrong() -> None:
+    # Guards the packed tests: without the boundaries the per-sequence value changes.
+    logits, labels, loss_mask = padded_batch(False)
+    hf = hf_packed(labels, loss_mask, logits, "")
+    mb = {"labels": hf["labels"]}
+    loss_fn = GlobalBatchLoss(group=None, normalization="per_sequence")
+    loss_fn.begin([mb])
+    loss_fn(hf["logits"], mb)
+    ref = reference_mode_loss(logits, labels, loss_mask, "per_sequence")
+    assert abs(float(loss_fn.end() - ref)) > 1e-2
+
+
+def test_position_ids_and_cu_seqlens_give_the_same_normalizers() -> None:
+    mask = torch.tensor([[1, 0, 1, 0, 0, 1, 1, 0, 1]], dtype=torch.bool)
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 0]])
+    cu = torch.tensor([0, 3, 5, 8, 9])
+    for got, expected in zip(
+        position_sequence_normalizers(mask, position_ids),
+        sequence_normalizers(mask, cu),
+        strict=True,
+    ):
+        assert torch.equal(got, expected)
+
+
+# --- Context parallelism ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cp2_shards_equal_unsharded(mode) -> None:
+    # Both CP ranks' shards in one process (real gloo processes: the integration test): one
+    # begin over both shards, as the all-reduce over the data x context group would give.
+    logits, labels, mask = make_mlm_batch(4, 12, 7, empty_rows=(2,), mask_prob=0.3)
+    loss_mask = weighted(mask)
+    weight, start = sequence_normalizers(loss_mask)
+    leaf = logits.transpose(0, 1).detach().clone().requires_grad_(True)
+    batch = {
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "sequence_weight": weight,
+        "sequence_start": start,
+        "logits": leaf,
+    }
+    shards = [get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=r) for r in range(2)]
+    mbs = [{k: v for k, v in shard.items() if k != "logits"} for shard in shards]
+    loss_fn = GlobalBatchLoss(
+        group=None,
+        normalization=mode,
+        context_parallel_size=2,
+        gradient_sync="sum",
+        **mode_kwargs(mode),
+    )
+    loss_fn.begin(mbs)
+    for shard, mb in zip(shards, mbs, strict=True):
+        loss_fn(shard["logits"], mb).backward()
+    ref_loss, ref_grad = reference_mode_loss_and_grad(
+        logits, labels, loss_mask, mode, **mode_kwargs(mode)
+    )
+    torch.testing.assert_close(loss_fn.end(), ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(leaf.grad.transpose(0, 1), ref_grad, rtol=1e-10, atol=1e-15)
+    if mode != "per_token":
+        with pytest.raises(ValueError, match="under context parallelism need"):
+            GlobalBatchLoss(
+                group=None, normalization=mode, context_parallel_size=2, **mode_kwargs(mode)
+            ).begin([{"labels": labels}])
+
+
+def test_default_group_is_looked_up_at_begin(tmp_path) -> None:
+    import torch.distributed as dist
+
+    loss_fn = GlobalBatchLoss()  # built before the process group exists
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        loss_fn.begin([{"labels": torch.tensor([[1, -100]])}])
+        assert loss_fn.group is dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
