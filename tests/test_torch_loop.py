@@ -11,7 +11,11 @@ import torch
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss, get_batch_on_this_cp_rank
 from bert_reduce.normalization import sequence_normalizers
 from bert_reduce.packing import pack_batch, position_sequence_normalizers, unpack_sequences
-from tests.helpers.mode_reference import reference_mode_loss, reference_mode_loss_and_grad
+from tests.helpers.mode_reference import (
+    checked_reduce,
+    reference_mode_loss,
+    reference_mode_loss_and_grad,
+)
 from tests.helpers.reference import make_mlm_batch
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
@@ -213,7 +217,7 @@ def test_hf_packed_batch_equals_unpacked_in_every_mode(mode, keys, multiple) -> 
     megatron_mb = {**mb, "loss_mask": loss_fn.loss_mask(mb)}
     megatron_loss.setup(megatron_mb)
     _, _, report = megatron_loss({"token_logits": hf["logits"].transpose(0, 1)})
-    torch.testing.assert_close(megatron_loss.reduce([report]), ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-12, atol=0)
 
 
 def test_packed_looking_batch_without_boundaries_is_refused() -> None:
