@@ -3,11 +3,6 @@
 Importing this package imports Lightning; ``import bert_reduce`` alone does not.
 """
 
-from bert_reduce.lightning.callbacks import (
-    ValidationPerplexityCallback,
-    ValidationResult,
-    check_no_repeated_samples,
-)
 from bert_reduce.lightning.exact_module import (
     ExactMLMModule,
     LRSchedulerFactory,
@@ -19,9 +14,14 @@ from bert_reduce.lightning.run_checkpoint import RunCheckpoint
 from bert_reduce.lightning.sampling import (
     GlobalBatchSampler,
     ShardedEvalBatchSampler,
+    check_no_repeated_samples,
     check_sampler_placement,
 )
 from bert_reduce.lightning.stop_on_signal import StopOnSignal
+from bert_reduce.lightning.validation_perplexity import (
+    ValidationPerplexityCallback,
+    ValidationResult,
+)
 
 __all__ = [
     "ExactMLMModule",

@@ -16,12 +16,18 @@ them, e.g. ``DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler, Sampler
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-__all__ = ["GlobalBatchSampler", "ShardedEvalBatchSampler", "check_sampler_placement"]
+__all__ = [
+    "GlobalBatchSampler",
+    "ShardedEvalBatchSampler",
+    "check_no_repeated_samples",
+    "check_sampler_placement",
+]
 
 
 def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -181,3 +187,59 @@ def check_sampler_placement(dataloaders: Iterable[object], world_size: int, rank
                     "of the LightningDataModule or LightningModule), or pass num_replicas and "
                     "rank."
                 )
+
+
+def _samplers(dataloader: object) -> list[object]:
+    samplers = [getattr(dataloader, "sampler", None)]
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    samplers.append(getattr(batch_sampler, "sampler", None))
+    return [sampler for sampler in samplers if sampler is not None]
+
+
+def check_no_repeated_samples(dataloaders: DataLoader | Iterable[DataLoader] | None) -> None:
+    """Raise ``ValueError`` if a distributed sampler repeats or drops validation samples.
+
+    ``torch.utils.data.DistributedSampler`` (which Lightning installs by default under DDP)
+    evens out ranks by repeating samples (``drop_last=False``) or by dropping them
+    (``drop_last=True``) when the dataset size is not a multiple of the number of ranks; a
+    repeated sample would be counted twice in the epoch's sums. Lightning's
+    ``UnrepeatedDistributedSampler`` and bert_reduce's ``ShardedEvalBatchSampler`` place every
+    sample on exactly one rank.
+
+    Args:
+        dataloaders: A dataloader, a collection of them (as ``trainer.val_dataloaders``), or
+            ``None``. Only ``DataLoader``-like objects' ``sampler`` and ``batch_sampler.sampler``
+            are inspected.
+
+    Raises:
+        ValueError: Naming the dataset size, the number of ranks and the samples repeated or
+            dropped, and the fix.
+    """
+    if dataloaders is None:
+        return
+    if isinstance(dataloaders, DataLoader):
+        dataloaders = [dataloaders]
+    elif isinstance(dataloaders, Mapping):
+        dataloaders = list(dataloaders.values())
+    for index, dataloader in enumerate(dataloaders):
+        for sampler in _samplers(dataloader):
+            if not isinstance(sampler, DistributedSampler) or isinstance(
+                sampler, UnrepeatedDistributedSampler
+            ):
+                continue
+            dataset_size = len(sampler.dataset)  # type: ignore[arg-type]
+            if sampler.total_size == dataset_size:
+                continue
+            change = sampler.total_size - dataset_size
+            what = f"repeats {change}" if change > 0 else f"drops {-change}"
+            raise ValueError(
+                f"Validation dataloader {index}: its DistributedSampler {what} of the "
+                f"{dataset_size} samples to give each of {sampler.num_replicas} ranks the same "
+                "number, so the validation loss and perplexity would not be those of the "
+                "validation set. Give the validation DataLoader a sampler that places every "
+                "sample on exactly one rank, e.g. lightning.pytorch.overrides.distributed."
+                "UnrepeatedDistributedSampler(dataset, shuffle=False, "
+                "**trainer.strategy.distributed_sampler_kwargs) or "
+                "bert_reduce.lightning.ShardedEvalBatchSampler (as batch_sampler, with "
+                "Trainer(use_distributed_sampler=False))."
+            )

@@ -15,24 +15,21 @@ per micro-batch). :class:`bert_reduce.lightning.ExactMLMModule` does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from bert_reduce.functional import safe_divide
+from bert_reduce.lightning.sampling import check_no_repeated_samples
 from bert_reduce.metrics import TokenPerplexity, perplexity_from_sums
 
 __all__ = [
     "ValidationPerplexityCallback",
     "ValidationResult",
-    "check_no_repeated_samples",
 ]
 
 
@@ -51,62 +48,6 @@ class ValidationResult(NamedTuple):
     denominator: Tensor
     loss: Tensor
     perplexity: Tensor
-
-
-def _samplers(dataloader: object) -> list[object]:
-    samplers = [getattr(dataloader, "sampler", None)]
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    samplers.append(getattr(batch_sampler, "sampler", None))
-    return [sampler for sampler in samplers if sampler is not None]
-
-
-def check_no_repeated_samples(dataloaders: DataLoader | Iterable[DataLoader] | None) -> None:
-    """Raise ``ValueError`` if a distributed sampler repeats or drops validation samples.
-
-    ``torch.utils.data.DistributedSampler`` (which Lightning installs by default under DDP)
-    evens out ranks by repeating samples (``drop_last=False``) or by dropping them
-    (``drop_last=True``) when the dataset size is not a multiple of the number of ranks; a
-    repeated sample would be counted twice in the epoch's sums. Lightning's
-    ``UnrepeatedDistributedSampler`` and bert_reduce's ``ShardedEvalBatchSampler`` place every
-    sample on exactly one rank.
-
-    Args:
-        dataloaders: A dataloader, a collection of them (as ``trainer.val_dataloaders``), or
-            ``None``. Only ``DataLoader``-like objects' ``sampler`` and ``batch_sampler.sampler``
-            are inspected.
-
-    Raises:
-        ValueError: Naming the dataset size, the number of ranks and the samples repeated or
-            dropped, and the fix.
-    """
-    if dataloaders is None:
-        return
-    if isinstance(dataloaders, DataLoader):
-        dataloaders = [dataloaders]
-    elif isinstance(dataloaders, Mapping):
-        dataloaders = list(dataloaders.values())
-    for index, dataloader in enumerate(dataloaders):
-        for sampler in _samplers(dataloader):
-            if not isinstance(sampler, DistributedSampler) or isinstance(
-                sampler, UnrepeatedDistributedSampler
-            ):
-                continue
-            dataset_size = len(sampler.dataset)  # type: ignore[arg-type]
-            if sampler.total_size == dataset_size:
-                continue
-            change = sampler.total_size - dataset_size
-            what = f"repeats {change}" if change > 0 else f"drops {-change}"
-            raise ValueError(
-                f"Validation dataloader {index}: its DistributedSampler {what} of the "
-                f"{dataset_size} samples to give each of {sampler.num_replicas} ranks the same "
-                "number, so the validation loss and perplexity would not be those of the "
-                "validation set. Give the validation DataLoader a sampler that places every "
-                "sample on exactly one rank, e.g. lightning.pytorch.overrides.distributed."
-                "UnrepeatedDistributedSampler(dataset, shuffle=False, "
-                "**trainer.strategy.distributed_sampler_kwargs) or "
-                "bert_reduce.lightning.ShardedEvalBatchSampler (as batch_sampler, with "
-                "Trainer(use_distributed_sampler=False))."
-            )
 
 
 class ValidationPerplexityCallback(Callback):
@@ -138,7 +79,7 @@ class ValidationPerplexityCallback(Callback):
         prog_bar: Also show both values in the progress bar.
         check_sampler: At the start of each validation epoch, raise ``ValueError`` if a
             validation dataloader's ``DistributedSampler`` repeats or drops samples (see
-            :func:`check_no_repeated_samples`).
+            :func:`bert_reduce.lightning.sampling.check_no_repeated_samples`).
         process_group: Group the sums are reduced over; see :class:`bert_reduce.TokenPerplexity`.
     """
 
