@@ -43,6 +43,7 @@ from bert_reduce.functional import (
 
 __all__ = [
     "Normalization",
+    "checked_normalization",
     "normalized_loss_terms",
     "sequence_normalizers",
 ]
@@ -54,6 +55,26 @@ class Normalization(str, Enum):
     PER_TOKEN = "per_token"
     PER_SEQUENCE = "per_sequence"
     CONSTANT = "constant"
+
+
+def checked_normalization(
+    normalization: Normalization | str, constant_per_sequence: int | None
+) -> Normalization:
+    """The mode, once ``constant`` is known to have its positive ``constant_per_sequence``.
+
+    Raises:
+        ValueError: On an unknown mode, or ``constant`` without a positive
+            ``constant_per_sequence``.
+    """
+    normalization = Normalization(normalization)
+    if normalization is Normalization.CONSTANT and (
+        constant_per_sequence is None or constant_per_sequence <= 0
+    ):
+        raise ValueError(
+            "normalization='constant' needs a positive constant_per_sequence (e.g. the maximum "
+            f"sequence length), got {constant_per_sequence!r}."
+        )
+    return normalization
 
 
 def sequence_normalizers(
@@ -180,10 +201,6 @@ def normalized_loss_terms(
         numerator = masked_weighted_sum(per_token_loss, per_token_weight, scored & has_tokens)
         return numerator, (sequence_start & has_tokens).sum(dtype=torch.int64)
 
-    if constant_per_sequence is None or constant_per_sequence <= 0:
-        raise ValueError(
-            "Normalization 'constant' needs a positive constant_per_sequence (e.g. the maximum "
-            f"sequence length), got {constant_per_sequence!r}."
-        )
+    checked_normalization(normalization, constant_per_sequence)
     numerator = masked_weighted_sum(per_token_loss, loss_mask.to(acc), scored)
     return numerator, sequence_start.sum(dtype=torch.int64) * constant_per_sequence

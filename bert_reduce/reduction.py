@@ -30,7 +30,11 @@ from bert_reduce.linear_cross_entropy import (
     head_logits,
     linear_masked_token_losses,
 )
-from bert_reduce.normalization import Normalization, normalized_loss_terms
+from bert_reduce.normalization import (
+    Normalization,
+    checked_normalization,
+    normalized_loss_terms,
+)
 from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.reports import (
     DataParallelGroupLossAndIO,
@@ -212,14 +216,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         self.forward_out_key = forward_out_key
         self.cross_entropy_loss_fusion = cross_entropy_loss_fusion
         self.check_labels = check_labels
-        self.normalization = Normalization(normalization)
-        if self.normalization is Normalization.CONSTANT and (
-            constant_per_sequence is None or constant_per_sequence <= 0
-        ):
-            raise ValueError(
-                "normalization='constant' needs a positive constant_per_sequence, got "
-                f"{constant_per_sequence!r}."
-            )
+        self.normalization = checked_normalization(normalization, constant_per_sequence)
         self.constant_per_sequence = constant_per_sequence
         self.weight_resolution = weight_resolution
         if cross_entropy not in ("masked", "megatron"):

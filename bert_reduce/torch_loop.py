@@ -34,7 +34,11 @@ from torch import Tensor
 from bert_reduce import distributed
 from bert_reduce.cross_entropy import Capacity, masked_token_losses
 from bert_reduce.functional import check_same_shape, safe_divide
-from bert_reduce.normalization import Normalization, normalized_loss_terms
+from bert_reduce.normalization import (
+    Normalization,
+    checked_normalization,
+    normalized_loss_terms,
+)
 from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.reports import REPORT_KEY, make_report, sum_reports
 
@@ -114,14 +118,7 @@ class GlobalBatchLoss:
     ) -> None:
         self._group_argument = group
         self.group: dist.ProcessGroup | None = None
-        self.normalization = Normalization(normalization)
-        if self.normalization is Normalization.CONSTANT and (
-            constant_per_sequence is None or constant_per_sequence <= 0
-        ):
-            raise ValueError(
-                "normalization='constant' needs a positive constant_per_sequence (e.g. the "
-                f"maximum sequence length), got {constant_per_sequence!r}."
-            )
+        self.normalization = checked_normalization(normalization, constant_per_sequence)
         if logits_layout not in ("bsv", "sbv"):
             raise ValueError(
                 f"logits_layout must be 'bsv' ([b, s, v]) or 'sbv' ([s, b, v]), got "
