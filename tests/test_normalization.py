@@ -11,14 +11,15 @@ from bert_reduce import (
 )
 from bert_reduce.normalization import normalized_loss_terms, sequence_normalizers
 from tests.helpers.mode_reference import (
+    MODES,
     reference_mode_loss,
     reference_mode_loss_and_grad,
     run_mode_microbatches,
 )
+from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
 from tests.helpers.reference import make_mlm_batch
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
-MODES = ["per_token", "per_sequence", "constant"]
 SPLITS = [[8], [1, 3, 2, 2], [5, 1, 1, 1], [1] * 8]
 
 
@@ -33,7 +34,7 @@ def float_weights(mask: torch.Tensor, seed: int = 1, dyadic: bool = False) -> to
 
 
 def mode_kwargs(mode: str) -> dict:
-    return {"constant_per_sequence": 10} if mode == "constant" else {}
+    return _mode_kwargs(mode, 10)
 
 
 @pytest.mark.parametrize("mode", MODES)

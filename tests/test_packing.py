@@ -11,28 +11,30 @@ from bert_reduce.context_parallel import (
 from bert_reduce.packing import unpack_sequences
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.mode_reference import (
+    MODES,
     checked_reduce,
     reference_mode_loss,
     reference_mode_loss_and_grad,
 )
-from tests.helpers.reference import make_mlm_batch
+from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
+from tests.helpers.reference import (
+    RAGGED_LENGTHS,
+    RAGGED_SEQ_LEN,
+    RAGGED_VOCAB,
+    ragged_mlm_batch,
+)
 from tests.helpers.sync_guard import forbid_host_syncs
 
-MODES = ["per_token", "per_sequence", "constant"]
-LENGTHS = [5, 12, 1, 9, 12, 3]
-SEQ_LEN, VOCAB = 12, 11
+LENGTHS, SEQ_LEN, VOCAB = RAGGED_LENGTHS, RAGGED_SEQ_LEN, RAGGED_VOCAB
 
 
 def mode_kwargs(mode: str) -> dict:
-    return {"constant_per_sequence": SEQ_LEN} if mode == "constant" else {}
+    return _mode_kwargs(mode, SEQ_LEN)
 
 
 def padded_batch(weighted: bool = False, seed: int = 3):
     """A right-padded [b, s] batch whose loss mask is already 0 on padding, and its logits."""
-    logits, labels, mask = make_mlm_batch(len(LENGTHS), SEQ_LEN, VOCAB, mask_prob=0.4, seed=seed)
-    real = torch.arange(SEQ_LEN) < torch.tensor(LENGTHS)[:, None]
-    mask[2] = False  # a sequence with no masked token
-    mask &= real
+    logits, labels, mask, real = ragged_mlm_batch(seed)
     loss_mask = mask
     if weighted:
         gen = torch.Generator().manual_seed(seed)

@@ -12,20 +12,26 @@ from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss, get_batch_on_
 from bert_reduce.normalization import sequence_normalizers
 from bert_reduce.packing import pack_batch, position_sequence_normalizers, unpack_sequences
 from tests.helpers.mode_reference import (
+    MODES,
     checked_reduce,
     reference_mode_loss,
     reference_mode_loss_and_grad,
 )
-from tests.helpers.reference import make_mlm_batch
+from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
+from tests.helpers.reference import (
+    RAGGED_LENGTHS,
+    RAGGED_SEQ_LEN,
+    RAGGED_VOCAB,
+    make_mlm_batch,
+    ragged_mlm_batch,
+)
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
-MODES = ["per_token", "per_sequence", "constant"]
-LENGTHS = [5, 12, 1, 9, 12, 3]
-SEQ_LEN, VOCAB = 12, 11
+LENGTHS, SEQ_LEN, VOCAB = RAGGED_LENGTHS, RAGGED_SEQ_LEN, RAGGED_VOCAB
 
 
 def mode_kwargs(mode: str) -> dict:
-    return {"constant_per_sequence": SEQ_LEN} if mode == "constant" else {}
+    return _mode_kwargs(mode, SEQ_LEN)
 
 
 def weighted(mask: torch.Tensor, seed: int = 1) -> torch.Tensor:
@@ -150,10 +156,7 @@ def test_errors_name_what_to_do() -> None:
 
 
 def padded_batch(weights: bool, seed: int = 3):
-    logits, labels, mask = make_mlm_batch(len(LENGTHS), SEQ_LEN, VOCAB, mask_prob=0.4, seed=seed)
-    real = torch.arange(SEQ_LEN) < torch.tensor(LENGTHS)[:, None]
-    mask[2] = False
-    mask &= real
+    logits, labels, mask, _ = ragged_mlm_batch(seed)
     labels = torch.where(mask, labels, -100)
     return logits, labels, weighted(mask) if weights else mask
 

@@ -16,6 +16,13 @@ from torch import Tensor
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.reports import reduce_reports
 
+MODES = ("per_token", "per_sequence", "constant")
+
+
+def mode_kwargs(mode: str, constant_per_sequence: int) -> dict[str, int]:
+    """The options a mode needs: ``constant_per_sequence`` for ``constant``, none otherwise."""
+    return {"constant_per_sequence": constant_per_sequence} if mode == "constant" else {}
+
 
 def checked_reduce(reports: Sequence[Any]) -> Tensor:
     """``BERTMLMLossWithReduction().reduce(reports)``, as the fp64 exact value.

@@ -19,10 +19,9 @@ from hypothesis import strategies as st
 from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank, pack_batch
 from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
 from bert_reduce.normalization import sequence_normalizers
-from tests.helpers.mode_reference import reference_mode_loss_and_grad
+from tests.helpers.mode_reference import MODES, reference_mode_loss_and_grad
 
 VOCAB = 7
-MODES = ["per_token", "per_sequence", "constant"]
 
 
 @st.composite

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce import GlobalBatchLoss
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
 from tests.helpers.mode_reference import reference_mode_loss
 from tests.helpers.sync_guard import count_collectives
 
@@ -66,7 +67,7 @@ def global_batch(num_rows: int, empty_rows: tuple[int, ...], seed: int = 0):
 
 
 def mode_kwargs(mode: str) -> dict:
-    return {"constant_per_sequence": SEQ_LEN} if mode == "constant" else {}
+    return _mode_kwargs(mode, SEQ_LEN)
 
 
 def reference_grads(model: nn.Module, input_ids, labels, loss_mask, mode: str):
