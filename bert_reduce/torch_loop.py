@@ -40,7 +40,7 @@ from bert_reduce.normalization import (
     normalized_loss_terms,
 )
 from bert_reduce.packing import batch_sequence_normalizers
-from bert_reduce.reports import REPORT_KEY, make_report, sum_reports
+from bert_reduce.reports import make_report
 
 __all__ = ["GlobalBatchLoss"]
 
@@ -137,7 +137,8 @@ class GlobalBatchLoss:
         self.capacity = capacity
         self._scale: Tensor | None = None
         self._expected = 0
-        self._reports: list[Tensor] = []
+        self._calls = 0
+        self._totals: Tensor | None = None
 
     def _group_size(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
@@ -222,7 +223,9 @@ class GlobalBatchLoss:
         # share = loss_sum * ranks / global_denominator: the ranks' gradient mean then sums.
         self._scale = safe_divide(torch.full_like(denominator, ranks), denominator)
         self._expected = len(micro_batches)
-        self._reports = []
+        self._calls = 0
+        # (loss_sum, denominator) of this rank's micro-batches, summed as they come.
+        self._totals = torch.zeros(2, dtype=torch.float64, device=denominator.device)
         return denominator
 
     def __call__(self, logits: Tensor, micro_batch: Mapping[str, Any]) -> Tensor:
@@ -243,9 +246,9 @@ class GlobalBatchLoss:
                 micro-batches.
             ValueError: If the logits' shape does not match the labels'.
         """
-        if self._scale is None or len(self._reports) >= self._expected:
+        if self._scale is None or self._calls >= self._expected:
             raise RuntimeError(
-                f"GlobalBatchLoss was called {len(self._reports) + 1} times after begin() "
+                f"GlobalBatchLoss was called {self._calls + 1} times after begin() "
                 f"received {self._expected} micro-batches; call begin(micro_batches) with every "
                 "micro-batch of the step first."
             )
@@ -274,7 +277,8 @@ class GlobalBatchLoss:
                 logits, micro_batch["labels"], mask, capacity=self.capacity
             )
         numerator, denominator = self._terms(micro_batch, mask, per_token_loss)
-        self._reports.append(make_report(numerator, denominator))
+        self._totals = self._totals + make_report(numerator, denominator).to(self._totals)
+        self._calls += 1
         return numerator * self._scale.to(device=numerator.device, dtype=numerator.dtype)
 
     def end(self) -> Tensor:
@@ -287,13 +291,12 @@ class GlobalBatchLoss:
             RuntimeError: If not every micro-batch given to :meth:`begin` was passed to
                 :meth:`__call__`.
         """
-        if self._scale is None or len(self._reports) != self._expected:
+        if self._scale is None or self._totals is None or self._calls != self._expected:
             raise RuntimeError(
-                f"end() after {len(self._reports)} of {self._expected} micro-batches: pass every "
+                f"end() after {self._calls} of {self._expected} micro-batches: pass every "
                 "micro-batch given to begin() through the loss first."
             )
         # A rank without micro-batches still joins the all-reduce, with (0, 0).
-        loss_sum, denominator = sum_reports([{REPORT_KEY: r} for r in self._reports])
-        totals = distributed.all_reduce_sum_(torch.stack([loss_sum, denominator]), self.group)
-        self._scale, self._expected, self._reports = None, 0, []
+        totals = distributed.all_reduce_sum_(self._totals, self.group)
+        self._scale, self._expected, self._calls, self._totals = None, 0, 0, None
         return safe_divide(*totals.unbind())
