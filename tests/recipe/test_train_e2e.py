@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.dist_utils import HANG_GUARD_S
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +45,7 @@ def train(run_dir: Path, *overrides: str, multirun: bool = False) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
