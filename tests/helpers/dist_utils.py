@@ -6,11 +6,11 @@ Deterministic on a busy machine (the cores shared with other jobs):
   multi-process test many times over (``test_fsdp2_step_equals_one_process``: 27 s for its
   2- and 4-rank cases on an idle machine; the 4-rank case alone 38 to 99 s with the load
   average at 6 to 14, and 134 s on one core shared with 6 CPU-bound processes), so a fixed
-  limit on the test (``pytest.mark.timeout(300)``) fails it under enough load. A hang is caught where it
-  happens instead: every collective, the rendezvous and the final barrier wait at most
-  :data:`HANG_TIMEOUT` for the other ranks (gloo's and the store's own timeouts), however
-  slow the steps between them are. :data:`HANG_GUARD_S` bounds a whole test only as a last
-  resort, far above any run on a loaded machine.
+  limit on the test (``pytest.mark.timeout(300)``) fails it under enough load. A hang is
+  caught where it happens instead: every collective, the rendezvous and the final barrier
+  wait at most :data:`HANG_TIMEOUT` for the other ranks (gloo's and the store's own
+  timeouts), however slow the steps between them are. :data:`HANG_GUARD_S` bounds a whole
+  test only as a last resort, far above any run on a loaded machine.
 * Teardown cannot fail a rank that is still working. A rank that leaves the body's last
   collective and destroys its process group closes its gloo connections; a slower rank still
   inside that collective can then fail with "Connection closed by peer" (gloo's own

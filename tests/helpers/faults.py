@@ -49,7 +49,7 @@ def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _FillingFile:
+class FillingFile:
     """A binary file that takes ``room`` more bytes, then fails as a full disk does."""
 
     def __init__(self, handle: Any, room: int) -> None:
@@ -67,7 +67,7 @@ class _FillingFile:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.handle, name)
 
-    def __enter__(self) -> _FillingFile:
+    def __enter__(self) -> FillingFile:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -124,7 +124,7 @@ def install(kind: str, step: int) -> None:
         def filling_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
             handle = open(file, mode, *args, **kwargs)
             if "w" in mode and _current_step == step:
-                return _FillingFile(handle, room=64 * 1024)
+                return FillingFile(handle, room=64 * 1024)
             return handle
 
         checkpoint_io.open = filling_open  # type: ignore[attr-defined]  # the module's open only
