@@ -31,6 +31,7 @@ from bert_reduce.recipe.resume import (
     AUTO,
     ResumePoint,
     find_resume_checkpoint,
+    later_checkpoints,
     move_aside,
     read_resume_step,
 )
@@ -239,8 +240,11 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         for path in remove_leftovers(run_dir, checkpoint_dir):
             log.info("Removed %s, a temporary file that an interrupted run left.", path)
         if found is not None:
-            explicit = found.path
+            explicit, resumed_step = found.path, found.step
             _continue_automatically(trainer, found, checkpoint_dir, run_dir)
+        if explicit is not None and explicit.resolve().parent == checkpoint_dir.resolve():
+            assert resumed_step is not None
+            _supersede_later_checkpoints(checkpoint_dir, resumed_step)
         save_config_keeping_previous(OmegaConf.to_yaml(cfg, resolve=True), run_dir / "config.yaml")
         return _fit(cfg, trainer, module, datamodule, run_dir, explicit)
 
@@ -269,6 +273,21 @@ def _continue_automatically(
     for logger in trainer.loggers:
         if isinstance(logger, AppendingCSVLogger):
             logger.keep_steps_up_to = found.step
+
+
+def _supersede_later_checkpoints(checkpoint_dir: Path, step: int) -> None:
+    # A run resumed from step k in its own directory trains the steps after k again, and
+    # metrics.csv drops their rows: a checkpoint after k (of the continuation this run
+    # replaces) must not be resumed from later (resume=auto), or the rows in between would be
+    # missing.
+    for path in later_checkpoints(checkpoint_dir, step):
+        moved = move_aside(path, "superseded")
+        log.warning(
+            "%s is after step %d, which this run resumes from and trains again: kept as %s.",
+            path,
+            step,
+            moved.name,
+        )
 
 
 def _fit(

@@ -5,13 +5,15 @@ file then fails with a bare ``FileNotFoundError``, ``EOFError`` or unpickling er
 here first (memory-mapped, so large checkpoints cost little) lets ``train.py`` refuse before
 it touches the run directory, name the file, and list the checkpoints next to it.
 
-``resume=auto`` (:func:`find_resume_checkpoint`) looks in the run's checkpoint directory:
-``last.ckpt`` if it loads (the directory's latest state: ``RunCheckpoint`` puts it in place
-last, after the periodic checkpoint of the same step; a periodic checkpoint of a later step
-can only be one whose ``last.ckpt`` a kill kept from being put in place, and resuming from
-``last.ckpt`` trains that step again and writes it again), else the loadable checkpoint of
-the most steps, else none (the run starts from step 0). Files that do not load are reported
-as damaged, for the caller to move aside (:func:`move_aside`): never deleted.
+``resume=auto`` (:func:`find_resume_checkpoint`) looks in the run's checkpoint directory for
+the checkpoint of the most steps that loads, ``last.ckpt`` when it has as many steps as any:
+the directory's latest state. ``RunCheckpoint`` puts a checkpoint in place only after its
+step's rows are in ``metrics.csv``, so every checkpoint in place is one the run can continue
+from; a periodic checkpoint newer than ``last.ckpt`` is one whose ``last.ckpt`` a kill kept
+from being put in place. (A run resumed from an earlier checkpoint in its own directory moves
+the later ones aside first: :func:`later_checkpoints`.) Without one, the run starts from step
+0. Files that do not load are reported as damaged, for the caller to move aside
+(:func:`move_aside`): never deleted.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "ResumePoint",
     "UnreadableCheckpointError",
     "find_resume_checkpoint",
+    "later_checkpoints",
     "move_aside",
     "read_resume_step",
 ]
@@ -146,44 +149,59 @@ def find_resume_checkpoint(checkpoint_dir: Path, global_batch_size: int) -> Resu
         global_batch_size: This run's ``data.global_batch_size``.
 
     Returns:
-        ``last.ckpt`` if it loads, else the loadable ``*.ckpt`` of the most steps, else no
+        The loadable ``*.ckpt`` of the most steps (``last.ckpt`` among equals), or no
         checkpoint; and the files that did not load.
 
     Raises:
-        ValueError: If the chosen checkpoint is not a ``train.py`` checkpoint or was trained
+        ValueError: If a checkpoint that loads is not a ``train.py`` checkpoint or was trained
             with another global batch size (a configuration to fix, not a damaged file).
     """
     if not checkpoint_dir.is_dir():
         return ResumePoint(None, 0)
-    last = checkpoint_dir / LAST_NAME
-    others = sorted(path for path in checkpoint_dir.glob("*.ckpt") if path != last)
     damaged: list[tuple[Path, str]] = []
-    loaded: list[tuple[int, Path]] = []
-    for path in ([last] if last.is_file() else []) + others:
+    loaded: list[tuple[int, bool, Path]] = []
+    for path in sorted(checkpoint_dir.glob("*.ckpt")):
         try:
             checkpoint = _load(path)
         except UnreadableCheckpointError as error:
             damaged.append((path, str(error)))
             continue
-        loaded.append((_resume_step(path, checkpoint, global_batch_size), path))
-        if path == last:
-            break
+        step = _resume_step(path, checkpoint, global_batch_size)
+        loaded.append((step, path.name == LAST_NAME, path))
     if not loaded:
         return ResumePoint(None, 0, tuple(damaged))
-    step, path = loaded[0] if loaded[0][1] == last else max(loaded)
+    step, _, path = max(loaded)
     return ResumePoint(path, step, tuple(damaged))
 
 
-def move_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint to ``<name>.damaged`` (``.damaged.1``, ...: never over one).
+def later_checkpoints(checkpoint_dir: Path, step: int) -> list[Path]:
+    """The checkpoints of ``checkpoint_dir`` that load and hold more than ``step`` steps.
+
+    A run resumed in its own directory from an earlier checkpoint trains those steps again:
+    the later checkpoints are of the abandoned continuation, and ``resume=auto`` must not
+    take them for this run's. Reads only.
+    """
+    later = []
+    for path in sorted(checkpoint_dir.glob("*.ckpt")):
+        try:
+            checkpoint = _load(path)
+        except UnreadableCheckpointError:
+            continue
+        if isinstance(checkpoint, dict) and int(checkpoint.get("global_step", -1)) > step:
+            later.append(path)
+    return later
+
+
+def move_aside(path: Path, reason: str = "damaged") -> Path:
+    """Rename ``path`` to ``<name>.<reason>`` (``.<reason>.1``, ...: never over a file).
 
     Returns:
         The new path.
     """
-    target = path.with_name(f"{path.name}.damaged")
+    target = path.with_name(f"{path.name}.{reason}")
     number = 0
     while target.exists():
         number += 1
-        target = path.with_name(f"{path.name}.damaged.{number}")
+        target = path.with_name(f"{path.name}.{reason}.{number}")
     os.replace(path, target)
     return target

@@ -356,3 +356,31 @@ def test_disk_full_during_a_checkpoint_leaves_the_run_resumable(
     assert training_steps(tmp_path)[-1] == 9
     train_ok(tmp_path, "trainer.max_steps=12", "resume=auto")
     assert_same_run(tmp_path, uninterrupted)
+
+
+def test_resume_from_an_earlier_checkpoint_then_kill_then_auto(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    # Continue a finished 12-step run from its step 5 in its own directory: last.ckpt (12) and
+    # step 10 are of the continuation this run replaces, so they are moved aside; a kill
+    # after step 10's checkpoint is written (not yet in place) and resume=auto must then go on
+    # from step 5, not from the old last.ckpt (that would leave steps 10 to 12 without rows).
+    for path in uninterrupted.rglob("*"):
+        if path.is_file() and path.name != ".run.lock":
+            (tmp_path / path.relative_to(uninterrupted)).parent.mkdir(exist_ok=True)
+            (tmp_path / path.relative_to(uninterrupted)).write_bytes(path.read_bytes())
+    step5 = tmp_path / "checkpoints" / "step000005.ckpt"
+    killed = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.faults", *TINY, "trainer.max_steps=12",
+         f"resume={step5}", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, env={**ENV, "TEST_FAULT": "kill-after-checkpoint-write@10"},
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert "is after step 5, which this run resumes from and trains again" in killed.stdout
+    in_place = [name for name in checkpoint_files(tmp_path) if ".tmp-" not in name]
+    assert in_place == ["last.ckpt.superseded", "step000005.ckpt", "step000010.ckpt.superseded"]
+    result = train(tmp_path, "trainer.max_steps=12", "resume=auto")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"resume=auto: resuming from {step5} (step 5)" in result.stdout
+    assert_same_run(tmp_path, uninterrupted)

@@ -12,6 +12,7 @@ from bert_reduce.recipe.resume import (
     DATAMODULE_STATE_KEY,
     ResumePoint,
     find_resume_checkpoint,
+    later_checkpoints,
     move_aside,
     read_resume_step,
 )
@@ -67,11 +68,22 @@ def cut(path: Path, size: int = 1000) -> Path:
     return path
 
 
-def test_auto_takes_last_ckpt_when_it_loads(tmp_path: Path) -> None:
+def test_auto_takes_the_checkpoint_of_the_most_steps(tmp_path: Path) -> None:
     recipe_checkpoint(tmp_path / "step000005.ckpt", step=5)
     recipe_checkpoint(tmp_path / "step000010.ckpt", step=10)
-    recipe_checkpoint(tmp_path / "last.ckpt", step=7)  # a resumed run's newest state
-    assert find_resume_checkpoint(tmp_path, 16) == ResumePoint(tmp_path / "last.ckpt", 7)
+    recipe_checkpoint(tmp_path / "last.ckpt", step=10)
+    assert find_resume_checkpoint(tmp_path, 16) == ResumePoint(tmp_path / "last.ckpt", 10)
+    # A kill between a step's two renames: its periodic checkpoint is in place, last.ckpt not.
+    recipe_checkpoint(tmp_path / "step000015.ckpt", step=15)
+    assert find_resume_checkpoint(tmp_path, 16) == ResumePoint(tmp_path / "step000015.ckpt", 15)
+
+
+def test_later_checkpoints_are_those_after_a_step(tmp_path: Path) -> None:
+    for step in (5, 10, 15):
+        recipe_checkpoint(tmp_path / f"step{step:06d}.ckpt", step=step)
+    recipe_checkpoint(tmp_path / "last.ckpt", step=15)
+    cut(recipe_checkpoint(tmp_path / "step000020.ckpt", step=20), 30)  # not loadable: left
+    assert later_checkpoints(tmp_path, 10) == [tmp_path / "last.ckpt", tmp_path / "step000015.ckpt"]
 
 
 def test_auto_skips_a_damaged_last_ckpt_for_the_newest_step_that_loads(tmp_path: Path) -> None:
