@@ -100,11 +100,6 @@ class RunCheckpoint(Checkpoint):
         self._pending: list[tuple[str, str]] = []  # (temporary path, final path)
         self._last_saved_step: int | None = None
 
-    @property
-    def last_path(self) -> str | None:
-        """``<dirpath>/last.ckpt`` (``None`` before ``setup``)."""
-        return None if self.dirpath is None else os.path.join(self.dirpath, LAST_NAME)
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.dirpath is None:
@@ -228,28 +223,28 @@ class RunCheckpoint(Checkpoint):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        if not trainer.is_global_zero:
-            return
-        for logger in trainer.loggers:
-            logger.save()
-        for temporary, final in pending:
-            filesystem = get_filesystem(final)
-            if isinstance(filesystem, LocalFileSystem):
-                os.replace(temporary, final)
-            else:
-                filesystem.mv(temporary, final)
-        if isinstance(get_filesystem(pending[0][1]), LocalFileSystem):
-            _fsync(os.path.dirname(pending[0][1]) or ".")
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.save()
+            for temporary, final in pending:
+                filesystem = get_filesystem(final)
+                if isinstance(filesystem, LocalFileSystem):
+                    os.replace(temporary, final)
+                else:
+                    filesystem.mv(temporary, final)
+            if isinstance(get_filesystem(pending[0][1]), LocalFileSystem):
+                _fsync(os.path.dirname(pending[0][1]) or ".")
         self._remove_old(trainer)
 
     def _remove_old(self, trainer: pl.Trainer) -> None:
+        # Every rank keeps the same list; the strategy deletes on rank 0 only.
         if self.keep_last is None or len(self.periodic) <= self.keep_last:
             return
         assert self.dirpath is not None
         old, self.periodic = self.periodic[: -self.keep_last], self.periodic[-self.keep_last :]
         for _, name in old:
             path = os.path.join(self.dirpath, name)
-            if get_filesystem(path).exists(path):
+            if trainer.is_global_zero and get_filesystem(path).exists(path):
                 trainer.strategy.remove_checkpoint(path)
 
     def _discard(self, trainer: pl.Trainer) -> None:

@@ -253,7 +253,7 @@ def _continue_automatically(
     trainer: pl.Trainer, found: ResumePoint, checkpoint_dir: Path, run_dir: Path
 ) -> None:
     """Move damaged checkpoints aside, say where ``resume=auto`` continues, trim the metrics."""
-    where = f"{found.path} (step {found.step})" if found.path else "step 0: no intact checkpoint"
+    where = f"{found.path} (step {found.step})" if found.path else "step 0 (no intact checkpoint)"
     for path, reason in found.damaged:
         moved = move_aside(path)
         log.warning(
