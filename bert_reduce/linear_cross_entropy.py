@@ -40,6 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from bert_reduce.cross_entropy import (
     Capacity,
+    NumScored,
     RowSelection,
     combine_shard_stats,
     logsumexp_,
@@ -299,7 +300,7 @@ def linear_masked_token_losses(
     *,
     bias: Tensor | None = None,
     capacity: Capacity = "all",
-    num_scored: Tensor | None = None,
+    num_scored: NumScored | None = None,
     layout: HiddenLayout = "sbh",
     sequence_parallel: bool = False,
     chunk_rows: int | None = None,
@@ -332,9 +333,11 @@ def linear_masked_token_losses(
         capacity: Which rows are computed: ``"all"``, ``"nonzero"``, a row count or a fraction
             of ``b * s``; see :mod:`bert_reduce.cross_entropy`. ``"all"`` does MORE work than
             the dense head (every row's logits twice); use a count.
-        num_scored: The data pipeline's count of scored positions (e.g. the collator's ``[b]``
-            per-sample counts), ideally on the CPU: exactly that many rows are computed, with
-            no host sync. Overrides ``capacity``; see :func:`bert_reduce.cross_entropy.select_rows`.
+        num_scored: The data pipeline's count of scored positions: an ``int`` (the
+            micro-batch's total, which no device transfer touches) or an integer tensor of
+            counts (e.g. the collator's ``[b]`` per-sample counts). Exactly that many rows are
+            computed, with no host sync when it is on the host (a tensor on the accelerator is
+            read once). Overrides ``capacity``; see :func:`bert_reduce.cross_entropy.select_rows`.
         layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
         sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
         chunk_rows: Rows per chunk (``None``: about 2**21 logits per chunk).

@@ -315,7 +315,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         loss_mask: Tensor,
     ) -> Tensor:
         """``[b, s]`` losses from logits (``key``), or from the output layer's inputs."""
-        num_scored = _require(batch, "num_scored", "batch") if "num_scored" in batch else None
+        # An int or a tensor of counts; select_rows checks it and names it in its errors.
+        num_scored = batch.get("num_scored")
         fused_head = key == HIDDEN_STATES_KEY
         masked = self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion
         if fused_head:

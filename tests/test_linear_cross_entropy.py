@@ -119,10 +119,14 @@ def test_num_scored_overrides_capacity_and_guards_against_undercounting() -> Non
     with forbid_host_syncs():
         got = fused(hidden, weight, bias, labels, mask, coef, num_scored=torch.tensor(count - 1))
     assert got[0][mask].isnan().all() and all(g.isnan().any() for g in got[1:])
-    with pytest.raises(ValueError, match="num_scored must stay on the CPU"):
-        linear_masked_token_losses(
-            hidden, weight, labels, mask, num_scored=torch.tensor(count, device="meta")
-        )
+    # A Python int (the micro-batch's total) is the same count, and needs no tensor at all.
+    with forbid_host_syncs():
+        got = fused(hidden, weight, bias, labels, mask, coef, num_scored=count)
+    assert_matches(got, expected, rtol=1e-10)
+    for bad, error in [(1.5, TypeError), (True, TypeError), (mask.sum(1).double(), TypeError),
+                       (-1, ValueError)]:  # fmt: skip
+        with pytest.raises(error, match="num_scored"):
+            linear_masked_token_losses(hidden, weight, labels, mask, num_scored=bad)
 
 
 @pytest.mark.parametrize("capacity", ["all", "nonzero", 4])

@@ -4,15 +4,9 @@ The model is built from an ``EsmConfig`` (ESM-2 8M's shape by default) or loaded
 checkpoint directory (``save_pretrained``'s; nothing is downloaded). Like the recipe's own
 :class:`~bert_reduce.recipe.model.ESM2Model` it returns ``{"token_logits": [s, b, v]}``, so
 the same exact loss trains it. With ``fused_lm_head=True`` (as the recipe's own model) it
-returns in training mode what the loss's masked-only fused head consumes
-(:mod:`bert_reduce.linear_cross_entropy`), without computing the ``[s, b, v]`` logits:
-
-* ``hidden_states``: ``[b, s, h]`` (``hidden_layout: "bsh"``), the LM head's input to its
-  decoder (after its dense layer, GELU and LayerNorm);
-* ``output_weight``: ``[v, h]``, the decoder's weight (tied to the token embeddings);
-* ``output_bias``: ``[v]``, the head's bias;
-
-so that ``logits = hidden_states @ output_weight.T + output_bias``.
+returns in training mode what the loss's masked-only fused head consumes,
+:func:`bert_reduce.hf.lm_head_inputs` (``hidden_states`` ``[b, s, h]``, ``output_weight``,
+``output_bias``), without computing the ``[s, b, v]`` logits.
 
 Needs ``transformers`` (the ``hf`` extra); it is imported when the model is built.
 """
@@ -24,12 +18,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from bert_reduce.linear_cross_entropy import (
-    HIDDEN_LAYOUT_KEY,
-    HIDDEN_STATES_KEY,
-    OUTPUT_BIAS_KEY,
-    OUTPUT_WEIGHT_KEY,
-)
+from bert_reduce.hf.lm_head import lm_head_inputs
 
 __all__ = ["HFEsm2Model"]
 
@@ -155,16 +144,4 @@ class HFEsm2Model(nn.Module):
         if logits:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
             return {"token_logits": out.transpose(0, 1)}
-        from transformers.models.esm.modeling_esm import gelu
-
-        hidden = self.model.esm(input_ids=input_ids, attention_mask=attention_mask)[0]
-        head = self.model.lm_head
-        # EsmLMHead.forward up to its decoder: logits = features @ decoder.weight.T + bias.
-        features = head.layer_norm(gelu(head.dense(hidden)))
-        # [b, s, h] as computed: the loss reads it in this layout without a copy.
-        return {
-            HIDDEN_STATES_KEY: features,
-            HIDDEN_LAYOUT_KEY: "bsh",
-            OUTPUT_WEIGHT_KEY: head.decoder.weight,
-            OUTPUT_BIAS_KEY: head.bias,
-        }
+        return lm_head_inputs(self.model, input_ids=input_ids, attention_mask=attention_mask)

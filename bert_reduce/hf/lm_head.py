@@ -1,0 +1,133 @@
+"""The fused head's inputs from a Hugging Face masked LM, without its ``[b, s, v]`` logits.
+
+``EsmForMaskedLM`` and ``BertForMaskedLM`` end in a prediction head: a transform (dense,
+activation, LayerNorm) and a decoder, ``logits = transform(sequence_output) @ W^T + bias``.
+:func:`lm_head_inputs` runs the model through its own ``forward`` (so DDP, FSDP2 and
+``accelerate`` wrappers see a normal call) with the head stopped before its decoder, and
+returns what :func:`bert_reduce.linear_masked_token_losses` and
+:class:`bert_reduce.BERTMLMLossWithReduction` take instead of logits::
+
+    forward_out = lm_head_inputs(model, input_ids=ids, attention_mask=mask)
+    # forward_out["hidden_states"] [b, s, h] @ forward_out["output_weight"].T [h, v]
+    #   + forward_out["output_bias"] [v]  ==  model(input_ids=ids, ...).logits [b, s, v]
+
+Needs ``transformers`` (the ``hf`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+from bert_reduce.linear_cross_entropy import (
+    HIDDEN_LAYOUT_KEY,
+    HIDDEN_STATES_KEY,
+    OUTPUT_BIAS_KEY,
+    OUTPUT_WEIGHT_KEY,
+)
+
+__all__ = ["lm_head_inputs"]
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside ``DistributedDataParallel`` (FSDP2 keeps the model's own class)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def _prediction_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Tensor], nn.Module]:
+    """``(head module, its transform, its decoder)`` of a supported masked LM.
+
+    The transform is the head's ``forward`` up to the decoder; ``tests/hf/test_lm_head.py``
+    checks it against the model's own logits, so a change in ``transformers`` fails there.
+    """
+    from transformers import BertForMaskedLM, EsmForMaskedLM
+
+    if isinstance(model, EsmForMaskedLM):
+        from transformers.models.esm.modeling_esm import gelu
+
+        head = model.lm_head
+        # EsmLMHead.forward: decoder(layer_norm(gelu(dense(x)))) + bias.
+        return head, lambda x: head.layer_norm(gelu(head.dense(x))), head.decoder
+    if isinstance(model, BertForMaskedLM):
+        # BertOnlyMLMHead -> BertLMPredictionHead: decoder(transform(x)), the decoder's bias
+        # tied to predictions.bias.
+        predictions = model.cls.predictions
+        return model.cls, predictions.transform, predictions.decoder
+    raise TypeError(
+        f"lm_head_inputs supports transformers' EsmForMaskedLM and BertForMaskedLM (optionally "
+        f"inside DistributedDataParallel or fully_shard), got {type(model).__name__}."
+    )
+
+
+@contextlib.contextmanager
+def _head_stops_before_decoder(
+    head: nn.Module, transform: Callable[[Tensor], Tensor], decoder: nn.Module, seen: dict
+) -> Iterator[None]:
+    """Make ``head(x)`` return ``transform(x)`` and record the decoder's parameters.
+
+    An instance attribute shadows the class's ``forward`` for this call only; module hooks
+    (FSDP2's all-gather, DDP's) still run, as ``nn.Module.__call__`` is unchanged. The
+    parameters are read inside the forward, where FSDP2 has them unsharded.
+    """
+
+    def forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        seen["weight"], seen["bias"] = decoder.weight, _decoder_bias(head, decoder)
+        return transform(features)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _decoder_bias(head: nn.Module, decoder: nn.Module) -> Tensor | None:
+    # ESM's decoder has no bias; its head adds its own `bias` parameter after the decoder.
+    return decoder.bias if decoder.bias is not None else getattr(head, "bias", None)
+
+
+def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
+    """``{hidden_states [b, s, h], output_weight [v, h], output_bias [v]}`` of a masked LM.
+
+    Runs ``model(**inputs)`` with the prediction head stopped before its decoder, so the
+    ``[b, s, v]`` logits are never computed: ``F.linear(hidden_states, output_weight,
+    output_bias)`` equals the model's ``logits``. Pass no ``labels`` (the model would score
+    the hidden states as logits); the loss reads them from the batch.
+
+    Args:
+        model: A ``transformers`` ``EsmForMaskedLM`` or ``BertForMaskedLM``, optionally inside
+            ``DistributedDataParallel`` or sharded with ``fully_shard``.
+        **inputs: The model's inputs (``input_ids``, ``attention_mask``, ``position_ids``, ...).
+
+    Returns:
+        The ``forward_out`` of the fused head: ``hidden_states`` (``[b, s, h]``, after the
+        head's dense layer, activation and LayerNorm), ``hidden_layout`` (``"bsh"``),
+        ``output_weight`` (``[v, h]``, the decoder's weight, tied to the embeddings) and
+        ``output_bias`` (``[v]``).
+
+    Raises:
+        TypeError: For another model class.
+        ValueError: If ``inputs`` holds ``labels``.
+    """
+    if "labels" in inputs:
+        raise ValueError(
+            "lm_head_inputs takes the model's inputs without 'labels': the model would score "
+            "its hidden states as logits. Give the labels to the loss instead."
+        )
+    head, transform, decoder = _prediction_head(_unwrap(model))
+    seen: dict[str, Tensor | None] = {}
+    with _head_stops_before_decoder(head, transform, decoder, seen):
+        hidden = model(**inputs).logits
+    return {
+        HIDDEN_STATES_KEY: hidden,
+        HIDDEN_LAYOUT_KEY: "bsh",
+        OUTPUT_WEIGHT_KEY: seen["weight"],
+        OUTPUT_BIAS_KEY: seen["bias"],
+    }
