@@ -256,37 +256,49 @@ def _softmax_gradients(
 
 
 def _single_pass(
-    rows_hidden: Tensor,
+    hidden: Tensor,
+    index: Tensor | None,
     weight: Tensor,
     bias: Tensor | None,
     sharded: ShardedTargets,
     coef: Tensor,
     chunk_rows: int,
     acc: torch.dtype,
-    needs: tuple,
+    needs: tuple[bool, ...],
 ) -> tuple[Tensor, _Gradients]:
     """``sum(coef * loss)`` and its gradients in one pass over row chunks of the whole vocab.
 
     Per chunk of rows: ``x = h_rows @ w^T + b`` (``[c, v]``), its log-sum-exp and target
-    logit, then ``dL/dx = coef * (softmax - onehot)`` in ``x``'s own buffer, multiplied into
-    the gradients at once: three products, nothing computed twice.
+    logit, then the logits' gradient in ``x``'s own buffer, multiplied into the gradients at
+    once: three products, nothing computed twice. With ``e = exp(x - shift)`` and ``total``
+    its row sums,
+
+        dL/dx = coef * (e / total - onehot) = scale * (e - total * onehot),  scale = coef / total
+
+    and the per-row ``scale`` goes into the products' small operands (``[c, h]``) rather
+    than through the ``[c, v]`` chunk: ``dL/dh_rows = scale * (dx' @ w)``,
+    ``dL/dw += dx'^T @ (scale * h_rows)``, ``dL/db += dx'^T @ scale``.
     """
-    device = weight.device
-    grads = _Gradients(
-        torch.zeros(rows_hidden.shape, dtype=acc, device=device) if needs[0] else None,
-        # The whole [v, h] weight gradient, in the accumulation dtype: every row chunk adds
-        # to every vocabulary entry.
-        torch.zeros(weight.shape, dtype=acc, device=device) if needs[1] else None,
-        torch.zeros(weight.size(0), dtype=acc, device=device)
-        if needs[2] and bias is not None
-        else None,
-    )
-    need_any = any(grad is not None for grad in grads)
+    device, dtype = weight.device, hidden.dtype
+    num_rows = hidden.size(0) if index is None else index.numel()
+    rows_shape = (num_rows, hidden.size(1))
+    # Every row chunk writes its own rows of the hidden-state gradient, and the first one
+    # writes the whole [v, h] weight gradient (in the accumulation dtype) that the others
+    # add to: neither needs zeroing first, unless no row is computed at all.
+    grad_rows = torch.empty(rows_shape, dtype=acc, device=device) if needs[0] else None
+    grad_weight = torch.empty(weight.shape, dtype=acc, device=device) if needs[1] else None
+    if grad_weight is not None and num_rows == 0:
+        grad_weight.zero_()
+    grad_bias = None
+    if needs[2] and bias is not None:
+        grad_bias = torch.zeros(weight.size(0), dtype=acc, device=device)
+    need_any = needs[0] or needs[1] or grad_bias is not None
     vocab = (0, weight.size(0))
-    loss_sum = torch.zeros((), dtype=acc, device=weight.device)
-    for start in range(0, rows_hidden.size(0), chunk_rows):
-        rows = (start, min(start + chunk_rows, rows_hidden.size(0)))
-        part = rows_hidden[rows[0] : rows[1]]
+    loss_sum = torch.zeros((), dtype=acc, device=device)
+    for start in range(0, num_rows, chunk_rows):
+        rows = (start, min(start + chunk_rows, num_rows))
+        # The selected rows are gathered a chunk at a time, never all at once.
+        part = hidden[rows[0] : rows[1]] if index is None else hidden[index[rows[0] : rows[1]]]
         c = coef[rows[0] : rows[1]]
         local = sharded.local[rows[0] : rows[1]]
         x = _chunk_logits(part, weight, bias, vocab, acc)
@@ -300,14 +312,32 @@ def _single_pass(
         loss = torch.where(in_vocab, total.log() + shift - target_logit, torch.nan)
         # `where`, not a product: whatever an unweighted row holds must not reach the sum.
         loss_sum += torch.where(c != 0, c * loss, 0).sum()
-        if need_any:
-            # dL/dx = coef * (exp(x - shift) / total - onehot(target)).
-            x.mul_(torch.where(c != 0, c / total, 0).unsqueeze(1))
-            hit = c * sharded.in_shard[rows[0] : rows[1]]
-            x.scatter_add_(1, local, -hit.unsqueeze(1))
-            grad_part = None if grads.rows is None else grads.rows[rows[0] : rows[1]]
-            _add_chunk_gradients(x, part, weight, grad_part, grads.weight, grads.bias)
-    return loss_sum, grads
+        if not need_any:
+            continue
+        scale = torch.where(c != 0, c / total, 0)
+        hit = total * sharded.in_shard[rows[0] : rows[1]]
+        x.scatter_add_(1, local, -hit.unsqueeze(1))
+        if grad_bias is not None:
+            grad_bias.addmv_(x.t(), scale)
+        dx = x.to(dtype)
+        if grad_rows is not None:
+            out = grad_rows[rows[0] : rows[1]]
+            if dtype == acc:
+                torch.mm(dx, weight, out=out)
+            else:
+                out.copy_(dx @ weight)
+            out.mul_(scale.unsqueeze(1))
+        if grad_weight is not None:
+            scaled = (part.to(acc) * scale.unsqueeze(1)).to(dtype)
+            if dtype != acc and start == 0:
+                grad_weight.copy_(dx.t() @ scaled)
+            elif dtype != acc:
+                grad_weight += dx.t() @ scaled
+            elif start == 0:
+                torch.mm(dx.t(), scaled, out=grad_weight)
+            else:
+                grad_weight.addmm_(dx.t(), scaled)
+    return loss_sum, _Gradients(grad_rows, grad_weight, grad_bias)
 
 
 class _LinearMaskedTokenLosses(torch.autograd.Function):
@@ -421,7 +451,6 @@ class _LinearWeightedLossSum(torch.autograd.Function):
         unweighted rows), aligned with ``index``.
         """
         acc = coef.dtype
-        rows_hidden = hidden if index is None else hidden.index_select(0, index)
         sharded = shard_targets(targets, weight.size(0), tp_group)
         poison = None
         if overflow is not None:
@@ -431,9 +460,10 @@ class _LinearWeightedLossSum(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         if single_pass:
             loss_sum, grads = _single_pass(
-                rows_hidden, weight, bias, sharded, coef, chunks[0], acc, needs
+                hidden, index, weight, bias, sharded, coef, chunks[0], acc, needs
             )
         else:
+            rows_hidden = hidden if index is None else hidden.index_select(0, index)
             plan = _Chunks(rows_hidden.size(0), weight.size(0), *chunks)
             lse, target_logit = _shard_logsumexp(
                 rows_hidden, weight, bias, sharded, plan, acc, tp_group

@@ -132,7 +132,10 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
       a mean of micro-batch means (BioNeMo's behaviour), never NaN, but not the global mean.
 
     ``forward`` runs no collective (except the tensor-parallel ones inside the vocab-parallel
-    cross-entropy) and never reads device values on the host. A micro-batch without masked
+    cross-entropy) and never reads device values on the host, with one documented exception:
+    fed hidden states without a ``batch["num_scored"]`` (nor a static ``mask_capacity``), the
+    fused head counts the scored rows and reads the count back (one host sync per micro-batch
+    on an accelerator; see :mod:`bert_reduce.linear_cross_entropy`). A micro-batch without masked
     tokens contributes 0 to the sum and to the count, and a zero gradient. ``reduce`` returns
     the exact global mean for logging, with one all-reduce, and 0.0 when the whole global batch
     has no masked token. The same holds in validation whether the last partial batch is
@@ -247,11 +250,13 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 ``v`` sharded under TP); ``logits`` of shape ``[b, s, v]`` (NeMo's BERT);
                 ``lm_loss``, per-token losses ``[b, s]`` (Megatron's and NeMo's BERT given
                 labels); or, for the fused masked-only head
-                (:func:`bert_reduce.linear_masked_token_losses`, no ``[s, b, v]`` logits),
-                ``hidden_states`` (``[s, b, h]``, or ``[b, s, h]`` with
+                (:func:`bert_reduce.linear_cross_entropy.linear_weighted_loss_sum` with the
+                mode's weights, no ``[s, b, v]`` logits, the gradients accumulated in the
+                forward), ``hidden_states`` (``[s, b, h]``, or ``[b, s, h]`` with
                 ``hidden_layout="bsh"``), ``output_weight`` (``[v, h]``) and optionally
-                ``output_bias`` (``[v]``). A ``batch["num_scored"]`` (the collator's count of
-                scored positions, on the CPU) sets how many rows either path computes.
+                ``output_bias`` (``[v]``). A ``batch["num_scored"]`` (the data pipeline's
+                count of scored positions: an ``int``, or a tensor of counts on the CPU) sets
+                how many rows either path computes, with no host sync.
 
         Returns:
             ``(loss_sum, num_tokens, report)``: the mode's 0-dim numerator in fp32 that carries
