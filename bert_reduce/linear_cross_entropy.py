@@ -92,8 +92,8 @@ HiddenLayout = Literal["sbh", "bsh"]
 _CHUNK_ELEMENTS = 1 << 21
 _CHUNK_VOCAB = 4096
 # One pass holds a row chunk's logits over the whole vocabulary: larger chunks keep the
-# products efficient (on one CPU thread, 160 rows of a 512-wide head run 1.6x faster per row
-# than 80) at 16 MiB of fp32.
+# products efficient (on one CPU thread, a 512-wide head's products ran up to 1.6x faster per
+# row in chunks of 160 rows than of 80), at 16 MiB of fp32.
 _SINGLE_PASS_ELEMENTS = 1 << 22
 
 
@@ -213,7 +213,8 @@ def _softmax_gradients(
     weight: Tensor,
     bias: Tensor | None,
     lse: Tensor,
-    sharded: ShardedTargets,
+    local: Tensor,
+    in_shard: Tensor,
     coef: Tensor,
     plan: _Chunks,
     needs: tuple[bool, ...],
@@ -243,7 +244,7 @@ def _softmax_gradients(
             part = rows_hidden[rows[0] : rows[1]]
             x = _chunk_logits(part, weight, bias, vocab, acc)
             x.sub_(lse[rows[0] : rows[1]].unsqueeze(1)).exp_()
-            column, inside = _hit_in_chunk(sharded.local, sharded.in_shard, rows, vocab)
+            column, inside = _hit_in_chunk(local, in_shard, rows, vocab)
             x.scatter_add_(1, column, -inside.to(acc))
             x.mul_(coef[rows[0] : rows[1]])
             grad_part = None if grad_rows is None else grad_rows[rows[0] : rows[1]]
@@ -394,9 +395,9 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
         if overflow is not None:
             coef = torch.where(overflow.any(), torch.nan, coef)
         plan = _Chunks(rows_hidden.size(0), weight.size(0), *ctx.chunks)
-        sharded = ShardedTargets(local, in_shard, in_shard)
+        needs = ctx.needs_input_grad[:3]
         grads = _softmax_gradients(
-            rows_hidden, weight, bias, lse, sharded, coef, plan, ctx.needs_input_grad[:3]
+            rows_hidden, weight, bias, lse, local, in_shard, coef, plan, needs
         )
         return (
             *_input_gradients(grads, rows_hidden.dtype, index, ctx.positions),
@@ -473,8 +474,9 @@ class _LinearWeightedLossSum(torch.autograd.Function):
             grads = _Gradients(None, None, None)
             if any(needs):
                 grads = _softmax_gradients(
-                    rows_hidden, weight, bias, lse, sharded, coef, plan, needs
-                )
+                    rows_hidden, weight, bias, lse, sharded.local, sharded.in_shard, coef, plan,
+                    needs,
+                )  # fmt: skip
         if poison is not None:
             loss_sum = loss_sum * poison
         ctx.positions, ctx.dtype = hidden.size(0), hidden.dtype
@@ -486,7 +488,7 @@ class _LinearWeightedLossSum(torch.autograd.Function):
     def backward(ctx: Any, grad_sum: Tensor) -> tuple[Tensor | None, ...]:
         # The loss is linear in what the forward accumulated: scale, no recomputation.
         grad_rows, grad_weight, grad_bias, index, poison = ctx.saved_tensors
-        scale = grad_sum.to(torch.float64 if ctx.dtype == torch.float64 else torch.float32)
+        scale = grad_sum.to(accumulation_dtype(ctx.dtype))
         if poison is not None:
             scale = scale * poison
         grads = _Gradients(grad_rows, grad_weight, grad_bias)
