@@ -59,7 +59,6 @@ __all__ = [
     "RowSelection",
     "ShardedTargets",
     "combine_shard_stats",
-    "compile_bucket",
     "masked_cross_entropy",
     "masked_token_losses",
     "resolve_capacity",
@@ -162,25 +161,6 @@ def scored_count(num_scored: NumScored) -> int:
     return count
 
 
-COMPILE_BUCKETS = 16
-"""Under ``torch.compile`` a count is rounded up to a multiple of 1/16 of the positions."""
-
-
-def compile_bucket(count: int, positions: int) -> int:
-    """``count`` rounded up to a multiple of ``ceil(positions / 16)``, at most ``positions``.
-
-    What :func:`select_rows` computes under ``torch.compile``: a graph then serves every
-    count of its bucket (its guards compare the count with the bucket's bounds) instead of
-    one count, so micro-batches masked at 9% to 21% of the positions run in at most 3
-    graphs after the first. The rows past the count are unscored: exact, at most
-    ``positions / 16`` rows of extra work. Eager calls compute exactly ``count`` rows.
-    """
-    granule = -(-positions // COMPILE_BUCKETS)
-    # Floor divisions only: with a symbolic count (torch.compile's dynamic ints) the bucket
-    # stays an expression that dynamo can guard on.
-    return min(positions, -(-count // granule) * granule) if granule else count
-
-
 def select_rows(
     scored: Tensor, capacity: Capacity = "all", num_scored: NumScored | None = None
 ) -> RowSelection:
@@ -193,8 +173,7 @@ def select_rows(
             (:data:`NumScored`: an ``int``, or an integer tensor whose sum is the count; on
             the host it costs no device sync). Used as an exact static capacity: more scored
             rows than it says make the loss NaN (checked on the device), fewer only cost
-            unscored rows of work. Under ``torch.compile`` an ``int`` is rounded up to its
-            :func:`compile_bucket`, so that a few graphs serve every count.
+            unscored rows of work.
 
     Returns:
         The selection; ``index`` is ``None`` when every row is computed.
@@ -205,8 +184,6 @@ def select_rows(
     """
     if num_scored is not None:
         limit: int | None = min(scored_count(num_scored), scored.numel())
-        if torch.compiler.is_compiling():
-            limit = compile_bucket(limit, scored.numel())
     else:
         limit = resolve_capacity(capacity, scored.numel())
     if limit is not None and limit == scored.numel():

@@ -23,10 +23,11 @@ back (``capacity="nonzero"``, the default), which is **one host sync per call** 
 accelerator (free on the CPU). Pass ``num_scored``, the data pipeline's count as a Python
 ``int`` (or a tensor of counts on the CPU), and no sync happens: that many rows are
 computed, a larger count only costs unscored rows of work, a smaller one makes the result
-NaN (checked on the device). Under ``torch.compile`` give the count as an ``int``: it is
-rounded up to a bucket of ``b * s / 16`` rows
-(:func:`bert_reduce.cross_entropy.compile_bucket`), so that a few graphs serve every count
-with no graph break. A static ``capacity`` (a row count, or a fraction of ``b * s``) keeps
+NaN (checked on the device). Under ``torch.compile`` give the count as an ``int``: the
+number of row chunks then follows the count's bucket of ``b * s / 16`` rows
+(:func:`compile_bucket`, :func:`row_chunks`), not the count, so that one graph with a
+dynamic row count serves a whole bucket, with no graph break and exactly the count's rows
+computed. A static ``capacity`` (a row count, or a fraction of ``b * s``) keeps
 every shape static for CUDA graphs, exact up to that many scored rows and NaN beyond;
 ``capacity="all"`` computes every row (static, exact for any mask, no sync: the dense
 head's arithmetic in :func:`linear_weighted_loss_sum`, 4/3 of it in
@@ -72,9 +73,11 @@ __all__ = [
     "OUTPUT_BIAS_KEY",
     "OUTPUT_WEIGHT_KEY",
     "HiddenLayout",
+    "compile_bucket",
     "head_logits",
     "linear_masked_token_losses",
     "linear_weighted_loss_sum",
+    "row_chunks",
 ]
 
 HIDDEN_STATES_KEY = "hidden_states"
@@ -97,11 +100,46 @@ _CHUNK_VOCAB = 4096
 _SINGLE_PASS_ELEMENTS = 1 << 22
 
 
-class _Chunks:
-    """Row and vocabulary chunk boundaries of one call."""
+COMPILE_BUCKETS = 16
+"""Under ``torch.compile``, row counts share a graph per 1/16 of the positions."""
 
-    def __init__(self, rows: int, vocab: int, chunk_rows: int, chunk_vocab: int) -> None:
-        self.rows = [(a, min(a + chunk_rows, rows)) for a in range(0, rows, chunk_rows)]
+
+def compile_bucket(count: int, positions: int) -> int:
+    """``count`` rounded up to a multiple of ``ceil(positions / 16)``, at most ``positions``.
+
+    Under ``torch.compile`` the number of row chunks follows this bucket rather than the
+    count itself (:func:`row_chunks`), so that one graph serves every count of a bucket:
+    dynamo compiles the first count as a constant, then makes it a dynamic integer whose
+    guards only compare it with the bucket's bounds. Micro-batches masked at 9% to 21% of
+    the positions then run in at most 3 graphs after the first.
+    """
+    granule = -(-positions // COMPILE_BUCKETS)
+    # Floor divisions and min only: on a symbolic count (dynamo's dynamic ints) the bucket
+    # stays an expression that dynamo can guard on.
+    return min(positions, -(-count // granule) * granule) if granule else count
+
+
+def row_chunks(rows: int, chunk_rows: int, positions: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of balanced chunks of at most ``chunk_rows`` of ``rows`` rows.
+
+    Chunk ``i`` of ``k`` is ``[i * rows // k, (i + 1) * rows // k)``. Eager mode takes
+    ``k = ceil(rows / chunk_rows)``; under ``torch.compile`` ``k`` comes from the
+    :func:`compile_bucket` of ``rows`` among ``positions``, so that a symbolic row count only
+    decides the chunks' sizes, never their number (chunks may then be empty). Either way
+    exactly ``rows`` rows are computed.
+    """
+    bound = compile_bucket(rows, positions) if torch.compiler.is_compiling() else rows
+    count = -(-bound // chunk_rows)
+    return [(i * rows // count, (i + 1) * rows // count) for i in range(count)]
+
+
+class _Chunks:
+    """Row and vocabulary chunk boundaries of one call (see :func:`row_chunks`)."""
+
+    def __init__(
+        self, rows: int, vocab: int, chunk_rows: int, chunk_vocab: int, positions: int
+    ) -> None:
+        self.rows = row_chunks(rows, chunk_rows, positions)
         self.vocab = [(a, min(a + chunk_vocab, vocab)) for a in range(0, vocab, chunk_vocab)]
 
 
@@ -296,8 +334,8 @@ def _single_pass(
     need_any = needs[0] or needs[1] or grad_bias is not None
     vocab = (0, weight.size(0))
     loss_sum = torch.zeros((), dtype=acc, device=device)
-    for start in range(0, num_rows, chunk_rows):
-        rows = (start, min(start + chunk_rows, num_rows))
+    for number, rows in enumerate(row_chunks(num_rows, chunk_rows, hidden.size(0))):
+        first = number == 0
         # The selected rows are gathered a chunk at a time, never all at once.
         part = hidden[rows[0] : rows[1]] if index is None else hidden[index[rows[0] : rows[1]]]
         c = coef[rows[0] : rows[1]]
@@ -330,11 +368,11 @@ def _single_pass(
             out.mul_(scale.unsqueeze(1))
         if grad_weight is not None:
             scaled = (part.to(acc) * scale.unsqueeze(1)).to(dtype)
-            if dtype != acc and start == 0:
+            if dtype != acc and first:
                 grad_weight.copy_(dx.t() @ scaled)
             elif dtype != acc:
                 grad_weight += dx.t() @ scaled
-            elif start == 0:
+            elif first:
                 torch.mm(dx.t(), scaled, out=grad_weight)
             else:
                 grad_weight.addmm_(dx.t(), scaled)
@@ -362,7 +400,7 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
         index = selection.index
         rows_hidden = hidden if index is None else hidden.index_select(0, index)
         sharded = shard_targets(targets, weight.size(0), tp_group)
-        plan = _Chunks(rows_hidden.size(0), weight.size(0), *chunks)
+        plan = _Chunks(rows_hidden.size(0), weight.size(0), *chunks, hidden.size(0))
         lse, target_logit = _shard_logsumexp(
             rows_hidden, weight, bias, sharded, plan, acc, tp_group
         )
@@ -394,7 +432,7 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
         coef = torch.where(scored, coef, 0)
         if overflow is not None:
             coef = torch.where(overflow.any(), torch.nan, coef)
-        plan = _Chunks(rows_hidden.size(0), weight.size(0), *ctx.chunks)
+        plan = _Chunks(rows_hidden.size(0), weight.size(0), *ctx.chunks, ctx.positions)
         needs = ctx.needs_input_grad[:3]
         grads = _softmax_gradients(
             rows_hidden, weight, bias, lse, local, in_shard, coef, plan, needs
@@ -465,7 +503,7 @@ class _LinearWeightedLossSum(torch.autograd.Function):
             )
         else:
             rows_hidden = hidden if index is None else hidden.index_select(0, index)
-            plan = _Chunks(rows_hidden.size(0), weight.size(0), *chunks)
+            plan = _Chunks(rows_hidden.size(0), weight.size(0), *chunks, hidden.size(0))
             lse, target_logit = _shard_logsumexp(
                 rows_hidden, weight, bias, sharded, plan, acc, tp_group
             )
@@ -685,8 +723,8 @@ def linear_masked_token_losses(
             micro-batch's total, which no device transfer touches) or an integer tensor of
             counts (e.g. the collator's ``[b]`` per-sample counts). Exactly that many rows are
             computed, with no host sync when it is on the host (a tensor on the accelerator is
-            read once). Overrides ``capacity``; under ``torch.compile`` an ``int`` is rounded
-            up to a bucket (:func:`bert_reduce.cross_entropy.compile_bucket`).
+            read once). Overrides ``capacity``. Under ``torch.compile`` pass an ``int``: one
+            graph then serves every count of a bucket (:func:`compile_bucket`).
         layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
         sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
         chunk_rows: Rows per chunk (``None``: about 2**21 logits per chunk).
