@@ -10,7 +10,7 @@ Shared by ``tests/hf``, ``tests/integration/test_hf_exact_trainer.py`` and
 * :func:`trainer_step` / :func:`trainer_eval`: one optimizer step (lr 0) or one ``evaluate()``
   of a plain ``Trainer`` or an ``ExactMLMTrainer``; the gradient is read at
   ``on_pre_optimizer_step`` (after DDP's all-reduce), the loss from the log;
-* :func:`run_cases`: a list of cases on 1 process here, or on ``processes`` gloo processes
+* :func:`run_jobs` / :func:`run_cases`: runs on 1 process here, or on ``processes`` gloo processes
   (``run_distributed``; the environment ``accelerate`` reads for a CPU run is set from the
   initialized process group: no port, no launcher).
 """
@@ -182,14 +182,28 @@ def training_arguments(output_dir: str, **overrides: Any):
     return TrainingArguments(**values)
 
 
+def recording(trainer_class: type) -> type:
+    """``trainer_class`` keeping what ``training_step`` returns for each micro-batch."""
+
+    class Recording(trainer_class):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.micro_batch_losses = [*getattr(self, "micro_batch_losses", []), loss.item()]
+            return loss
+
+    return Recording
+
+
 def _trainer(case: Case, output_dir: str, **kwargs: Any):
     from transformers import Trainer
 
     from bert_reduce.hf import ExactMLMTrainer
 
     if case.exact:
-        return ExactMLMTrainer(model=tiny_model(case.kind), fused_head=case.fused_head, **kwargs)
-    return Trainer(model=tiny_model(case.kind), **kwargs)
+        return recording(ExactMLMTrainer)(
+            model=tiny_model(case.kind), fused_head=case.fused_head, **kwargs
+        )
+    return recording(Trainer)(model=tiny_model(case.kind), **kwargs)
 
 
 class GradientAtStep(TrainerCallback):
@@ -222,7 +236,11 @@ def trainer_step(case: Case, output_dir: str) -> dict[str, Any]:
     trainer = _trainer(case, output_dir, args=args, train_dataset=ListDataset(rows))
     trainer.add_callback(capture)
     trainer.train()
-    return {"grads": capture.grads, "loss": logged_losses(trainer)[0]}
+    return {
+        "grads": capture.grads,
+        "loss": logged_losses(trainer)[0],
+        "micro_batch_losses": trainer.micro_batch_losses,
+    }
 
 
 def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
@@ -278,40 +296,45 @@ def _set_accelerate_environment() -> None:
     )
 
 
-def _run_all(
-    runner_name: str, cases: Sequence[Case], output_dir: str, result_path: str | None
-) -> list[dict[str, Any]]:
-    runner: Callable[[Case, str], dict[str, Any]] = globals()[runner_name]
+Job = tuple[str, Case]
+"""A runner's name (``"trainer_step"`` or ``"trainer_eval"``) and its case."""
+
+
+def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> list[dict]:
     results = []
     with one_thread():
-        for index, case in enumerate(cases):
+        for index, (runner_name, case) in enumerate(jobs):
+            runner: Callable[[Case, str], dict[str, Any]] = globals()[runner_name]
             results.append(runner(case, os.path.join(output_dir, str(index))))
     if result_path is not None and dist.get_rank() == 0:
         torch.save(results, result_path)
     return results
 
 
-def _distributed_body(runner_name: str, cases: Sequence[Case], output_dir: str, path: str):
+def _distributed_body(jobs: Sequence[Job], output_dir: str, path: str) -> None:
     _set_accelerate_environment()
-    _run_all(runner_name, cases, output_dir, path)
+    _run_all(jobs, output_dir, path)
 
 
-def run_cases(runner_name: str, cases: Sequence[Case], processes: int = 1) -> list[dict[str, Any]]:
-    """``runner_name`` (:func:`trainer_step` or :func:`trainer_eval`) on each case.
+def run_jobs(jobs: Sequence[Job], processes: int = 1) -> list[dict[str, Any]]:
+    """Each job's result, from this process or from ``processes`` spawned gloo processes.
 
-    With ``processes > 1``, all cases run in one set of spawned gloo processes, one after the
-    other; rank 0's results come back.
+    With ``processes > 1``, all jobs run in one pair of processes, one after the other (the
+    imports are paid once); rank 0's results come back.
     """
     from tests.helpers.dist_utils import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
         if processes == 1:
-            return _run_all(runner_name, cases, tmp, None)
+            return _run_all(jobs, tmp, None)
         path = os.path.join(tmp, "results.pt")
-        run_distributed(
-            _distributed_body, processes, runner_name, list(cases), tmp, path, megatron=False
-        )
+        run_distributed(_distributed_body, processes, list(jobs), tmp, path, megatron=False)
         return torch.load(path, weights_only=False)
+
+
+def run_cases(runner_name: str, cases: Sequence[Case], processes: int = 1) -> list[dict[str, Any]]:
+    """:func:`run_jobs` of one runner over several cases."""
+    return run_jobs([(runner_name, case) for case in cases], processes)
 
 
 def relative(value: float, reference: float) -> float:

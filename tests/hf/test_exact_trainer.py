@@ -78,43 +78,19 @@ def test_random_sampler_steps_are_exact_where_plain_trainer_is_not() -> None:
         assert (error <= EXACT) if case.exact else (error > 0.01), (case, error)
 
 
-def _recording(trainer_class: type) -> type:
-    class Recording(trainer_class):
-        """Keeps what ``training_step`` returns for each micro-batch."""
-
-        step_losses: list[float]
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            self.step_losses.append(loss.item())
-            return loss
-
-    return Recording
-
-
 @pytest.mark.parametrize("kind", ["esm", "bert"])
 def test_empty_micro_batch_adds_zero_not_nan(kind: str) -> None:
+    # Accumulation 4 over the sequential sampler: the last micro-batch (samples 6 and 7)
+    # scores nothing.
     reference = _refs(kind)
-    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)  # samples 6 and 7 score nothing
-    losses = {}
-    for trainer_class in (Trainer, ExactMLMTrainer):
-        with tempfile.TemporaryDirectory() as tmp:
-            args = H.training_arguments(
-                tmp, per_device_train_batch_size=2, gradient_accumulation_steps=4
-            )
-            trainer = _recording(trainer_class)(
-                model=H.tiny_model(kind), args=args, train_dataset=H.ListDataset(rows)
-            )
-            trainer.step_losses = []
-            capture = H.GradientAtStep()
-            trainer.add_callback(capture)
-            trainer.train()
-            losses[trainer_class] = trainer.step_losses
-    assert math.isnan(losses[Trainer][-1])  # the plain Trainer: NaN for the empty micro-batch
-    exact = losses[ExactMLMTrainer]
-    assert exact[-1] == 0.0 and all(math.isfinite(value) for value in exact)
-    assert math.isclose(sum(exact), reference["loss"], rel_tol=EXACT)
-    assert H.relative_error(capture.grads, reference["grads"]) <= EXACT
+    plain, exact = H.run_cases(
+        "trainer_step", [H.Case(kind, e, accumulation=4) for e in (False, True)]
+    )
+    assert math.isnan(plain["micro_batch_losses"][-1])
+    shares = exact["micro_batch_losses"]
+    assert shares[-1] == 0.0 and all(math.isfinite(value) for value in shares)
+    assert math.isclose(sum(shares), reference["loss"], rel_tol=EXACT)
+    assert H.relative_error(exact["grads"], reference["grads"]) <= EXACT
 
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
