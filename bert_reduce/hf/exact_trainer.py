@@ -141,6 +141,8 @@ class ExactMLMTrainer(Trainer):
         ValueError: On an unknown normalization, ``constant`` without
             ``constant_per_sequence``, a ``compute_loss_func``, label smoothing, or several
             GPUs in one process (``DataParallel``).
+        TypeError: With ``fused_head`` for a model other than ``EsmForMaskedLM`` or
+            ``BertForMaskedLM``.
         NotImplementedError: Under tensor, context or sequence parallelism.
     """
 
@@ -188,6 +190,14 @@ class ExactMLMTrainer(Trainer):
             raise NotImplementedError(
                 f"ExactMLMTrainer supports data parallelism only; got parallel sizes {sizes}."
             )
+        if fused_head and self.model is not None:
+            from transformers import BertForMaskedLM, EsmForMaskedLM
+
+            if not isinstance(self.model, EsmForMaskedLM | BertForMaskedLM):
+                raise TypeError(
+                    "fused_head=True supports EsmForMaskedLM and BertForMaskedLM, got "
+                    f"{type(self.model).__name__}; use fused_head=False (the model's logits)."
+                )
         # The model gets no labels and computes no loss: Trainer must not count tokens for it
         # (nor all-gather the count under average_tokens_across_devices).
         self.model_accepts_loss_kwargs = False

@@ -321,6 +321,8 @@ def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch) -> No
             ExactMLMTrainer(model=model, args=args, normalization="constant")
         with pytest.raises(ValueError, match="per_batch"):
             ExactMLMTrainer(model=model, args=args, normalization="per_batch")
+        with pytest.raises(TypeError, match="fused_head=True supports"):
+            ExactMLMTrainer(model=torch.nn.Linear(2, 2), args=args, fused_head=True)
         with pytest.raises(ValueError, match="label_smoothing_factor"):
             ExactMLMTrainer(model=model, args=H.training_arguments(tmp, label_smoothing_factor=0.1))
         rows = [
