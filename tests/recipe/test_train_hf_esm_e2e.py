@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipe.test_train_e2e import train, train_losses, validations
+from tests.helpers.recipe_runs import train, train_losses, validations
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
