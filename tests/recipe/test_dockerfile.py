@@ -20,5 +20,7 @@ def test_dockerfile_copies_files_that_exist() -> None:
     for source in sources:
         assert (ROOT / source).exists(), source
     assert "train.py" in dockerfile.splitlines()[-1]  # the default command trains
+    # ... with what train.py imports: the core install (torch alone) would fail on Hydra.
+    assert re.search(r"pip install .*-e \"?\.\[[^\]]*\brecipe\b", dockerfile)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not any(source.rstrip("/") in ignored for source in sources)
