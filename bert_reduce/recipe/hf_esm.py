@@ -98,6 +98,9 @@ class HFEsm2Model(nn.Module):
             self.model = EsmForMaskedLM.from_pretrained(
                 pretrained_path, local_files_only=True, attn_implementation=attn_implementation
             )
+            # from_pretrained returns the model in eval mode; Lightning keeps a module's modes,
+            # so it would train without dropout. A module starts in training mode.
+            self.model.train()
         else:
             config = EsmConfig(
                 vocab_size=vocab_size,

@@ -9,20 +9,22 @@ resumed writes the rows of an uninterrupted run. The README's runs print no warn
 from __future__ import annotations
 
 import csv
-import re
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.recipe_runs import run_train_py, train, train_losses, validations
+from tests.helpers.recipe_runs import (
+    run_train_py,
+    train,
+    train_losses,
+    validations,
+    warnings_printed,
+)
 
 pytestmark = pytest.mark.slow
 
 SPLITS = [(16, 1), (4, 1), (2, 2), (8, 2)]  # (micro_batch_size, devices)
 PACKED = (4, 2)  # also packing each micro-batch into one row: the same losses again
-# A warning as Python prints it ("file.py:12: UserWarning: ..." or, for Lightning's own,
-# "file.py:12: message"), and Lightning's advertisements.
-WARNING = re.compile(r"\.py:\d+: |Warning: |💡")
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +139,4 @@ def test_runs_print_no_warning(overrides: list[str], tmp_path: Path) -> None:
         f"hydra.run.dir={tmp_path}",
         env={"PYTHONWARNINGS": "default", "HF_HUB_OFFLINE": "1"},
     )
-    lines = (result.stdout + result.stderr).replace("\r", "\n").splitlines()
-    warnings = [
-        line
-        for line in lines
-        if WARNING.search(line)
-        # Issue 19: the recipe module's transfer_batch_to_device override (whose Lightning
-        # warning this is) is removed in another change of the same issue.
-        and "transfer_batch_to_device" not in line
-    ]
-    assert not warnings, "\n".join(warnings)
+    assert not warnings_printed(result), "\n".join(warnings_printed(result))
