@@ -6,7 +6,7 @@ warm-up then linear decay, clipping at 1. Plots the logged training loss and the
 perplexity (``exp(eval_loss)`` as each trainer reports it, 96 held-out sequences, eval batch 8)
 against the optimizer step, and writes the numbers beside the picture::
 
-    PYTHONPATH=. python bench/hf_trainer_curves.py     # docs/images/hf_trainer_curves.{png,csv}
+    python bench/hf_trainer_curves.py     # docs/images/hf_trainer_curves.{png,csv}
 
 The corpus mixes short low-complexity peptides (10-30 residues repeating a 1-3 residue motif:
 few masked tokens, soon easy) with long proteins (100-254 residues of Swiss-Prot's composition:
