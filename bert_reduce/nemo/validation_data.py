@@ -146,6 +146,25 @@ class ExactValidationDataSampler(MegatronDataSampler):
     ``"predict"`` treatment (nothing dropped) even when they have no ``mode``.
     """
 
+    @classmethod
+    def from_sampler(cls, sampler: MegatronDataSampler) -> ExactValidationDataSampler:
+        """An ``ExactValidationDataSampler`` with the settings of ``sampler``.
+
+        For data modules that build their own (NeMo's, BioNeMo's), e.g.
+        ``dm.data_sampler = ExactValidationDataSampler.from_sampler(dm.data_sampler)``.
+        """
+        return cls(
+            seq_len=sampler.seq_len,
+            micro_batch_size=sampler.micro_batch_size,
+            global_batch_size=sampler.global_batch_size,
+            rampup_batch_size=sampler.rampup_batch_size,
+            dataloader_type=sampler.dataloader_type,
+            init_consumed_samples=sampler.init_consumed_samples,
+            init_global_step=sampler.init_global_step,
+            output_log=sampler.output_log,
+            decoder_seq_len=sampler.decoder_seq_len,
+        )
+
     def loader_mode(self, dataloader: DataLoader) -> str:
         """``"train"``, ``"validation"``, ``"test"`` or ``"predict"``: the loader being built."""
         state = getattr(getattr(self, "trainer", None), "state", None)

@@ -48,7 +48,7 @@ class NeMoValidationPerplexityCallback(ValidationPerplexityCallback):
     Nothing is logged from a partial epoch: the callback counts the real samples behind the
     reports it summed (micro-batches times their size, less the padding that
     :class:`~bert_reduce.nemo.ExactValidationDataSampler`'s
-    :class:`~bert_reduce.nemo.validation_data.RealSampleTracker` dealt) over data-parallel
+    :class:`~bert_reduce.nemo.RealSampleTracker` dealt) over data-parallel
     ranks and raises unless it equals the length of the validation set. Arguments as the
     Lightning callback's.
 

@@ -30,11 +30,17 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import Logger
 from megatron.core import parallel_state
+from nemo import lightning as nl
+from nemo.lightning.data import WrappedDataLoader
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from bert_reduce.nemo import NeMoValidationPerplexityCallback, PaddedEvalDataset
-from bert_reduce.nemo.validation_data import RealSampleTracker
+from bert_reduce.nemo import (
+    ExactValidationDataSampler,
+    NeMoValidationPerplexityCallback,
+    PaddedEvalDataset,
+    RealSampleTracker,
+)
 from tests.helpers.megatron_cpu import single_process_megatron
 from tests.nemo.cpu_stand_ins import megatron_on_cpu
 from tests.nemo.fit_helpers import nemo_trainer, optimizer_module
@@ -118,6 +124,7 @@ def _validate_body(out_dir: str, world_size: int, pp: int, variant: str) -> None
         logger=logger,
         limit_val_batches=None,
         val_check_interval=1,
+        num_sanity_val_steps=2,  # Lightning's default: not counted, must not disturb the count
     )
     model = TinyBertMLM(tiny_bert_config(pipeline_model_parallel_size=pp))
     optimizer_module().connect(model)
@@ -194,6 +201,17 @@ def test_real_sample_tracker_records_each_pass() -> None:
     assert tracker.real_samples_in_first(2) == 2
     with pytest.raises(ValueError, match="dealt only 2"):
         tracker.real_samples_in_first(4)
+
+
+def test_sampler_copies_settings_and_reads_mode_without_trainer() -> None:
+    nemo_sampler = nl.MegatronDataSampler(
+        seq_len=12, micro_batch_size=2, global_batch_size=8, init_consumed_samples=16
+    )
+    sampler = ExactValidationDataSampler.from_sampler(nemo_sampler)
+    assert vars(sampler) == vars(nemo_sampler)
+    # No trainer (NeMo's Fabric strategy): NeMo's `mode` attribute, else a training loader.
+    assert sampler.loader_mode(WrappedDataLoader(mode="validation", dataset=[0])) == "validation"
+    assert sampler.loader_mode(DataLoader([0])) == "train"
 
 
 @pytest.mark.slow
