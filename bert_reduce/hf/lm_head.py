@@ -66,20 +66,42 @@ def _prediction_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Te
     )
 
 
+def _finds_unused_parameters(model: nn.Module) -> bool:
+    """Whether ``model`` is a DDP that marks parameters its outputs do not reach as unused."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel) and model.find_unused_parameters
+
+
 @contextlib.contextmanager
 def _head_stops_before_decoder(
-    head: nn.Module, transform: Callable[[Tensor], Tensor], decoder: nn.Module, seen: dict
+    head: nn.Module,
+    transform: Callable[[Tensor], Tensor],
+    decoder: nn.Module,
+    seen: dict,
+    keep_decoder_in_graph: bool,
 ) -> Iterator[None]:
     """Make ``head(x)`` return ``transform(x)`` and record the decoder's parameters.
 
     An instance attribute shadows the class's ``forward`` for this call only; module hooks
     (FSDP2's all-gather, DDP's) still run, as ``nn.Module.__call__`` is unchanged. The
     parameters are read inside the forward, where FSDP2 has them unsharded.
+
+    With ``keep_decoder_in_graph``, the result also depends, through an exact zero, on the
+    decoder's weight and bias: DDP with ``find_unused_parameters=True`` (Hugging Face
+    Trainer's default) marks the parameters the forward's outputs do not reach as ready
+    before the backward, and the loss's gradient of the bias would then fail ("marked as
+    ready twice").
     """
 
     def forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        seen["weight"], seen["bias"] = decoder.weight, _decoder_bias(head, decoder)
-        return transform(features)
+        weight, bias = decoder.weight, _decoder_bias(head, decoder)
+        seen["weight"], seen["bias"] = weight, bias
+        hidden = transform(features)
+        if keep_decoder_in_graph:
+            anchor = weight[:1, :1].sum() if bias is None else weight[:1, :1].sum() + bias[:1].sum()
+            hidden = hidden + anchor * 0
+        return hidden
 
     head.forward = forward
     try:
@@ -123,7 +145,8 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
         )
     head, transform, decoder = _prediction_head(_unwrap(model))
     seen: dict[str, Tensor | None] = {}
-    with _head_stops_before_decoder(head, transform, decoder, seen):
+    keep = _finds_unused_parameters(model)
+    with _head_stops_before_decoder(head, transform, decoder, seen, keep):
         hidden = model(**inputs).logits
     return {
         HIDDEN_STATES_KEY: hidden,

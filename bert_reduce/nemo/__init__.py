@@ -4,11 +4,16 @@ Import this package only where NeMo 2 (``nemo.lightning``) is installed; the res
 bert_reduce never imports it.
 """
 
-from bert_reduce.nemo.validation_data import ExactValidationDataSampler, PaddedEvalDataset
+from bert_reduce.nemo.validation_data import (
+    ExactValidationDataSampler,
+    PaddedEvalDataset,
+    RealSampleTracker,
+)
 from bert_reduce.nemo.validation_perplexity import NeMoValidationPerplexityCallback
 
 __all__ = [
     "ExactValidationDataSampler",
     "NeMoValidationPerplexityCallback",
     "PaddedEvalDataset",
+    "RealSampleTracker",
 ]

@@ -19,12 +19,16 @@ from typing import Any
 from torch import Tensor, nn
 
 from bert_reduce.hf.lm_head import lm_head_inputs
+from bert_reduce.recipe.config import HFEsm2ModelConfig
 
 __all__ = ["HFEsm2Model"]
 
 
 class HFEsm2Model(nn.Module):
     """``transformers.EsmForMaskedLM`` behind the recipe's model interface.
+
+    The defaults are :class:`~bert_reduce.recipe.config.HFEsm2ModelConfig`'s: ``HFEsm2Model()``
+    is the model ``python train.py model=hf_esm2`` trains.
 
     Args:
         pretrained_path: A local Hugging Face checkpoint directory to load (its config gives
@@ -52,20 +56,20 @@ class HFEsm2Model(nn.Module):
 
     def __init__(
         self,
-        pretrained_path: str | None = None,
-        vocab_size: int = 33,
-        hidden_size: int = 320,
-        num_layers: int = 6,
-        num_heads: int = 20,
-        ffn_size: int = 1280,
-        max_position_embeddings: int = 1026,
-        dropout: float = 0.0,
-        token_dropout: bool = True,
-        pad_id: int = 1,
-        mask_id: int = 32,
-        init_std: float = 0.02,
-        attn_implementation: str = "sdpa",
-        fused_lm_head: bool = True,
+        pretrained_path: str | None = HFEsm2ModelConfig.pretrained_path,
+        vocab_size: int = HFEsm2ModelConfig.vocab_size,
+        hidden_size: int = HFEsm2ModelConfig.hidden_size,
+        num_layers: int = HFEsm2ModelConfig.num_layers,
+        num_heads: int = HFEsm2ModelConfig.num_heads,
+        ffn_size: int = HFEsm2ModelConfig.ffn_size,
+        max_position_embeddings: int = HFEsm2ModelConfig.max_position_embeddings,
+        dropout: float = HFEsm2ModelConfig.dropout,
+        token_dropout: bool = HFEsm2ModelConfig.token_dropout,
+        pad_id: int = HFEsm2ModelConfig.pad_id,
+        mask_id: int = HFEsm2ModelConfig.mask_id,
+        init_std: float = HFEsm2ModelConfig.init_std,
+        attn_implementation: str = HFEsm2ModelConfig.attn_implementation,
+        fused_lm_head: bool = HFEsm2ModelConfig.fused_lm_head,
     ) -> None:
         super().__init__()
         try:
@@ -83,6 +87,9 @@ class HFEsm2Model(nn.Module):
             self.model = EsmForMaskedLM.from_pretrained(
                 pretrained_path, local_files_only=True, attn_implementation=attn_implementation
             )
+            # from_pretrained returns the model in eval mode; Lightning keeps a module's modes,
+            # so it would train without dropout. A module starts in training mode.
+            self.model.train()
         else:
             config = EsmConfig(
                 vocab_size=vocab_size,
