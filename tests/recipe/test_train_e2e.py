@@ -34,7 +34,8 @@ SPLITS = [(16, 1), (4, 1), (2, 2), (8, 2)]  # (micro_batch_size, devices)
 PACKED = (4, 2)  # also packing each micro-batch into one row: the same losses again
 
 
-def train(run_dir: Path, *overrides: str, multirun: bool = False) -> None:
+def train(run_dir: Path, *overrides: str, multirun: bool = False) -> str:
+    """Run ``train.py`` with ``overrides``; what it printed (stdout and stderr)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
     where = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
     result = subprocess.run(
@@ -46,6 +47,7 @@ def train(run_dir: Path, *overrides: str, multirun: bool = False) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
 
 
 def rows(run_dir: Path) -> list[dict[str, str]]:
