@@ -114,8 +114,10 @@ class GlobalBatchLoss:
         context_parallel_size: How many shards each sequence is split into (1: no context
             parallelism). Above 1, the per-sequence and constant modes need
             ``sequence_weight`` and ``sequence_start`` in every micro-batch.
-        capacity: Which rows the cross-entropy computes when a micro-batch carries no
-            ``num_scored``; see :func:`bert_reduce.masked_token_losses`.
+        capacity: Which rows the kernels compute when a micro-batch carries no
+            ``num_scored``: ``None`` (default) leaves it to their own default
+            (:func:`bert_reduce.masked_token_losses`,
+            :func:`bert_reduce.linear_masked_token_losses`), else a capacity as they take it.
         equal_micro_batch_counts: Require every rank of ``group`` to run as many micro-batches
             as the others (FSDP2): the all-reduce of :meth:`begin` then also carries each
             rank's count, which it reads on the host (one sync per step) and raises
@@ -138,7 +140,7 @@ class GlobalBatchLoss:
         gradient_sync: GradientSync = "mean",
         gradient_average_size: int | None = None,
         context_parallel_size: int = 1,
-        capacity: Capacity = "all",
+        capacity: Capacity | None = None,
         equal_micro_batch_counts: bool = False,
     ) -> None:
         self._group_argument = group
@@ -328,6 +330,9 @@ class GlobalBatchLoss:
         self._calls += 1
         return numerator * self._scale.to(device=numerator.device, dtype=numerator.dtype)
 
+    def _capacity(self) -> dict[str, Capacity]:
+        return {} if self.capacity is None else {"capacity": self.capacity}
+
     def _logits_losses(
         self, logits: Tensor, labels: Tensor, mask: Tensor, num_scored: NumScored | None
     ) -> Tensor:
@@ -343,7 +348,7 @@ class GlobalBatchLoss:
                     f"shape {tuple(mask.shape)}."
                 )
             return masked_token_losses(
-                logits, labels.t(), mask.t(), capacity=self.capacity, num_scored=num_scored
+                logits, labels.t(), mask.t(), num_scored=num_scored, **self._capacity()
             ).t()
         if logits.shape[:2] != mask.t().shape:
             raise ValueError(
@@ -351,7 +356,7 @@ class GlobalBatchLoss:
                 f"shape {tuple(mask.shape)}."
             )
         return masked_token_losses(
-            logits, labels, mask, capacity=self.capacity, num_scored=num_scored
+            logits, labels, mask, num_scored=num_scored, **self._capacity()
         )
 
     def _fused_head_losses(
@@ -376,8 +381,8 @@ class GlobalBatchLoss:
             labels,
             mask,
             bias=output.get(OUTPUT_BIAS_KEY),
-            capacity=self.capacity,
             num_scored=num_scored,
+            **self._capacity(),
             layout=output.get(HIDDEN_LAYOUT_KEY, default_layout),
         )
 

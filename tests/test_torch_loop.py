@@ -125,6 +125,8 @@ def test_no_host_sync_and_no_collective_per_micro_batch(mode) -> None:
     bsv = logits.transpose(0, 1).detach().requires_grad_(True)
     loss_fn = GlobalBatchLoss(group=None, normalization=mode, **mode_kwargs(mode))
     mbs = [{"labels": labels[:2], "loss_mask": weighted(mask[:2])}, {"labels": labels[2:]}]
+    for mb in mbs:  # the collator's host count: the kernels size their work without a sync
+        mb["num_scored"] = int((mb["labels"] != -100).sum())
     with forbid_host_syncs(), count_collectives() as calls:
         loss_fn.begin(mbs)
         for rows, mb in zip((slice(0, 2), slice(2, 4)), mbs, strict=True):

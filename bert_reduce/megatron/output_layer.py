@@ -50,7 +50,7 @@ def _language_model(model: nn.Module) -> nn.Module:
         if not isinstance(wrapped, nn.Module):
             raise TypeError(
                 f"output_layer_inputs needs a Megatron-Core language model with an "
-                f"`output_layer` (BertModel, GPTModel, BioNeMo's MegatronBioBertModel), or a "
+                f"`output_layer` (Megatron-Core's BertModel, BioNeMo's MegatronBioBertModel), or a "
                 f"wrapper holding one in `.module`; got {type(model).__name__}."
             )
         inner = wrapped
