@@ -162,12 +162,12 @@ def get_batch_on_this_cp_rank(
         ValueError: If a sliced tensor's sequence length is not a multiple of ``2 * cp_size``.
     """
     cp_size, cp_rank = _resolve(cp_size, cp_rank)
-    dims: dict[str, int | None] = {NUM_SCORED_KEY: None}
+    dims: dict[str, int | None] = {}
     attention_mask = batch.get("attention_mask")
     if isinstance(attention_mask, Tensor) and attention_mask.dim() == 4:
         dims["attention_mask"] = 2
     dims.update(seq_dims or {})
-    dims[NUM_SCORED_KEY] = None
+    dims[NUM_SCORED_KEY] = None  # a count, never sliced: recounted below
     sliced: dict[str, Any] = {}
     for key, value in batch.items():
         seq_dim = dims.get(key, 1)

@@ -9,7 +9,8 @@ or micro-batches hold different numbers of them (and NaN on a rank that holds no
     loss = sum over micro-batches and ranks of loss_sum / global_denominator
 
 1. ``begin(micro_batches)`` adds up this rank's denominators and all-reduces that one number
-   over the data (x context) parallel group: ``global_denominator``;
+   over the data (x context) parallel group: ``global_denominator`` (the same all-reduce
+   carries every rank's number of micro-batches when they must be equal, as under FSDP2);
 2. ``loss_fn(output, mb)`` returns this micro-batch's share,
    ``loss_sum * world_size / global_denominator`` (``world_size`` undoes the gradient
    averaging of DDP/FSDP2; 1 when gradients are summed); back-propagating every share gives,
@@ -17,9 +18,10 @@ or micro-batches hold different numbers of them (and NaN on a rank that holds no
 3. ``end()`` all-reduces the summed ``(loss_sum, denominator)`` reports once: the exact
    global loss, for logging.
 
-No collective runs per micro-batch and nothing is read back to the host. A micro-batch, or a
-whole rank, without a scored token contributes 0 and a zero gradient; a global batch without
-one gives loss 0, never NaN.
+No collective runs per micro-batch and, given each micro-batch's ``num_scored``, nothing is
+read back to the host (the micro-batch count check reads its counts once per step). A
+micro-batch, or a whole rank, without a scored token contributes 0 and a zero gradient; a
+global batch without one gives loss 0, never NaN.
 """
 
 from __future__ import annotations

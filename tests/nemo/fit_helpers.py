@@ -21,7 +21,6 @@ from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.optimizer import OptimizerConfig
 from nemo import lightning as nl
 from nemo.lightning.pytorch.optim import MegatronOptimizerModule
-from torch import Tensor
 from typing_extensions import override
 
 from tests.nemo.cpu_stand_ins import megatron_on_cpu
@@ -141,25 +140,3 @@ def fit(
     """Fit on ``world_size`` processes (DP = ``world_size / (pp * tp)``); every rank's result."""
     run_processes(_fit_body, world_size, out_dir, world_size, steps, pp, output, tp)
     return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world_size)]
-
-
-def assert_matches_reference(
-    results: list[dict[str, Any]], reference: tuple[list[float], dict[str, Tensor]]
-) -> None:
-    """Every rank's logged losses and parameters equal :func:`reference_training`'s (fp32)."""
-    ref_losses, ref_params = reference
-    seen = set()
-    for result in results:
-        # Every rank, first pipeline stage included, logged the exact loss of every step.
-        torch.testing.assert_close(
-            torch.tensor(result["losses"]),
-            torch.tensor(ref_losses, dtype=torch.float32),
-            rtol=1e-6,
-            atol=0,
-        )
-        for name, value in result["params"].items():
-            # The last stage's copy of the tied output weight is the word embedding.
-            ref_name = "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
-            torch.testing.assert_close(value, ref_params[ref_name], rtol=1e-5, atol=1e-6)
-            seen.add(ref_name)
-    assert seen == set(ref_params)

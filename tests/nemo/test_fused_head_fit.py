@@ -26,10 +26,9 @@ import torch
 
 from tests.helpers.megatron_cpu import single_process_megatron
 from tests.nemo.cpu_stand_ins import megatron_on_cpu
-from tests.nemo.fit_helpers import assert_matches_reference, fit
+from tests.nemo.fit_helpers import fit
+from tests.nemo.test_fit import STEPS, _assert_matches_reference
 from tests.nemo.tiny_bert import reference_training, scratch_dir
-
-STEPS = 3
 
 
 @pytest.mark.slow
@@ -39,7 +38,7 @@ def test_data_parallel_fused_head_fit_equals_pytorch_on_whole_global_batches() -
     with scratch_dir() as out_dir:
         results = fit(out_dir, world_size=2, steps=STEPS, output="fused")
     assert [r["dp_rank"] for r in results] == [0, 1]
-    assert_matches_reference(results, reference)
+    _assert_matches_reference(results, reference)
 
 
 @pytest.mark.slow
