@@ -129,17 +129,19 @@ class RowSelection(NamedTuple):
     overflow: Tensor | None
 
 
-NumScored = int | Tensor
-"""The data pipeline's count of scored positions: a Python ``int`` or an integer tensor of
-counts to sum (e.g. a collator's ``[b]`` per-sample counts). An ``int`` or a CPU tensor is host
-data, read with no device sync; a tensor on an accelerator is read once (one sync)."""
+NumScored = int | tuple[int, ...] | list[int] | Tensor
+"""The data pipeline's count of scored positions: a Python ``int``, a tuple (or list) of
+per-sample ints to sum, or an integer tensor of counts to sum (e.g. a ``[b]`` per-sample
+tensor). Ints and CPU tensors are host data, read with no device sync; a tensor on an
+accelerator is read once (one sync). See :mod:`bert_reduce.num_scored`."""
 
 
 def scored_count(num_scored: NumScored) -> int:
     """The number of scored positions ``num_scored`` stands for, as a Python ``int``.
 
     Raises:
-        TypeError: If ``num_scored`` is neither an ``int`` nor an integer tensor.
+        TypeError: If ``num_scored`` is neither an ``int``, a tuple of ints nor an integer
+            tensor.
         ValueError: If it counts fewer than zero positions.
     """
     if isinstance(num_scored, Tensor) and not num_scored.dtype.is_floating_point:
@@ -151,9 +153,13 @@ def scored_count(num_scored: NumScored) -> int:
             count = int(num_scored.sum())
     elif isinstance(num_scored, int) and not isinstance(num_scored, bool):
         count = num_scored
+    elif isinstance(num_scored, tuple | list) and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in num_scored
+    ):
+        count = sum(num_scored)
     else:
         raise TypeError(
-            "num_scored must be a Python int or an integer tensor of counts, got "
+            "num_scored must be a Python int, a tuple of ints or an integer tensor of counts, got "
             f"{num_scored.dtype if isinstance(num_scored, Tensor) else type(num_scored).__name__}."
         )
     if count < 0:

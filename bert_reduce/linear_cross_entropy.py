@@ -21,9 +21,9 @@ holds more than a few chunks. Two entry points:
 both compute exactly the scored rows: they count them on the device and read the count
 back (``capacity="nonzero"``, the default), which is **one host sync per call** on an
 accelerator (free on the CPU). Pass ``num_scored``, the data pipeline's count as a Python
-``int`` (or a tensor of counts on the CPU), and no sync happens: that many rows are
-computed, a larger count only costs unscored rows of work, a smaller one makes the result
-NaN (checked on the device). Under ``torch.compile`` give the count as an ``int``: the
+``int`` (or per-sample ints, or a tensor of counts on the CPU), and no sync happens: that
+many rows are computed, a larger count only costs unscored rows of work, a smaller one makes
+the result NaN (checked on the device). Under ``torch.compile`` give the count as an ``int``: the
 number of row chunks then follows the count's bucket of ``b * s / 16`` rows
 (:func:`compile_bucket`, :func:`row_chunks`), not the count, so that one graph with a
 dynamic row count serves a whole bucket, with no graph break and exactly the count's rows
@@ -719,12 +719,14 @@ def linear_masked_token_losses(
         bias: ``[v]`` output-layer bias, or ``None``.
         capacity: Which rows are computed: ``"nonzero"`` (default; counted, one host sync),
             ``"all"``, a row count or a fraction of ``b * s``; see above.
-        num_scored: The data pipeline's count of scored positions: an ``int`` (the
-            micro-batch's total, which no device transfer touches) or an integer tensor of
-            counts (e.g. the collator's ``[b]`` per-sample counts). Exactly that many rows are
-            computed, with no host sync when it is on the host (a tensor on the accelerator is
-            read once). Overrides ``capacity``. Under ``torch.compile`` pass an ``int``: one
-            graph then serves every count of a bucket (:func:`compile_bucket`).
+        num_scored: The data pipeline's count of scored positions
+            (:data:`~bert_reduce.cross_entropy.NumScored`): an ``int`` (the micro-batch's
+            total, which no device transfer touches), a tuple of per-sample ints, or an
+            integer tensor of counts. Exactly that many rows are computed, with no host sync
+            when it is on the host (a tensor on the accelerator is read once). Overrides
+            ``capacity``. Under ``torch.compile`` pass one ``int``: one graph then serves every
+            count of a bucket (:func:`compile_bucket`); dynamo keeps a tuple as a constant,
+            compiling a graph per distinct tuple.
         layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
         sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
         chunk_rows: Rows per chunk (``None``: about 2**21 logits per chunk).

@@ -182,8 +182,9 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             (default): ``"all"`` on logits, ``"nonzero"`` on hidden states (the fused head
             computes the scored rows only, whose count it reads back: one host sync per
             micro-batch on an accelerator). See :mod:`bert_reduce.cross_entropy`. A
-            ``batch["num_scored"]`` (the data pipeline's count: a Python ``int``, or a tensor
-            of counts on the CPU) overrides it with the exact count, sync-free.
+            ``batch["num_scored"]`` (the data pipeline's count: a Python ``int``, a tuple of
+            per-sample ints, or a tensor of counts on the CPU) overrides it with the exact
+            count, sync-free.
 
     Per-sequence and constant modes need to know which tokens form a sequence (see
     :func:`bert_reduce.packing.batch_sequence_normalizers`). By default each ``[b, s]`` row is
@@ -255,7 +256,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 forward), ``hidden_states`` (``[s, b, h]``, or ``[b, s, h]`` with
                 ``hidden_layout="bsh"``), ``output_weight`` (``[v, h]``) and optionally
                 ``output_bias`` (``[v]``). A ``batch["num_scored"]`` (the data pipeline's
-                count of scored positions: an ``int``, or a tensor of counts on the CPU) sets
+                count of scored positions, :data:`bert_reduce.cross_entropy.NumScored`) sets
                 how many rows either path computes, with no host sync.
 
         Returns:

@@ -41,6 +41,21 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _check_output_layer_is_in_the_root_unit(model: nn.Module, decoder: nn.Module) -> None:
+    """FSDP2 frees a unit's gathered parameters after its forward, before the loss reads them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        if module is not model and isinstance(module, FSDPModule):
+            if any(inner is decoder for inner in module.modules()):
+                raise ValueError(
+                    f"lm_head_inputs reads the output layer's weight after the forward of the "
+                    f"fully_shard unit {name!r}, which FSDP2 reshards (frees) right after it. "
+                    "Leave the prediction head in the root unit: fully_shard the transformer "
+                    "layers and then the whole model."
+                )
+
+
 def _prediction_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Tensor], nn.Module]:
     """``(head module, its transform, its decoder)`` of a supported masked LM.
 
@@ -123,6 +138,14 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
     output_bias)`` equals the model's ``logits``. Pass no ``labels`` (the model would score
     the hidden states as logits); the loss reads them from the batch.
 
+    The loss uses the output layer's parameters after the model's forward. Under
+    ``DistributedDataParallel`` with ``find_unused_parameters=True`` (Hugging Face Trainer's
+    default) the hidden states keep them in the forward's graph through an exact zero; under
+    FSDP2 the prediction head must be in the root ``fully_shard`` unit (per-layer units and
+    then the whole model, the usual layout), whose parameters stay gathered until backward.
+    ``tests/integration/test_hf_fused_head_loop.py`` runs DDP and FSDP2,
+    ``tests/integration/test_hf_exact_trainer.py`` the Trainer's DDP.
+
     Args:
         model: A ``transformers`` ``EsmForMaskedLM`` or ``BertForMaskedLM``, optionally inside
             ``DistributedDataParallel`` or sharded with ``fully_shard``.
@@ -136,14 +159,17 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
 
     Raises:
         TypeError: For another model class.
-        ValueError: If ``inputs`` holds ``labels``.
+        ValueError: If ``inputs`` holds ``labels``, or when the output layer is in an FSDP2
+            unit of its own.
     """
     if "labels" in inputs:
         raise ValueError(
             "lm_head_inputs takes the model's inputs without 'labels': the model would score "
             "its hidden states as logits. Give the labels to the loss instead."
         )
-    head, transform, decoder = _prediction_head(_unwrap(model))
+    inner = _unwrap(model)
+    head, transform, decoder = _prediction_head(inner)
+    _check_output_layer_is_in_the_root_unit(inner, decoder)
     seen: dict[str, Tensor | None] = {}
     keep = _finds_unused_parameters(model)
     with _head_stops_before_decoder(head, transform, decoder, seen, keep):

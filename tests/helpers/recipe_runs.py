@@ -57,9 +57,6 @@ def warnings_printed(result: subprocess.CompletedProcess) -> list[str]:
         line
         for line in lines
         if WARNING.search(line)
-        # Issue 19: the recipe module's transfer_batch_to_device override (whose Lightning
-        # warning this is) is removed in another change of the same issue.
-        and "transfer_batch_to_device" not in line
     ]
 
 

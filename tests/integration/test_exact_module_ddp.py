@@ -48,6 +48,8 @@ def _ddp_body(world_size: int) -> None:
     # Clipping of the exact global gradient; counted collectives and no host sync in the step
     # (SGD: Adam's own step reads its step count on the host); an uneven validation set whose
     # reports sum to the loss of the whole set.
+    # The loader counts each sample's scored positions; every micro-batch's loss gets its
+    # own count as an int through DDP's batch transfer and the split.
     expected_clipped, _ = et.reference_train(et.sgd(), clip=0.05)
     et.GRADIENT_BUCKETS_REDUCED.clear()
     et.InstrumentedModule.collectives_per_step = []
@@ -59,7 +61,9 @@ def _ddp_body(world_size: int) -> None:
         devices=world_size,
         module_cls=et.InstrumentedModule,
         val_size=VAL_SIZE,
+        count_scored=True,
     )
+    et.assert_each_loss_got_its_micro_batch_count()
     et.assert_params_close(run.params, expected_clipped)
     assert et.max_param_difference(expected_clipped, expected) > 1e-3  # the clip is active
     num_buckets = len(et.GRADIENT_BUCKETS_REDUCED) // et.STEPS
