@@ -106,7 +106,7 @@ def masked_lm_token_losses(
             never formed. Otherwise from the model's ``[b, s, v]`` ``logits``.
         num_scored: With ``fused_head``, the number of scored tokens of the batch, read on
             the host, so that exactly those rows are computed without a host sync; ``None``
-            computes every row.
+            counts them on the device (one host sync on an accelerator).
 
     Returns:
         ``(per_token_loss, outputs)``: ``[b, s]`` losses in fp32 (fp64 for fp64 models), and
