@@ -7,10 +7,11 @@ FROM nvcr.io/nvidia/pytorch:25.04-py3
 WORKDIR /workspace/bert_reduce
 
 # The container's torch (a 2.7 pre-release, which satisfies torch>=2.6) stays: the project installs
-# on top of it, without requirements/constraints-cpu.txt (that file pins the CPU wheel).
+# on top of it, without requirements/constraints-cpu.txt (that file pins the CPU wheel), with
+# what train.py imports: the recipe extra (Lightning, Hydra, ...) and hf (model=hf_esm2).
 COPY pyproject.toml README.md ./
 COPY bert_reduce ./bert_reduce
-RUN pip install --no-cache-dir -e .
+RUN pip install --no-cache-dir -e ".[recipe,hf]"
 
 COPY conf ./conf
 COPY train.py ./

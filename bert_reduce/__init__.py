@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "masked_cross_entropy": "bert_reduce.cross_entropy",
     "masked_token_losses": "bert_reduce.cross_entropy",
     "linear_masked_token_losses": "bert_reduce.linear_cross_entropy",
+    "linear_weighted_loss_sum": "bert_reduce.linear_cross_entropy",
     "masked_token_loss": "bert_reduce.functional",
     "unreduced_token_loss_fn": "bert_reduce.functional",
     "Normalization": "bert_reduce.normalization",
@@ -48,6 +49,7 @@ __all__ = [
     "TokenPerplexity",
     "get_batch_on_this_cp_rank",
     "linear_masked_token_losses",
+    "linear_weighted_loss_sum",
     "masked_cross_entropy",
     "masked_token_loss",
     "masked_token_losses",
@@ -59,7 +61,10 @@ if TYPE_CHECKING:
     from bert_reduce.context_parallel import get_batch_on_this_cp_rank
     from bert_reduce.cross_entropy import masked_cross_entropy, masked_token_losses
     from bert_reduce.functional import masked_token_loss, unreduced_token_loss_fn
-    from bert_reduce.linear_cross_entropy import linear_masked_token_losses
+    from bert_reduce.linear_cross_entropy import (
+        linear_masked_token_losses,
+        linear_weighted_loss_sum,
+    )
     from bert_reduce.metrics import TokenPerplexity
     from bert_reduce.normalization import Normalization
     from bert_reduce.packing import pack_batch

@@ -9,6 +9,12 @@ of length ``s`` per row; a packed ``[1, T]`` row holds several, bounded by
 
 Token sums need no correction afterwards: every scored token lands on exactly one CP rank,
 and the loss reduction sums over data x context ranks.
+
+A batch's ``num_scored`` (:mod:`bert_reduce.num_scored`) has no sequence dim: it is never
+sliced. Where the sliced batch's ``loss_mask`` (or ``labels``) is still on the CPU, the count
+is made again for this rank's shard (host work, no sync); on a device, the whole micro-batch's
+count is kept, an upper bound for the shard: exact, at the price of computing about
+``cp_size`` times the shard's rows. Slice on the host, before moving the batch.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from torch import Tensor
 
 from bert_reduce import distributed
+from bert_reduce.num_scored import NUM_SCORED_KEY, count_scored
 
 __all__ = [
     "context_parallel_indices",
@@ -109,6 +116,20 @@ def slice_for_context_parallel(tensor: Tensor, seq_dim: int, cp_size: int, cp_ra
     return tensor.index_select(seq_dim, index)
 
 
+def _shard_num_scored(sliced: dict[str, Any], num_scored: Any) -> Any:
+    """This shard's count from its host ``loss_mask``/``labels``, else ``num_scored`` as given.
+
+    Per-sample counts (a tuple or list, or a ``[b]`` tensor) stay per-sample.
+    """
+    scored = sliced.get("loss_mask", sliced.get("labels"))
+    if not isinstance(scored, Tensor) or scored.device.type != "cpu":
+        return num_scored
+    per_sample = isinstance(num_scored, tuple | list) or (
+        isinstance(num_scored, Tensor) and num_scored.dim() == 1
+    )
+    return count_scored(sliced, per_sample=per_sample)
+
+
 def _resolve(cp_size: int | None, cp_rank: int | None) -> tuple[int, int]:
     cp_size = distributed.context_parallel_world_size() if cp_size is None else cp_size
     cp_rank = distributed.context_parallel_rank() if cp_rank is None else cp_rank
@@ -123,9 +144,10 @@ def get_batch_on_this_cp_rank(
 ) -> dict[str, Any]:
     """Slice a ``[b, s, ...]`` batch for one context-parallel rank, as Megatron expects.
 
-    Returns a new dict and leaves ``batch`` untouched. Tensors are sliced along dim 1
-    (``attention_mask``: dim 2, as in Megatron) unless ``seq_dims`` says otherwise; values
-    that are not tensors, and keys mapped to ``None`` in ``seq_dims``, pass through.
+    Returns a new dict and leaves ``batch`` untouched. Tensors are sliced along dim 1 (a
+    4-dim ``[b, 1, s, s]`` ``attention_mask``: dim 2, as in Megatron) unless ``seq_dims``
+    says otherwise; values that are not tensors, and keys mapped to ``None`` in ``seq_dims``,
+    pass through. ``num_scored`` becomes this shard's count (see the module docstring).
 
     Args:
         batch: The full micro-batch, e.g. ``labels`` and ``loss_mask`` of shape ``[b, s]``.
@@ -140,8 +162,12 @@ def get_batch_on_this_cp_rank(
         ValueError: If a sliced tensor's sequence length is not a multiple of ``2 * cp_size``.
     """
     cp_size, cp_rank = _resolve(cp_size, cp_rank)
-    dims: dict[str, int | None] = {"attention_mask": 2}
+    dims: dict[str, int | None] = {}
+    attention_mask = batch.get("attention_mask")
+    if isinstance(attention_mask, Tensor) and attention_mask.dim() == 4:
+        dims["attention_mask"] = 2
     dims.update(seq_dims or {})
+    dims[NUM_SCORED_KEY] = None  # a count, never sliced: recounted below
     sliced: dict[str, Any] = {}
     for key, value in batch.items():
         seq_dim = dims.get(key, 1)
@@ -152,6 +178,8 @@ def get_batch_on_this_cp_rank(
                 )
             value = slice_for_context_parallel(value, seq_dim, cp_size, cp_rank)
         sliced[key] = value
+    if cp_size > 1 and NUM_SCORED_KEY in batch:
+        sliced[NUM_SCORED_KEY] = _shard_num_scored(sliced, batch[NUM_SCORED_KEY])
     return sliced
 
 
@@ -163,6 +191,7 @@ def get_packed_batch_on_this_cp_rank(
     Every tensor whose first two dims are ``[1, T]`` is sliced along dim 1 (see
     :func:`packed_context_parallel_indices`); ``cu_seqlens``, ``cu_seqlens_padded``,
     ``max_seqlen`` and other values pass through unchanged, as Transformer Engine expects.
+    ``num_scored`` becomes this shard's count (see the module docstring).
 
     Args:
         batch: A batch from :func:`bert_reduce.packing.pack_batch` (``pad_to_multiple_of`` a
@@ -200,4 +229,6 @@ def get_packed_batch_on_this_cp_rank(
                     index = packed_context_parallel_indices(bounds, total, cp_size, cp_rank)
                 value = value.index_select(1, index.to(value.device))
         sliced[key] = value
+    if NUM_SCORED_KEY in batch:
+        sliced[NUM_SCORED_KEY] = _shard_num_scored(sliced, batch[NUM_SCORED_KEY])
     return sliced

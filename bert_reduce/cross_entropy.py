@@ -55,6 +55,7 @@ from bert_reduce.functional import (
 
 __all__ = [
     "Capacity",
+    "NumScored",
     "RowSelection",
     "ShardedTargets",
     "combine_shard_stats",
@@ -62,6 +63,7 @@ __all__ = [
     "masked_token_losses",
     "resolve_capacity",
     "scatter_row_losses",
+    "scored_count",
     "select_rows",
     "shard_stats",
     "shard_targets",
@@ -127,39 +129,67 @@ class RowSelection(NamedTuple):
     overflow: Tensor | None
 
 
+NumScored = int | tuple[int, ...] | list[int] | Tensor
+"""The data pipeline's count of scored positions: a Python ``int``, a tuple (or list) of
+per-sample ints to sum, or an integer tensor of counts to sum (e.g. a ``[b]`` per-sample
+tensor). Ints and CPU tensors are host data, read with no device sync; a tensor on an
+accelerator is read once (one sync). See :mod:`bert_reduce.num_scored`."""
+
+
+def scored_count(num_scored: NumScored) -> int:
+    """The number of scored positions ``num_scored`` stands for, as a Python ``int``.
+
+    Raises:
+        TypeError: If ``num_scored`` is neither an ``int``, a tuple of ints nor an integer
+            tensor.
+        ValueError: If it counts fewer than zero positions.
+    """
+    if isinstance(num_scored, Tensor) and not num_scored.dtype.is_floating_point:
+        if num_scored.device.type == "cpu":
+            # Host memory, read through numpy: no device involved.
+            count = int(num_scored.numpy().sum())
+        else:
+            # The price of a count left on the accelerator: one device-to-host sync.
+            count = int(num_scored.sum())
+    elif isinstance(num_scored, int) and not isinstance(num_scored, bool):
+        count = num_scored
+    elif isinstance(num_scored, tuple | list) and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in num_scored
+    ):
+        count = sum(num_scored)
+    else:
+        raise TypeError(
+            "num_scored must be a Python int, a tuple of ints or an integer tensor of counts, got "
+            f"{num_scored.dtype if isinstance(num_scored, Tensor) else type(num_scored).__name__}."
+        )
+    if count < 0:
+        raise ValueError(f"num_scored must be non-negative, got a sum of {count}.")
+    return count
+
+
 def select_rows(
-    scored: Tensor, capacity: Capacity = "all", num_scored: Tensor | None = None
+    scored: Tensor, capacity: Capacity = "all", num_scored: NumScored | None = None
 ) -> RowSelection:
     """Choose the rows to compute from the flat ``[positions]`` bool ``scored``, without a sync.
 
     Args:
         scored: ``[positions]`` bool, true where the loss mask is non-zero.
         capacity: See :func:`resolve_capacity`; ignored when ``num_scored`` is given.
-        num_scored: The number of scored positions as the data pipeline counted them: an
-            integer CPU tensor whose sum is the count (e.g. a collator's ``[b]`` per-sample
-            counts). Host data, so reading it costs no device sync. Used as an exact static
-            capacity: more scored rows than it says make the loss NaN (checked on the
-            device), fewer only cost unscored rows of work.
+        num_scored: The number of scored positions as the data pipeline counted them
+            (:data:`NumScored`: an ``int``, or an integer tensor whose sum is the count; on
+            the host it costs no device sync). Used as an exact static capacity: more scored
+            rows than it says make the loss NaN (checked on the device), fewer only cost
+            unscored rows of work.
 
     Returns:
         The selection; ``index`` is ``None`` when every row is computed.
 
     Raises:
-        ValueError: On a bad ``capacity``, a ``num_scored`` that is not on the CPU (reading it
-            would wait for the device), or one that sums to a negative count.
+        TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
+        ValueError: On a bad ``capacity``, or a ``num_scored`` that sums to a negative count.
     """
     if num_scored is not None:
-        if num_scored.device.type != "cpu":
-            raise ValueError(
-                f"num_scored must stay on the CPU (it is on {num_scored.device}): it is the data "
-                "pipeline's count, read on the host; moving it to the device and back would "
-                "synchronize. Leave it out of the batch's transfer to the device."
-            )
-        # Host memory, read through numpy: no device involved.
-        limit: int | None = int(num_scored.numpy().sum())
-        if limit < 0:
-            raise ValueError(f"num_scored must be non-negative, got a sum of {limit}.")
-        limit = min(limit, scored.numel())
+        limit: int | None = min(scored_count(num_scored), scored.numel())
     else:
         limit = resolve_capacity(capacity, scored.numel())
     if limit is not None and limit == scored.numel():
@@ -463,7 +493,7 @@ def masked_token_losses(
     in_place: bool = False,
     chunk_elements: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
-    num_scored: Tensor | None = None,
+    num_scored: NumScored | None = None,
 ) -> Tensor:
     """Per-token cross-entropy on the scored positions, computing only what the mask needs.
 
@@ -494,9 +524,10 @@ def masked_token_losses(
         tp_group: The group the vocabulary is sharded over (its one all-reduce runs there);
             ``None``: Megatron-Core's tensor-parallel group when its parallel state is
             initialized, else no sharding.
-        num_scored: The data pipeline's count of scored positions (e.g. the collator's
-            per-sample ``[b]`` counts, summed), a CPU tensor: computes exactly that many
-            rows, with no host sync; overrides ``capacity``. See :func:`select_rows`.
+        num_scored: The data pipeline's count of scored positions (:data:`NumScored`: an
+            ``int``, or e.g. the collator's per-sample ``[b]`` counts): computes exactly that
+            many rows, with no host sync when it is on the host; overrides ``capacity``. See
+            :func:`select_rows`.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
@@ -542,7 +573,7 @@ def masked_cross_entropy(
     in_place: bool = False,
     chunk_elements: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
-    num_scored: Tensor | None = None,
+    num_scored: NumScored | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Cross-entropy summed over the scored tokens, and its denominator.
 

@@ -32,11 +32,21 @@ __all__ = [
 _PARALLEL_STATE = "megatron.core.parallel_state"
 
 
-def _parallel_state() -> ModuleType | None:
+@torch.compiler.assume_constant_result
+def _parallel_state_initialized() -> bool:
+    """Whether Megatron-Core is imported and its model-parallel groups initialized.
+
+    Under ``torch.compile`` this is read once, when a graph is compiled, and kept as a
+    constant: traced, the ``sys.modules`` lookup would guard on the length of
+    ``sys.modules``, which every later import (inductor's own, while compiling) changes,
+    recompiling every graph. Megatron's parallel state is set up before the first step.
+    """
     parallel_state = sys.modules.get(_PARALLEL_STATE)
-    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
-        return None
-    return parallel_state
+    return parallel_state is not None and parallel_state.model_parallel_is_initialized()
+
+
+def _parallel_state() -> ModuleType | None:
+    return sys.modules[_PARALLEL_STATE] if _parallel_state_initialized() else None
 
 
 def megatron_is_initialized() -> bool:

@@ -2,35 +2,49 @@
 
 An MLM loss scores ~15% of the positions, yet ``F.linear(hidden, weight)`` followed by any
 cross-entropy computes, stores and back-propagates ``[s, b, v]`` logits for all of them.
-:func:`linear_masked_token_losses` computes the logits of the *selected* rows only, a chunk
-of ``[rows, vocab]`` at a time, and never holds more than a few chunks:
+This module computes the logits of the *selected* rows only, a chunk at a time, and never
+holds more than a few chunks. Two entry points:
 
-* forward: for each chunk of rows and of the vocabulary, ``x = h_rows @ w_chunk^T + b``;
-  an online log-sum-exp over the vocabulary chunks and the target logit are kept per row
-  (``[rows]`` each), the chunk is dropped;
-* backward: the chunk is recomputed and turned into ``dL/dx = coef * (softmax - onehot)``,
-  which is immediately multiplied into ``dL/dh_rows += dx @ w_chunk`` and
-  ``dL/dw_chunk += dx^T @ h_rows`` (and ``dL/db_chunk += sum(dx)``).
+* :func:`linear_weighted_loss_sum`: ``sum(w * loss)`` with per-token weights known in the
+  forward (what every normalization mode needs). For each chunk of rows the logits over the
+  whole vocabulary ``x = h_rows @ w^T + b`` give the losses and at once
+  ``dL/dx = w * (softmax - onehot)``, multiplied into ``dL/dh_rows = dx @ w``,
+  ``dL/dw += dx^T @ h_rows`` and ``dL/db += sum(dx)``; the backward only scales these by
+  the upstream gradient. Three products: ``6 * rows * v * h`` multiply-adds against
+  ``6 * b * s * v * h`` for the dense head, so ~0.15x of its arithmetic at 15% masked.
+* :func:`linear_masked_token_losses`: the ``[b, s]`` per-token losses, for a caller that
+  weights them later. The forward keeps an online log-sum-exp and the target logit per row
+  over ``[rows, vocab]`` chunks; the backward recomputes each chunk into
+  ``dL/dx = coef * (softmax - onehot)``. Four products (``8 * rows * v * h``).
 
-Work is ``8 * rows * v * h`` multiply-adds against ``6 * b * s * v * h`` for the dense head
-(its forward and two backward products), so at 15% masked with the rows counted by the data
-pipeline it is ~0.2x of the dense arithmetic, and the extra memory is a few chunks.
+**Which rows, and when it syncs.** Called with only ``(hidden, weight, labels, mask)``,
+both compute exactly the scored rows: they count them on the device and read the count
+back (``capacity="nonzero"``, the default), which is **one host sync per call** on an
+accelerator (free on the CPU). Pass ``num_scored``, the data pipeline's count as a Python
+``int`` (or per-sample ints, or a tensor of counts on the CPU), and no sync happens: that
+many rows are computed, a larger count only costs unscored rows of work, a smaller one makes
+the result NaN (checked on the device). Under ``torch.compile`` give the count as an ``int``: the
+number of row chunks then follows the count's bucket of ``b * s / 16`` rows
+(:func:`compile_bucket`, :func:`row_chunks`), not the count, so that one graph with a
+dynamic row count serves a whole bucket, with no graph break and exactly the count's rows
+computed. A static ``capacity`` (a row count, or a fraction of ``b * s``) keeps
+every shape static for CUDA graphs, exact up to that many scored rows and NaN beyond;
+``capacity="all"`` computes every row (static, exact for any mask, no sync: the dense
+head's arithmetic in :func:`linear_weighted_loss_sum`, 4/3 of it in
+:func:`linear_masked_token_losses`). See :mod:`bert_reduce.cross_entropy` for the selection
+itself.
 
 Accumulation is in fp32 for bf16/fp16 inputs (fp64 for fp64): each chunk's logits are
 computed in the input dtype, as ``F.linear`` would, then read in the accumulation dtype; the
-gradients are summed over chunks in it and cast once.
-
-Which rows are computed is :mod:`bert_reduce.cross_entropy`'s choice (``capacity``, or
-``num_scored`` from the data pipeline), with the same guarantees: exact, no host sync, NaN on
-an overflowing static capacity. Under tensor parallelism ``weight`` (and ``bias``) are this
-rank's vocab shard and the per-row (log-sum-exp, target logit) of every shard are combined in
-ONE all-reduce, as in :func:`bert_reduce.masked_token_losses`.
+gradients are summed over chunks in it and cast once. Under tensor parallelism ``weight``
+(and ``bias``) are this rank's vocab shard and the per-row (log-sum-exp, target logit) of
+every shard are combined in ONE all-reduce, as in :func:`bert_reduce.masked_token_losses`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +54,9 @@ from torch.autograd.function import once_differentiable
 
 from bert_reduce.cross_entropy import (
     Capacity,
+    NumScored,
     RowSelection,
+    ShardedTargets,
     combine_shard_stats,
     logsumexp_,
     scatter_row_losses,
@@ -57,8 +73,11 @@ __all__ = [
     "OUTPUT_BIAS_KEY",
     "OUTPUT_WEIGHT_KEY",
     "HiddenLayout",
+    "compile_bucket",
     "head_logits",
     "linear_masked_token_losses",
+    "linear_weighted_loss_sum",
+    "row_chunks",
 ]
 
 HIDDEN_STATES_KEY = "hidden_states"
@@ -75,13 +94,52 @@ HiddenLayout = Literal["sbh", "bsh"]
 
 _CHUNK_ELEMENTS = 1 << 21
 _CHUNK_VOCAB = 4096
+# One pass holds a row chunk's logits over the whole vocabulary: larger chunks keep the
+# products efficient (on one CPU thread, a 512-wide head's products ran up to 1.6x faster per
+# row in chunks of 160 rows than of 80), at 16 MiB of fp32.
+_SINGLE_PASS_ELEMENTS = 1 << 22
+
+
+COMPILE_BUCKETS = 16
+"""Under ``torch.compile``, row counts share a graph per 1/16 of the positions."""
+
+
+def compile_bucket(count: int, positions: int) -> int:
+    """``count`` rounded up to a multiple of ``ceil(positions / 16)``, at most ``positions``.
+
+    Under ``torch.compile`` the number of row chunks follows this bucket rather than the
+    count itself (:func:`row_chunks`), so that one graph serves every count of a bucket:
+    dynamo compiles the first count as a constant, then makes it a dynamic integer whose
+    guards only compare it with the bucket's bounds. Micro-batches masked at 9% to 21% of
+    the positions then run in at most 3 graphs after the first.
+    """
+    granule = -(-positions // COMPILE_BUCKETS)
+    # Floor divisions and min only: on a symbolic count (dynamo's dynamic ints) the bucket
+    # stays an expression that dynamo can guard on.
+    return min(positions, -(-count // granule) * granule) if granule else count
+
+
+def row_chunks(rows: int, chunk_rows: int, positions: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of balanced chunks of at most ``chunk_rows`` of ``rows`` rows.
+
+    Chunk ``i`` of ``k`` is ``[i * rows // k, (i + 1) * rows // k)``. Eager mode takes
+    ``k = ceil(rows / chunk_rows)``; under ``torch.compile`` ``k`` comes from the
+    :func:`compile_bucket` of ``rows`` among ``positions``, so that a symbolic row count only
+    decides the chunks' sizes, never their number (chunks may then be empty). Either way
+    exactly ``rows`` rows are computed.
+    """
+    bound = compile_bucket(rows, positions) if torch.compiler.is_compiling() else rows
+    count = -(-bound // chunk_rows)
+    return [(i * rows // count, (i + 1) * rows // count) for i in range(count)]
 
 
 class _Chunks:
-    """Row and vocabulary chunk boundaries of one call."""
+    """Row and vocabulary chunk boundaries of one call (see :func:`row_chunks`)."""
 
-    def __init__(self, rows: int, vocab: int, chunk_rows: int, chunk_vocab: int) -> None:
-        self.rows = [(a, min(a + chunk_rows, rows)) for a in range(0, rows, chunk_rows)]
+    def __init__(
+        self, rows: int, vocab: int, chunk_rows: int, chunk_vocab: int, positions: int
+    ) -> None:
+        self.rows = row_chunks(rows, chunk_rows, positions)
         self.vocab = [(a, min(a + chunk_vocab, vocab)) for a in range(0, vocab, chunk_vocab)]
 
 
@@ -115,6 +173,212 @@ def _hit_in_chunk(
     return torch.where(inside, column, 0), inside
 
 
+def _shard_logsumexp(
+    rows_hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    sharded: ShardedTargets,
+    plan: _Chunks,
+    acc: torch.dtype,
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[Tensor, Tensor]:
+    """Every row's global ``(log-sum-exp, target logit)``, ``[rows]`` each: ONE all-reduce.
+
+    One pass over the ``[rows, vocab]`` chunks of this rank's shard keeps an online
+    log-sum-exp and the target logit per row; :func:`combine_shard_stats` combines the
+    shards'.
+    """
+    _, _, tp_rank = tensor_parallel_placement(tp_group)
+    stats = shard_stats(rows_hidden.size(0), acc, rows_hidden.device, tp_group)
+    lse, target_logit = stats[tp_rank, 0], stats[tp_rank, 1]
+    lse.fill_(-torch.inf)
+    for rows in plan.rows:
+        part = rows_hidden[rows[0] : rows[1]]
+        for vocab in plan.vocab:
+            x = _chunk_logits(part, weight, bias, vocab, acc)
+            column, inside = _hit_in_chunk(sharded.local, sharded.in_shard, rows, vocab)
+            target = torch.where(inside, x.gather(1, column), 0).squeeze(1)
+            target_logit[rows[0] : rows[1]] += target
+            # Online log-sum-exp over vocabulary chunks: lse = log(exp(lse) + sum(exp(x))).
+            running = lse[rows[0] : rows[1]]
+            torch.logaddexp(running, logsumexp_(x), out=running)
+    return combine_shard_stats(stats, sharded, tp_group)
+
+
+class _Gradients(NamedTuple):
+    """Gradients of the selected rows (``None`` where not needed).
+
+    Attributes:
+        rows: ``[rows, h]``, w.r.t. the selected rows of the hidden states.
+        weight: ``[v, h]``, w.r.t. the weight (this rank's shard).
+        bias: ``[v]``, w.r.t. the bias.
+    """
+
+    rows: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+
+
+def _add_chunk_gradients(
+    dx: Tensor,
+    part: Tensor,
+    w: Tensor,
+    grad_rows: Tensor | None,
+    grad_w: Tensor | None,
+    grad_b: Tensor | None,
+) -> None:
+    """``grad_rows += dx @ w``, ``grad_w += dx^T @ part`` and ``grad_b += sum(dx)``.
+
+    ``dx`` is the ``[c, v_chunk]`` logits gradient in the accumulation dtype, ``part`` the
+    chunk's ``[c, h]`` hidden rows and ``w`` its ``[v_chunk, h]`` weight rows; the products
+    run in the inputs' dtype, as ``F.linear``'s backward would, and add into the
+    accumulators (``None``: not needed).
+    """
+    if grad_b is not None:
+        grad_b += dx.sum(dim=0)
+    dx = dx.to(part.dtype)
+    for out, a, b in ((grad_rows, dx, w), (grad_w, dx.t(), part)):
+        if out is None:
+            continue
+        if out.dtype == dx.dtype:
+            out.addmm_(a, b)
+        else:
+            out += a @ b
+
+
+def _softmax_gradients(
+    rows_hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lse: Tensor,
+    local: Tensor,
+    in_shard: Tensor,
+    coef: Tensor,
+    plan: _Chunks,
+    needs: tuple[bool, ...],
+) -> _Gradients:
+    """Gradients of ``sum(coef * loss)`` once the global log-sum-exp is known.
+
+    Each ``[rows, vocab]`` chunk's logits are computed (again) and turned into
+    ``dL/dx = coef * (softmax - onehot)``, multiplied straight into the gradients. Vocabulary
+    chunks are the outer loop, so that the weight's gradient is accumulated one vocabulary
+    chunk at a time (in the accumulation dtype) and cast once into its ``[v, h]`` result.
+    """
+    acc, dtype = lse.dtype, rows_hidden.dtype
+    grad_rows = torch.zeros(rows_hidden.shape, dtype=acc, device=lse.device) if needs[0] else None
+    grad_weight = (
+        torch.empty_like(weight, memory_format=torch.contiguous_format) if needs[1] else None
+    )
+    grad_bias = torch.empty_like(bias) if needs[2] and bias is not None else None
+    coef = coef.unsqueeze(1)
+    for vocab in plan.vocab:
+        w = weight[vocab[0] : vocab[1]]
+        grad_w = None
+        if grad_weight is not None:
+            grad_w = grad_weight[vocab[0] : vocab[1]]
+            grad_w = grad_w.zero_() if dtype == acc else torch.zeros_like(w, dtype=acc)
+        grad_b = None if grad_bias is None else w.new_zeros(w.size(0), dtype=acc)
+        for rows in plan.rows:
+            part = rows_hidden[rows[0] : rows[1]]
+            x = _chunk_logits(part, weight, bias, vocab, acc)
+            x.sub_(lse[rows[0] : rows[1]].unsqueeze(1)).exp_()
+            column, inside = _hit_in_chunk(local, in_shard, rows, vocab)
+            x.scatter_add_(1, column, -inside.to(acc))
+            x.mul_(coef[rows[0] : rows[1]])
+            grad_part = None if grad_rows is None else grad_rows[rows[0] : rows[1]]
+            _add_chunk_gradients(x, part, w, grad_part, grad_w, grad_b)
+        if grad_weight is not None and dtype != acc:
+            grad_weight[vocab[0] : vocab[1]] = grad_w
+        if grad_bias is not None:
+            grad_bias[vocab[0] : vocab[1]] = grad_b
+    return _Gradients(grad_rows, grad_weight, grad_bias)
+
+
+def _single_pass(
+    hidden: Tensor,
+    index: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    sharded: ShardedTargets,
+    coef: Tensor,
+    chunk_rows: int,
+    acc: torch.dtype,
+    needs: tuple[bool, ...],
+) -> tuple[Tensor, _Gradients]:
+    """``sum(coef * loss)`` and its gradients in one pass over row chunks of the whole vocab.
+
+    Per chunk of rows: ``x = h_rows @ w^T + b`` (``[c, v]``), its log-sum-exp and target
+    logit, then the logits' gradient in ``x``'s own buffer, multiplied into the gradients at
+    once: three products, nothing computed twice. With ``e = exp(x - shift)`` and ``total``
+    its row sums,
+
+        dL/dx = coef * (e / total - onehot) = scale * (e - total * onehot),  scale = coef / total
+
+    and the per-row ``scale`` goes into the products' small operands (``[c, h]``) rather
+    than through the ``[c, v]`` chunk: ``dL/dh_rows = scale * (dx' @ w)``,
+    ``dL/dw += dx'^T @ (scale * h_rows)``, ``dL/db += dx'^T @ scale``.
+    """
+    device, dtype = weight.device, hidden.dtype
+    num_rows = hidden.size(0) if index is None else index.numel()
+    rows_shape = (num_rows, hidden.size(1))
+    # Every row chunk writes its own rows of the hidden-state gradient, and the first one
+    # writes the whole [v, h] weight gradient (in the accumulation dtype) that the others
+    # add to: neither needs zeroing first, unless no row is computed at all.
+    grad_rows = torch.empty(rows_shape, dtype=acc, device=device) if needs[0] else None
+    grad_weight = torch.empty(weight.shape, dtype=acc, device=device) if needs[1] else None
+    if grad_weight is not None and num_rows == 0:
+        grad_weight.zero_()
+    grad_bias = None
+    if needs[2] and bias is not None:
+        grad_bias = torch.zeros(weight.size(0), dtype=acc, device=device)
+    need_any = needs[0] or needs[1] or grad_bias is not None
+    vocab = (0, weight.size(0))
+    loss_sum = torch.zeros((), dtype=acc, device=device)
+    for number, rows in enumerate(row_chunks(num_rows, chunk_rows, hidden.size(0))):
+        first = number == 0
+        # The selected rows are gathered a chunk at a time, never all at once.
+        part = hidden[rows[0] : rows[1]] if index is None else hidden[index[rows[0] : rows[1]]]
+        c = coef[rows[0] : rows[1]]
+        local = sharded.local[rows[0] : rows[1]]
+        x = _chunk_logits(part, weight, bias, vocab, acc)
+        target_logit = x.gather(1, local).squeeze(1)
+        shift = x.amax(dim=1)
+        # A row of -inf (or +inf) keeps logsumexp's answer instead of inf - inf = NaN.
+        shift = torch.where(shift.isfinite(), shift, 0)
+        x.sub_(shift.unsqueeze(1)).exp_()
+        total = x.sum(dim=1)
+        in_vocab = sharded.in_vocab[rows[0] : rows[1]]
+        loss = torch.where(in_vocab, total.log() + shift - target_logit, torch.nan)
+        # `where`, not a product: whatever an unweighted row holds must not reach the sum.
+        loss_sum += torch.where(c != 0, c * loss, 0).sum()
+        if not need_any:
+            continue
+        scale = torch.where(c != 0, c / total, 0)
+        hit = total * sharded.in_shard[rows[0] : rows[1]]
+        x.scatter_add_(1, local, -hit.unsqueeze(1))
+        if grad_bias is not None:
+            grad_bias.addmv_(x.t(), scale)
+        dx = x.to(dtype)
+        if grad_rows is not None:
+            out = grad_rows[rows[0] : rows[1]]
+            if dtype == acc:
+                torch.mm(dx, weight, out=out)
+            else:
+                out.copy_(dx @ weight)
+            out.mul_(scale.unsqueeze(1))
+        if grad_weight is not None:
+            scaled = (part.to(acc) * scale.unsqueeze(1)).to(dtype)
+            if dtype != acc and first:
+                grad_weight.copy_(dx.t() @ scaled)
+            elif dtype != acc:
+                grad_weight += dx.t() @ scaled
+            elif first:
+                torch.mm(dx.t(), scaled, out=grad_weight)
+            else:
+                grad_weight.addmm_(dx.t(), scaled)
+    return loss_sum, _Gradients(grad_rows, grad_weight, grad_bias)
+
+
 class _LinearMaskedTokenLosses(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -132,37 +396,23 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
 
         ``targets`` and ``scored`` are ``[rows]``, aligned with ``selection.index``.
         """
-        _, _, tp_rank = tensor_parallel_placement(tp_group)
         acc = accumulation_dtype(hidden.dtype)
         index = selection.index
         rows_hidden = hidden if index is None else hidden.index_select(0, index)
-        num_rows, shard = rows_hidden.size(0), weight.size(0)
-        sharded = shard_targets(targets, shard, tp_group)
-        plan = _Chunks(num_rows, shard, *chunks)
-        stats = shard_stats(num_rows, acc, hidden.device, tp_group)
-        lse, target_logit = stats[tp_rank, 0], stats[tp_rank, 1]
-        lse.fill_(-torch.inf)
-        for rows in plan.rows:
-            part = rows_hidden[rows[0] : rows[1]]
-            for vocab in plan.vocab:
-                x = _chunk_logits(part, weight, bias, vocab, acc)
-                column, inside = _hit_in_chunk(sharded.local, sharded.in_shard, rows, vocab)
-                target_logit[rows[0] : rows[1]] += torch.where(
-                    inside, x.gather(1, column), 0
-                ).squeeze(1)
-                # Online log-sum-exp over vocabulary chunks: lse = log(exp(lse) + sum(exp(x))).
-                running = lse[rows[0] : rows[1]]
-                torch.logaddexp(running, logsumexp_(x), out=running)
-        global_lse, global_target = combine_shard_stats(stats, sharded, tp_group)
-        losses, scored = scatter_row_losses(
-            global_lse, global_target, sharded, scored, selection, hidden.size(0)
+        sharded = shard_targets(targets, weight.size(0), tp_group)
+        plan = _Chunks(rows_hidden.size(0), weight.size(0), *chunks, hidden.size(0))
+        lse, target_logit = _shard_logsumexp(
+            rows_hidden, weight, bias, sharded, plan, acc, tp_group
         )
-        ctx.chunks, ctx.positions, ctx.has_bias = chunks, hidden.size(0), bias is not None
+        losses, scored = scatter_row_losses(
+            lse, target_logit, sharded, scored, selection, hidden.size(0)
+        )
+        ctx.chunks, ctx.positions = chunks, hidden.size(0)
         ctx.save_for_backward(
             rows_hidden,
             weight,
             bias,
-            global_lse,
+            lse,
             sharded.local,
             sharded.in_shard,
             scored,
@@ -175,52 +425,115 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
         rows_hidden, weight, bias, lse, local, in_shard, scored, index, overflow = ctx.saved_tensors
-        acc = lse.dtype
-        dtype = rows_hidden.dtype
-        coef = grad_losses.to(acc)
+        coef = grad_losses.to(lse.dtype)
         if index is not None:
             coef = coef[index]
         # dL/dx_r = coef_r * (softmax(x_r) - onehot(target_r)), on scored rows only.
         coef = torch.where(scored, coef, 0)
         if overflow is not None:
             coef = torch.where(overflow.any(), torch.nan, coef)
-        coef = coef.unsqueeze(1)
-        num_rows, shard = rows_hidden.size(0), weight.size(0)
-        plan = _Chunks(num_rows, shard, *ctx.chunks)
-        grad_rows = torch.zeros(num_rows, rows_hidden.size(1), dtype=acc, device=lse.device)
-        grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
-        grad_bias = torch.empty_like(bias) if ctx.has_bias else None
-        for vocab in plan.vocab:
-            w = weight[vocab[0] : vocab[1]]
-            # The weight chunk's gradient sums over every row chunk, in `acc`.
-            grad_w = grad_weight[vocab[0] : vocab[1]]
-            grad_w_acc = grad_w.zero_() if dtype == acc else torch.zeros_like(w, dtype=acc)
-            grad_b_acc = torch.zeros(vocab[1] - vocab[0], dtype=acc, device=lse.device)
-            for rows in plan.rows:
-                part = rows_hidden[rows[0] : rows[1]]
-                x = _chunk_logits(part, weight, bias, vocab, acc)
-                x.sub_(lse[rows[0] : rows[1]].unsqueeze(1)).exp_()
-                column, inside = _hit_in_chunk(local, in_shard, rows, vocab)
-                x.scatter_add_(1, column, -inside.to(acc))
-                x.mul_(coef[rows[0] : rows[1]])
-                grad_b_acc += x.sum(dim=0)
-                dx = x.to(dtype)
-                if dtype == acc:
-                    grad_rows[rows[0] : rows[1]].addmm_(dx, w)
-                    grad_w_acc.addmm_(dx.t(), part)
-                else:
-                    grad_rows[rows[0] : rows[1]] += dx @ w
-                    grad_w_acc += dx.t() @ part
-            if grad_w_acc is not grad_w:
-                grad_w.copy_(grad_w_acc)
-            if grad_bias is not None:
-                grad_bias[vocab[0] : vocab[1]] = grad_b_acc
-        if index is None:
-            grad_hidden = grad_rows.to(dtype)
+        plan = _Chunks(rows_hidden.size(0), weight.size(0), *ctx.chunks, ctx.positions)
+        needs = ctx.needs_input_grad[:3]
+        grads = _softmax_gradients(
+            rows_hidden, weight, bias, lse, local, in_shard, coef, plan, needs
+        )
+        return (
+            *_input_gradients(grads, rows_hidden.dtype, index, ctx.positions),
+            None, None, None, None, None,
+        )  # fmt: skip
+
+
+def _input_gradients(
+    grads: _Gradients,
+    dtype: torch.dtype,
+    index: Tensor | None,
+    positions: int,
+    scale: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(hidden, weight, bias)`` gradients in the inputs' dtype, times ``scale`` if given.
+
+    ``grads`` is consumed: where the accumulation dtype is the inputs', its buffers are
+    scaled in place and returned.
+    """
+    out = []
+    for grad in grads:
+        if grad is not None:
+            if scale is not None:
+                grad = grad.mul_(scale) if grad.dtype == dtype else grad * scale
+            grad = grad.to(dtype)
+        out.append(grad)
+    grad_rows, grad_weight, grad_bias = out
+    if grad_rows is not None and index is not None:
+        grad_hidden = grad_rows.new_zeros(positions, grad_rows.size(1))
+        grad_rows = grad_hidden.index_copy_(0, index, grad_rows)
+    return grad_rows, grad_weight, grad_bias
+
+
+class _LinearWeightedLossSum(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        coef: Tensor,
+        index: Tensor | None,
+        overflow: Tensor | None,
+        chunks: tuple[int, int],
+        single_pass: bool,
+        tp_group: dist.ProcessGroup | None,
+    ) -> Tensor:
+        """0-dim ``sum(coef * loss)`` over the selected rows; the gradients are kept for backward.
+
+        ``targets`` and ``coef`` are ``[rows]`` (``coef`` in the accumulation dtype, 0 on
+        unweighted rows), aligned with ``index``.
+        """
+        acc = coef.dtype
+        sharded = shard_targets(targets, weight.size(0), tp_group)
+        poison = None
+        if overflow is not None:
+            # More scored rows than selected: the sum and every gradient are NaN.
+            poison = torch.where(overflow.any(), torch.nan, 1.0).to(acc)
+            coef = coef * poison
+        needs = ctx.needs_input_grad[:3]
+        if single_pass:
+            loss_sum, grads = _single_pass(
+                hidden, index, weight, bias, sharded, coef, chunks[0], acc, needs
+            )
         else:
-            grad_hidden = rows_hidden.new_zeros(ctx.positions, rows_hidden.size(1))
-            grad_hidden.index_copy_(0, index, grad_rows.to(dtype))
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+            rows_hidden = hidden if index is None else hidden.index_select(0, index)
+            plan = _Chunks(rows_hidden.size(0), weight.size(0), *chunks, hidden.size(0))
+            lse, target_logit = _shard_logsumexp(
+                rows_hidden, weight, bias, sharded, plan, acc, tp_group
+            )
+            loss = torch.where(sharded.in_vocab, lse - target_logit, torch.nan)
+            loss_sum = torch.where(coef != 0, coef * loss, 0).sum()
+            grads = _Gradients(None, None, None)
+            if any(needs):
+                grads = _softmax_gradients(
+                    rows_hidden, weight, bias, lse, sharded.local, sharded.in_shard, coef, plan,
+                    needs,
+                )  # fmt: skip
+        if poison is not None:
+            loss_sum = loss_sum * poison
+        ctx.positions, ctx.dtype = hidden.size(0), hidden.dtype
+        ctx.save_for_backward(*grads, index, poison)
+        return loss_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_sum: Tensor) -> tuple[Tensor | None, ...]:
+        # The loss is linear in what the forward accumulated: scale, no recomputation.
+        grad_rows, grad_weight, grad_bias, index, poison = ctx.saved_tensors
+        scale = grad_sum.to(accumulation_dtype(ctx.dtype))
+        if poison is not None:
+            scale = scale * poison
+        grads = _Gradients(grad_rows, grad_weight, grad_bias)
+        return (
+            *_input_gradients(grads, ctx.dtype, index, ctx.positions, scale),
+            None, None, None, None, None, None, None,
+        )  # fmt: skip
 
 
 def _check_shapes(
@@ -232,12 +545,13 @@ def _check_shapes(
     layout: HiddenLayout,
     sequence_parallel: bool,
     tp_size: int,
+    mask_name: str,
 ) -> None:
     if layout not in ("sbh", "bsh"):
         raise ValueError(f"layout must be 'sbh' ([s, b, h]) or 'bsh' ([b, s, h]), got {layout!r}.")
     if labels.dim() != 2 or loss_mask.shape != labels.shape:
         raise ValueError(
-            f"labels of shape {tuple(labels.shape)} and loss_mask of shape "
+            f"labels of shape {tuple(labels.shape)} and {mask_name} of shape "
             f"{tuple(loss_mask.shape)} must both be [b, s]."
         )
     batch_size, seq_len = labels.shape
@@ -265,7 +579,7 @@ def _check_shapes(
         raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
     check_same_device(hidden, weight, ("hidden", "weight"))
     check_same_device(hidden, labels, ("hidden", "labels"))
-    check_same_device(loss_mask, labels, ("loss_mask", "labels"))
+    check_same_device(loss_mask, labels, (mask_name, "labels"))
     if bias is not None:
         check_same_device(weight, bias, ("weight", "bias"))
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
@@ -291,6 +605,71 @@ def _gather_sequence_parallel(hidden: Tensor, tp_group: dist.ProcessGroup | None
     )
 
 
+class _HeadRows(NamedTuple):
+    """The flat rows one call computes.
+
+    Attributes:
+        hidden: ``[positions, h]`` hidden states in memory order (gathered under sequence
+            parallelism).
+        targets: int64 ``[rows]`` target ids of the selected rows.
+        per_row: ``[rows]`` values of the per-position tensor given (mask or weights).
+        selection: The :class:`~bert_reduce.cross_entropy.RowSelection`.
+        chunks: ``(chunk_rows, chunk_vocab)``.
+    """
+
+    hidden: Tensor
+    targets: Tensor
+    per_row: Tensor
+    selection: RowSelection
+    chunks: tuple[int, int]
+
+
+def _head_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    per_position: Tensor,
+    bias: Tensor | None,
+    capacity: Capacity,
+    num_scored: NumScored | None,
+    layout: HiddenLayout,
+    sequence_parallel: bool,
+    chunks: tuple[int | None, int | None],
+    tp_group: dist.ProcessGroup | None,
+    mask_name: str,
+) -> _HeadRows:
+    """Check the arguments and choose the rows: everything the two entry points share.
+
+    ``chunks`` defaults: ``chunk_vocab = min(v, 4096)`` and about 2**21 logits per chunk.
+    """
+    if sequence_parallel and layout != "sbh":
+        raise ValueError("sequence_parallel=True needs layout='sbh' (Megatron's [s/tp, b, h]).")
+    _, tp_size, _ = tensor_parallel_placement(tp_group)
+    _check_shapes(
+        hidden, weight, labels, per_position, bias, layout, sequence_parallel, tp_size, mask_name
+    )
+    if sequence_parallel:
+        hidden = _gather_sequence_parallel(hidden, tp_group)
+    chunk_rows, chunk_vocab = chunks
+    chunk_vocab = min(weight.size(0), _CHUNK_VOCAB) if chunk_vocab is None else chunk_vocab
+    chunk_rows = max(1, _CHUNK_ELEMENTS // chunk_vocab) if chunk_rows is None else chunk_rows
+    if chunk_rows < 1 or chunk_vocab < 1:
+        raise ValueError(
+            f"chunk_rows and chunk_vocab must be positive, got {chunk_rows} and {chunk_vocab}."
+        )
+    # Flat row r follows hidden's memory order: r = i_s * b + i_b ("sbh"), i_b * s + i_s ("bsh").
+    targets = labels
+    if layout == "sbh":
+        per_position, targets = per_position.transpose(0, 1), targets.transpose(0, 1)
+    # Any integer label dtype; gather takes int64.
+    per_position, targets = per_position.reshape(-1), targets.reshape(-1).to(torch.int64)
+    selection = select_rows(per_position != 0, capacity, num_scored)
+    if selection.index is not None:
+        targets, per_position = targets[selection.index], per_position[selection.index]
+    flat_hidden = hidden.reshape(-1, hidden.size(-1))
+    return _HeadRows(flat_hidden, targets, per_position, selection, (chunk_rows, chunk_vocab))
+
+
 def linear_masked_token_losses(
     hidden: Tensor,
     weight: Tensor,
@@ -298,8 +677,8 @@ def linear_masked_token_losses(
     loss_mask: Tensor,
     *,
     bias: Tensor | None = None,
-    capacity: Capacity = "all",
-    num_scored: Tensor | None = None,
+    capacity: Capacity = "nonzero",
+    num_scored: NumScored | None = None,
     layout: HiddenLayout = "sbh",
     sequence_parallel: bool = False,
     chunk_rows: int | None = None,
@@ -312,6 +691,15 @@ def linear_masked_token_losses(
     loss_mask)`` with the same gradients w.r.t. ``hidden``, ``weight`` and ``bias``, while
     computing only the selected rows' logits, a chunk at a time: the ``[s, b, v]`` logits and
     their gradient never exist. Unscored positions get loss 0 and no gradient.
+
+    The per-token losses may be weighted by the caller in any way, so the backward
+    recomputes each chunk's logits (four products per row). When the losses are only summed
+    with weights known in the forward (every normalization mode),
+    :func:`linear_weighted_loss_sum` does three and is faster.
+
+    Which rows are computed, and when that costs a host sync: see the module docstring. With
+    ``capacity="all"`` every row's logits are computed twice (4/3 of the dense head's
+    products).
 
     Under tensor parallelism ``weight`` and ``bias`` are this rank's contiguous vocab shard
     (rank ``r`` holds ids ``[r * v, (r + 1) * v)``), the forward runs ONE all-reduce, and, as
@@ -329,12 +717,16 @@ def linear_masked_token_losses(
         labels: ``[b, s]`` integer token ids; unscored positions may hold anything.
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
         bias: ``[v]`` output-layer bias, or ``None``.
-        capacity: Which rows are computed: ``"all"``, ``"nonzero"``, a row count or a fraction
-            of ``b * s``; see :mod:`bert_reduce.cross_entropy`. ``"all"`` does MORE work than
-            the dense head (every row's logits twice); use a count.
-        num_scored: The data pipeline's count of scored positions (e.g. the collator's ``[b]``
-            per-sample counts), ideally on the CPU: exactly that many rows are computed, with
-            no host sync. Overrides ``capacity``; see :func:`bert_reduce.cross_entropy.select_rows`.
+        capacity: Which rows are computed: ``"nonzero"`` (default; counted, one host sync),
+            ``"all"``, a row count or a fraction of ``b * s``; see above.
+        num_scored: The data pipeline's count of scored positions
+            (:data:`~bert_reduce.cross_entropy.NumScored`): an ``int`` (the micro-batch's
+            total, which no device transfer touches), a tuple of per-sample ints, or an
+            integer tensor of counts. Exactly that many rows are computed, with no host sync
+            when it is on the host (a tensor on the accelerator is read once). Overrides
+            ``capacity``. Under ``torch.compile`` pass one ``int``: one graph then serves every
+            count of a bucket (:func:`compile_bucket`); dynamo keeps a tuple as a constant,
+            compiling a graph per distinct tuple.
         layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
         sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
         chunk_rows: Rows per chunk (``None``: about 2**21 logits per chunk).
@@ -351,37 +743,123 @@ def linear_masked_token_losses(
         ValueError: On mismatched shapes, dtypes or devices (the message names them),
             non-integer labels, a bad ``layout``, ``capacity``, chunk size, or
             ``sequence_parallel`` with ``"bsh"``.
+        TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
     """
-    if sequence_parallel and layout != "sbh":
-        raise ValueError("sequence_parallel=True needs layout='sbh' (Megatron's [s/tp, b, h]).")
-    _, tp_size, _ = tensor_parallel_placement(tp_group)
-    _check_shapes(hidden, weight, labels, loss_mask, bias, layout, sequence_parallel, tp_size)
-    if sequence_parallel:
-        hidden = _gather_sequence_parallel(hidden, tp_group)
-    vocab = weight.size(0)
-    chunk_vocab = min(vocab, _CHUNK_VOCAB) if chunk_vocab is None else chunk_vocab
-    chunk_rows = max(1, _CHUNK_ELEMENTS // chunk_vocab) if chunk_rows is None else chunk_rows
-    if chunk_rows < 1 or chunk_vocab < 1:
-        raise ValueError(
-            f"chunk_rows and chunk_vocab must be positive, got {chunk_rows} and {chunk_vocab}."
-        )
-    # Flat row r follows hidden's memory order: r = i_s * b + i_b ("sbh"), i_b * s + i_s ("bsh").
-    scored, targets = (loss_mask != 0), labels
-    if layout == "sbh":
-        scored, targets = scored.transpose(0, 1), targets.transpose(0, 1)
-    # Any integer label dtype; gather takes int64.
-    scored, targets = scored.reshape(-1), targets.reshape(-1).to(torch.int64)
-    selection = select_rows(scored, capacity, num_scored)
-    if selection.index is not None:
-        targets, scored = targets[selection.index], scored[selection.index]
-    flat_hidden = hidden.reshape(-1, hidden.size(-1))
+    rows = _head_rows(
+        hidden, weight, labels, loss_mask, bias, capacity, num_scored, layout,
+        sequence_parallel, (chunk_rows, chunk_vocab), tp_group, "loss_mask",
+    )  # fmt: skip
     losses = _LinearMaskedTokenLosses.apply(
-        flat_hidden, weight, bias, targets, scored, selection, (chunk_rows, chunk_vocab), tp_group
-    )
+        rows.hidden, weight, bias, rows.targets, rows.per_row != 0, rows.selection, rows.chunks,
+        tp_group,
+    )  # fmt: skip
     batch_size, seq_len = labels.shape
     if layout == "sbh":
         return losses.view(seq_len, batch_size).t().contiguous()
     return losses.view(batch_size, seq_len)
+
+
+def linear_weighted_loss_sum(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    token_weights: Tensor,
+    *,
+    bias: Tensor | None = None,
+    capacity: Capacity = "nonzero",
+    num_scored: NumScored | None = None,
+    layout: HiddenLayout = "sbh",
+    sequence_parallel: bool = False,
+    chunk_rows: int | None = None,
+    chunk_vocab: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """``sum(token_weights * cross_entropy(F.linear(hidden, weight, bias), labels))``, fused.
+
+    Equal (up to rounding) to ``(token_weights * linear_masked_token_losses(hidden, weight,
+    labels, token_weights != 0, ...)).sum()``, gradients included, but faster: the weights are
+    known in the forward, so the gradients w.r.t. ``hidden``, ``weight`` and ``bias`` are
+    accumulated during the forward, chunk by chunk, and the backward only scales them by the
+    upstream gradient (Liger's fused linear cross-entropy does the same for a scalar loss):
+    three products per row, no logits recomputed, extra memory a chunk of ``[rows, v]`` logits.
+    :func:`bert_reduce.normalization.normalization_weights` gives the weights and denominator
+    of every normalization mode, which is how :class:`bert_reduce.BERTMLMLossWithReduction`
+    uses it.
+
+    Which rows are computed, and when that costs a host sync: see the module docstring. With
+    ``capacity="all"`` this does the dense head's three products for every row, without its
+    logits.
+
+    Passes. On one process with ``chunk_vocab=None`` each chunk of ``chunk_rows`` rows spans
+    the whole vocabulary (default ``2**22 / v`` rows, at least one): its logits, their
+    log-sum-exp, and their gradient are computed in one buffer. Under tensor parallelism a
+    row's softmax needs the log-sum-exp of every vocab shard before any gradient term, so the
+    rows are passed over twice: once for the per-row (log-sum-exp, target logit), combined in
+    ONE all-reduce, then again for the gradients (four products per row instead of three, as
+    :func:`linear_masked_token_losses`, but all in the forward). A ``chunk_vocab`` smaller
+    than ``v`` also takes the two passes, in ``[chunk_rows, chunk_vocab]`` chunks (less
+    memory for a very large vocabulary). Tensor and sequence parallelism as in
+    :func:`linear_masked_token_losses`.
+
+    Memory: the gradients are computed in the forward and held until the backward: ``[rows,
+    h]`` for the selected rows and ``[v, h]`` for the weight, in fp32 for bf16/fp16 inputs
+    (on one process the weight's is whole in fp32 then; two passes accumulate it a
+    vocabulary chunk at a time), the input dtype otherwise. In fp32/fp64 the backward scales
+    them in place and returns them, so a second backward through the same graph raises
+    PyTorch's in-place modification error. Nothing is computed for an input that does not
+    require grad, and only the sum under ``torch.no_grad()`` (validation).
+
+    Args:
+        hidden: ``[s, b, h]`` hidden states (``layout="sbh"``) or ``[b, s, h]`` (``"bsh"``).
+        weight: ``[v, h]`` output-layer weight (this rank's vocab shard under TP).
+        labels: ``[b, s]`` integer token ids; positions of weight 0 may hold anything.
+        token_weights: ``[b, s]`` float coefficient of each token's loss; 0 where unscored.
+            A NaN weight makes the sum and the gradients NaN.
+        bias: ``[v]`` output-layer bias, or ``None``.
+        capacity: Which rows are computed, as in :func:`linear_masked_token_losses`; scored
+            means a non-zero weight.
+        num_scored: The data pipeline's count of scored positions (at least the number of
+            non-zero weights), as in :func:`linear_masked_token_losses`.
+        layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
+        sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
+        chunk_rows: Rows per chunk (``None``: about 2**22 logits per chunk in one pass, 2**21
+            in two).
+        chunk_vocab: ``None`` (default): the whole vocabulary (shard) per chunk on one process
+            (one pass), ``min(v, 4096)`` under tensor parallelism; smaller: two passes.
+        tp_group: As in :func:`linear_masked_token_losses`.
+
+    Returns:
+        The 0-dim weighted sum in fp32 (fp64 for fp64 inputs), carrying the gradients: NaN
+        when a weighted label is outside the vocabulary, and (with the gradients) when more
+        positions are scored than the capacity (or ``num_scored``) allows.
+
+    Raises:
+        ValueError: As :func:`linear_masked_token_losses`, or on ``token_weights`` that are
+            not floating point.
+        TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
+    """
+    if not token_weights.dtype.is_floating_point:
+        raise ValueError(
+            f"token_weights must be floating-point coefficients, got {token_weights.dtype}; "
+            "for a bool or integer mask pass loss_mask.float() or use "
+            "bert_reduce.normalization.normalization_weights."
+        )
+    _, tp_size, _ = tensor_parallel_placement(tp_group)
+    single_pass = tp_size == 1 and (chunk_vocab is None or chunk_vocab >= weight.size(0))
+    if single_pass:
+        vocab = weight.size(0)
+        chunk_vocab = vocab
+        if chunk_rows is None:
+            chunk_rows = max(1, _SINGLE_PASS_ELEMENTS // max(1, vocab))
+    rows = _head_rows(
+        hidden, weight, labels, token_weights, bias, capacity, num_scored, layout,
+        sequence_parallel, (chunk_rows, chunk_vocab), tp_group, "token_weights",
+    )  # fmt: skip
+    coef = rows.per_row.to(accumulation_dtype(hidden.dtype))
+    return _LinearWeightedLossSum.apply(
+        rows.hidden, weight, bias, rows.targets, coef, rows.selection.index,
+        rows.selection.overflow, rows.chunks, single_pass, tp_group,
+    )  # fmt: skip
 
 
 def head_logits(forward_out: Mapping[str, Any]) -> Tensor:

@@ -44,6 +44,7 @@ from bert_reduce.functional import (
 __all__ = [
     "Normalization",
     "checked_normalization",
+    "normalization_weights",
     "normalized_loss_terms",
     "sequence_normalizers",
 ]
@@ -176,16 +177,90 @@ def normalized_loss_terms(
     normalization = Normalization(normalization)
     check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
     check_same_device(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"))
-    acc = accumulation_dtype(per_token_loss.dtype)
+    coefficients, scored, denominator = _coefficients(
+        loss_mask,
+        normalization,
+        accumulation_dtype(per_token_loss.dtype),
+        sequence_weight,
+        sequence_start,
+        constant_per_sequence,
+        weight_resolution,
+    )
+    return masked_weighted_sum(per_token_loss, coefficients, scored), denominator
+
+
+def normalization_weights(
+    loss_mask: Tensor,
+    normalization: Normalization | str = Normalization.PER_TOKEN,
+    *,
+    dtype: torch.dtype = torch.float32,
+    sequence_weight: Tensor | None = None,
+    sequence_start: Tensor | None = None,
+    constant_per_sequence: int | None = None,
+    weight_resolution: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Each token's coefficient in a mode's numerator, and its denominator, before any loss.
+
+    ``sum(token_weights * per_token_loss)`` over ``token_weights != 0`` is
+    :func:`normalized_loss_terms`'s numerator: a weighted sum whose weights the mask and the
+    sequence boundaries fix in the forward, which is what lets
+    :func:`bert_reduce.linear_cross_entropy.linear_weighted_loss_sum` accumulate the
+    gradients during the forward. No host sync, no collective.
+
+    Args:
+        loss_mask: ``[b, s]`` bool/integer (0/1) or float weights; non-zero where scored.
+        normalization: The mode (a :class:`Normalization` or its string value).
+        dtype: The coefficients' dtype: the loss's accumulation dtype (fp32, fp64 for fp64).
+        sequence_weight: As in :func:`normalized_loss_terms`.
+        sequence_start: As in :func:`normalized_loss_terms`.
+        constant_per_sequence: As in :func:`normalized_loss_terms`.
+        weight_resolution: As in :func:`normalized_loss_terms`.
+
+    Returns:
+        ``(token_weights, denominator)``: ``[b, s]`` coefficients in ``dtype``, exactly 0
+        where a token does not reach the numerator and NaN on a negative weight (which makes
+        the sum NaN, as in :func:`bert_reduce.functional.masked_weighted_sum`); and the 0-dim
+        denominator of :func:`normalized_loss_terms`.
+
+    Raises:
+        ValueError: As :func:`normalized_loss_terms`.
+    """
+    coefficients, scored, denominator = _coefficients(
+        loss_mask,
+        normalization,
+        dtype,
+        sequence_weight,
+        sequence_start,
+        constant_per_sequence,
+        weight_resolution,
+    )
+    coefficients = torch.where(coefficients < 0, torch.nan, coefficients)
+    return torch.where(scored, coefficients, 0), denominator
+
+
+def _coefficients(
+    loss_mask: Tensor,
+    normalization: Normalization | str,
+    acc: torch.dtype,
+    sequence_weight: Tensor | None,
+    sequence_start: Tensor | None,
+    constant_per_sequence: int | None,
+    weight_resolution: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(coefficients, scored, denominator)``: numerator = sum of coefficients * loss on scored.
+
+    The one definition of every mode's weights, shared by :func:`normalized_loss_terms` and
+    :func:`normalization_weights`. ``coefficients`` are ``[b, s]`` in ``acc`` (any value off
+    ``scored``), ``scored`` the ``[b, s]`` bool of the tokens that reach the numerator.
+    """
+    normalization = Normalization(normalization)
     scored = loss_mask != 0
 
     if normalization is Normalization.PER_TOKEN:
         if loss_mask.dtype.is_floating_point and weight_resolution is not None:
             int_weights = torch.round(loss_mask.to(torch.float64) * weight_resolution).long()
-            numerator = masked_weighted_sum(per_token_loss, int_weights.to(acc), int_weights != 0)
-            return numerator, int_weights.sum()
-        numerator = masked_weighted_sum(per_token_loss, loss_mask.to(acc), scored)
-        return numerator, token_denominator(loss_mask)
+            return int_weights.to(acc), int_weights != 0, int_weights.sum()
+        return loss_mask.to(acc), scored, token_denominator(loss_mask)
 
     if sequence_weight is None or sequence_start is None:
         sequence_weight, sequence_start = sequence_normalizers(loss_mask)
@@ -198,9 +273,9 @@ def normalized_loss_terms(
         # A scored token's sequence weight is non-zero; the `where` keeps the division safe on
         # the others without a host-side check.
         per_token_weight = loss_mask.to(acc) / torch.where(has_tokens, sequence_weight, 1).to(acc)
-        numerator = masked_weighted_sum(per_token_loss, per_token_weight, scored & has_tokens)
-        return numerator, (sequence_start & has_tokens).sum(dtype=torch.int64)
+        num_sequences = (sequence_start & has_tokens).sum(dtype=torch.int64)
+        return per_token_weight, scored & has_tokens, num_sequences
 
     checked_normalization(normalization, constant_per_sequence)
-    numerator = masked_weighted_sum(per_token_loss, loss_mask.to(acc), scored)
-    return numerator, sequence_start.sum(dtype=torch.int64) * constant_per_sequence
+    denominator = sequence_start.sum(dtype=torch.int64) * constant_per_sequence
+    return loss_mask.to(acc), scored, denominator

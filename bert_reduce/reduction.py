@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from bert_reduce import distributed
 from bert_reduce.cross_entropy import Capacity, masked_token_losses
 from bert_reduce.functional import (
+    accumulation_dtype,
     check_same_shape,
     unreduced_token_loss_fn,
     validate_masked_labels,
@@ -28,11 +29,12 @@ from bert_reduce.linear_cross_entropy import (
     OUTPUT_BIAS_KEY,
     OUTPUT_WEIGHT_KEY,
     head_logits,
-    linear_masked_token_losses,
+    linear_weighted_loss_sum,
 )
 from bert_reduce.normalization import (
     Normalization,
     checked_normalization,
+    normalization_weights,
     normalized_loss_terms,
 )
 from bert_reduce.packing import batch_sequence_normalizers
@@ -130,7 +132,10 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
       a mean of micro-batch means (BioNeMo's behaviour), never NaN, but not the global mean.
 
     ``forward`` runs no collective (except the tensor-parallel ones inside the vocab-parallel
-    cross-entropy) and never reads device values on the host. A micro-batch without masked
+    cross-entropy) and never reads device values on the host, with one documented exception:
+    fed hidden states without a ``batch["num_scored"]`` (nor a static ``mask_capacity``), the
+    fused head counts the scored rows and reads the count back (one host sync per micro-batch
+    on an accelerator; see :mod:`bert_reduce.linear_cross_entropy`). A micro-batch without masked
     tokens contributes 0 to the sum and to the count, and a zero gradient. ``reduce`` returns
     the exact global mean for logging, with one all-reduce, and 0.0 when the whole global batch
     has no masked token. The same holds in validation whether the last partial batch is
@@ -171,11 +176,15 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             normalizes only the rows the mask selects, never copies or modifies the logits and
             runs one collective under TP; ``"megatron"``: Megatron-Core's vocab-parallel
             cross-entropy on every position (:func:`bert_reduce.unreduced_token_loss_fn`).
-        mask_capacity: Which rows ``"masked"`` computes: ``"all"`` (default; exact for any
-            mask, no host sync), a static row count or fraction of ``b * s`` (faster; exact up
-            to that many masked tokens, NaN beyond), or ``"nonzero"`` (exact, one host sync).
-            See :mod:`bert_reduce.cross_entropy`. A ``batch["num_scored"]`` (the data
-            pipeline's count, a CPU tensor) overrides it with the exact count, sync-free.
+        mask_capacity: Which rows ``"masked"`` computes: ``"all"`` (exact for any mask, no
+            host sync), a static row count or fraction of ``b * s`` (faster; exact up to that
+            many masked tokens, NaN beyond), or ``"nonzero"`` (exact, one host sync). ``None``
+            (default): ``"all"`` on logits, ``"nonzero"`` on hidden states (the fused head
+            computes the scored rows only, whose count it reads back: one host sync per
+            micro-batch on an accelerator). See :mod:`bert_reduce.cross_entropy`. A
+            ``batch["num_scored"]`` (the data pipeline's count: a Python ``int``, a tuple of
+            per-sample ints, or a tensor of counts on the CPU) overrides it with the exact
+            count, sync-free.
 
     Per-sequence and constant modes need to know which tokens form a sequence (see
     :func:`bert_reduce.packing.batch_sequence_normalizers`). By default each ``[b, s]`` row is
@@ -201,7 +210,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         constant_per_sequence: int | None = None,
         weight_resolution: int | None = None,
         cross_entropy: Literal["masked", "megatron"] = "masked",
-        mask_capacity: Capacity = "all",
+        mask_capacity: Capacity | None = None,
     ) -> None:
         super().__init__()
         self.validation_step = validation_step
@@ -242,11 +251,13 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 ``v`` sharded under TP); ``logits`` of shape ``[b, s, v]`` (NeMo's BERT);
                 ``lm_loss``, per-token losses ``[b, s]`` (Megatron's and NeMo's BERT given
                 labels); or, for the fused masked-only head
-                (:func:`bert_reduce.linear_masked_token_losses`, no ``[s, b, v]`` logits),
-                ``hidden_states`` (``[s, b, h]``, or ``[b, s, h]`` with
+                (:func:`bert_reduce.linear_cross_entropy.linear_weighted_loss_sum` with the
+                mode's weights, no ``[s, b, v]`` logits, the gradients accumulated in the
+                forward), ``hidden_states`` (``[s, b, h]``, or ``[b, s, h]`` with
                 ``hidden_layout="bsh"``), ``output_weight`` (``[v, h]``) and optionally
-                ``output_bias`` (``[v]``). A ``batch["num_scored"]`` (the collator's count of
-                scored positions, on the CPU) sets how many rows either path computes.
+                ``output_bias`` (``[v]``). A ``batch["num_scored"]`` (the data pipeline's
+                count of scored positions, :data:`bert_reduce.cross_entropy.NumScored`) sets
+                how many rows either path computes, with no host sync.
 
         Returns:
             ``(loss_sum, num_tokens, report)``: the mode's 0-dim numerator in fp32 that carries
@@ -266,19 +277,26 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         loss_mask = _require(batch, "loss_mask", "batch")
         check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
         key = self._forward_out_key(forward_out)
-        if key == "lm_loss":
-            per_token_loss = _require(forward_out, key, "forward_out")
-            check_same_shape(per_token_loss, labels, ("forward_out['lm_loss']", "labels"), "[b, s]")
-        else:
-            per_token_loss = self._per_token_loss(batch, forward_out, key, labels, loss_mask)
-        loss_sum, num_tokens = normalized_loss_terms(
-            per_token_loss,
-            loss_mask,
-            self.normalization,
+        normalization = {
+            "constant_per_sequence": self.constant_per_sequence,
+            "weight_resolution": self.weight_resolution,
             **self._sequence_normalizers(batch, loss_mask),
-            constant_per_sequence=self.constant_per_sequence,
-            weight_resolution=self.weight_resolution,
-        )
+        }
+        if self._fused_head(key):
+            loss_sum, num_tokens = self._fused_head_loss(
+                batch, forward_out, labels, loss_mask, normalization
+            )
+        else:
+            if key == "lm_loss":
+                per_token_loss = _require(forward_out, key, "forward_out")
+                check_same_shape(
+                    per_token_loss, labels, ("forward_out['lm_loss']", "labels"), "[b, s]"
+                )
+            else:
+                per_token_loss = self._per_token_loss(batch, forward_out, key, labels, loss_mask)
+            loss_sum, num_tokens = normalized_loss_terms(
+                per_token_loss, loss_mask, self.normalization, **normalization
+            )
         report: PerTokenLossDict | DataParallelGroupLossAndIO = {
             "loss_sum_and_microbatch_size": make_report(loss_sum, num_tokens)
         }
@@ -306,6 +324,46 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             "to say which one to use."
         )
 
+    def _fused_head(self, key: ForwardOutKey) -> bool:
+        """Whether ``forward`` runs the fused masked-only head (hidden states, masked CE)."""
+        masked = self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion
+        return key == HIDDEN_STATES_KEY and masked
+
+    def _fused_head_loss(
+        self,
+        batch: Mapping[str, Any],
+        forward_out: Mapping[str, Any],
+        labels: Tensor,
+        loss_mask: Tensor,
+        normalization: dict[str, Any],
+    ) -> tuple[Tensor, Tensor]:
+        """The mode's ``(numerator, denominator)`` from the output layer's inputs.
+
+        The mode's per-token coefficients are known before any loss, so
+        :func:`~bert_reduce.linear_cross_entropy.linear_weighted_loss_sum` accumulates the
+        gradients in the forward (three products per scored row, none recomputed).
+        """
+        hidden = _require(forward_out, HIDDEN_STATES_KEY, "forward_out")
+        weight = _require(forward_out, OUTPUT_WEIGHT_KEY, "forward_out")
+        if self.check_labels:
+            vocab_size = weight.size(0) * distributed.tensor_parallel_world_size()
+            validate_masked_labels(labels, loss_mask, vocab_size)
+        token_weights, denominator = normalization_weights(
+            loss_mask, self.normalization, dtype=accumulation_dtype(hidden.dtype), **normalization
+        )
+        numerator = linear_weighted_loss_sum(
+            hidden,
+            weight,
+            labels,
+            token_weights,
+            bias=forward_out.get(OUTPUT_BIAS_KEY),
+            capacity="nonzero" if self.mask_capacity is None else self.mask_capacity,
+            # An int or a tensor of counts; select_rows checks it and names it in its errors.
+            num_scored=batch.get("num_scored"),
+            layout=forward_out.get(HIDDEN_LAYOUT_KEY, "sbh"),
+        )
+        return numerator, denominator
+
     def _per_token_loss(
         self,
         batch: Mapping[str, Any],
@@ -314,8 +372,9 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         labels: Tensor,
         loss_mask: Tensor,
     ) -> Tensor:
-        """``[b, s]`` losses from logits (``key``), or from the output layer's inputs."""
-        num_scored = _require(batch, "num_scored", "batch") if "num_scored" in batch else None
+        """``[b, s]`` losses from logits (``key``), or Megatron's on the output layer's inputs."""
+        # An int or a tensor of counts; select_rows checks it and names it in its errors.
+        num_scored = batch.get("num_scored")
         fused_head = key == HIDDEN_STATES_KEY
         masked = self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion
         if fused_head:
@@ -330,22 +389,12 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         if self.check_labels:
             vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
             validate_masked_labels(labels, loss_mask, vocab_size)
-        if fused_head and masked:
-            return linear_masked_token_losses(
-                _require(forward_out, HIDDEN_STATES_KEY, "forward_out"),
-                weight,
-                labels,
-                loss_mask,
-                bias=forward_out.get(OUTPUT_BIAS_KEY),
-                capacity=self.mask_capacity,
-                num_scored=num_scored,
-                layout=forward_out.get(HIDDEN_LAYOUT_KEY, "sbh"),
-            )
         if fused_head:
             logits = head_logits(forward_out)
         if masked:
+            capacity = "all" if self.mask_capacity is None else self.mask_capacity
             return masked_token_losses(
-                logits, labels, loss_mask, capacity=self.mask_capacity, num_scored=num_scored
+                logits, labels, loss_mask, capacity=capacity, num_scored=num_scored
             )
         return unreduced_token_loss_fn(
             logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion

@@ -9,17 +9,19 @@ or micro-batches hold different numbers of them (and NaN on a rank that holds no
     loss = sum over micro-batches and ranks of loss_sum / global_denominator
 
 1. ``begin(micro_batches)`` adds up this rank's denominators and all-reduces that one number
-   over the data (x context) parallel group: ``global_denominator``;
-2. ``loss_fn(logits, mb)`` returns this micro-batch's share,
+   over the data (x context) parallel group: ``global_denominator`` (the same all-reduce
+   carries every rank's number of micro-batches when they must be equal, as under FSDP2);
+2. ``loss_fn(output, mb)`` returns this micro-batch's share,
    ``loss_sum * world_size / global_denominator`` (``world_size`` undoes the gradient
    averaging of DDP/FSDP2; 1 when gradients are summed); back-propagating every share gives,
    after the ranks' gradient averaging, the gradient of the global mean;
 3. ``end()`` all-reduces the summed ``(loss_sum, denominator)`` reports once: the exact
    global loss, for logging.
 
-No collective runs per micro-batch and nothing is read back to the host. A micro-batch, or a
-whole rank, without a scored token contributes 0 and a zero gradient; a global batch without
-one gives loss 0, never NaN.
+No collective runs per micro-batch and, given each micro-batch's ``num_scored``, nothing is
+read back to the host (the micro-batch count check reads its counts once per step). A
+micro-batch, or a whole rank, without a scored token contributes 0 and a zero gradient; a
+global batch without one gives loss 0, never NaN.
 """
 
 from __future__ import annotations
@@ -32,13 +34,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from bert_reduce import distributed
-from bert_reduce.cross_entropy import Capacity, masked_token_losses
+from bert_reduce.cross_entropy import Capacity, NumScored, masked_token_losses
 from bert_reduce.functional import check_same_shape, safe_divide
+from bert_reduce.linear_cross_entropy import (
+    HIDDEN_LAYOUT_KEY,
+    HIDDEN_STATES_KEY,
+    OUTPUT_BIAS_KEY,
+    OUTPUT_WEIGHT_KEY,
+    linear_masked_token_losses,
+)
 from bert_reduce.normalization import (
     Normalization,
     checked_normalization,
     normalized_loss_terms,
 )
+from bert_reduce.num_scored import NUM_SCORED_KEY
 from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.reports import make_report
 
@@ -63,11 +73,22 @@ class GlobalBatchLoss:
         step_loss = loss_fn.end()
         optimizer.step()
 
+    Instead of logits, the loss takes the output layer's inputs and computes the logits of
+    the scored positions only (:func:`bert_reduce.linear_masked_token_losses`), e.g. from a
+    Hugging Face ``EsmForMaskedLM`` or ``BertForMaskedLM``::
+
+        loss_fn(lm_head_inputs(model, input_ids=..., attention_mask=...), mb).backward()
+
+    (:func:`bert_reduce.hf.lm_head_inputs`). A micro-batch's ``num_scored``
+    (:mod:`bert_reduce.num_scored`, counted on the host) sizes the work of either path with
+    no device sync.
+
     Gradient accumulation needs no division: every share is already divided by the global
     denominator. Under DDP, wrap all but the last backward in ``model.no_sync()`` as usual;
     under FSDP2, ``model.set_requires_gradient_sync(last)``. FSDP2 all-gathers parameters in
     every forward, so there every rank must run the same number of micro-batches (one whose
-    labels are all ``ignore_index`` contributes nothing).
+    labels are all ``ignore_index`` contributes nothing): ``equal_micro_batch_counts=True``
+    checks it in :meth:`begin` and raises instead of hanging.
 
     A micro-batch is a mapping with ``labels`` (``[b, s]`` token ids, ``ignore_index`` where
     unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights; a token
@@ -95,8 +116,15 @@ class GlobalBatchLoss:
         context_parallel_size: How many shards each sequence is split into (1: no context
             parallelism). Above 1, the per-sequence and constant modes need
             ``sequence_weight`` and ``sequence_start`` in every micro-batch.
-        capacity: Which rows the cross-entropy computes; see
-            :func:`bert_reduce.masked_token_losses`.
+        capacity: Which rows the kernels compute when a micro-batch carries no
+            ``num_scored``: ``None`` (default) leaves it to their own default
+            (:func:`bert_reduce.masked_token_losses`,
+            :func:`bert_reduce.linear_masked_token_losses`), else a capacity as they take it.
+        equal_micro_batch_counts: Require every rank of ``group`` to run as many micro-batches
+            as the others (FSDP2): the all-reduce of :meth:`begin` then also carries each
+            rank's count, which it reads on the host (one sync per step) and raises
+            ``ValueError`` on every rank, naming the counts, when they differ. Off by default:
+            DDP runs any number per rank, and the check costs a sync.
 
     Raises:
         ValueError: On an unknown mode, layout or gradient sync, or a missing
@@ -114,7 +142,8 @@ class GlobalBatchLoss:
         gradient_sync: GradientSync = "mean",
         gradient_average_size: int | None = None,
         context_parallel_size: int = 1,
-        capacity: Capacity = "all",
+        capacity: Capacity | None = None,
+        equal_micro_batch_counts: bool = False,
     ) -> None:
         self._group_argument = group
         self.group: dist.ProcessGroup | None = None
@@ -135,6 +164,7 @@ class GlobalBatchLoss:
         self.gradient_average_size = gradient_average_size
         self.context_parallel_size = context_parallel_size
         self.capacity = capacity
+        self.equal_micro_batch_counts = equal_micro_batch_counts
         self._scale: Tensor | None = None
         self._expected = 0
         self._calls = 0
@@ -199,6 +229,8 @@ class GlobalBatchLoss:
         Raises:
             TypeError: If ``micro_batches`` is not a sequence (a generator would be used up).
             KeyError, ValueError: On a malformed micro-batch (see :meth:`loss_mask`).
+            ValueError: With ``equal_micro_batch_counts``, on every rank, when the ranks hold
+                different numbers of micro-batches (the message lists them by rank).
         """
         if isinstance(micro_batches, Mapping) or not isinstance(micro_batches, Sequence):
             raise TypeError(
@@ -217,7 +249,18 @@ class GlobalBatchLoss:
         for micro_batch in micro_batches:
             _, count = self._terms(micro_batch, self.loss_mask(micro_batch), None)
             denominator = denominator.to(count.device) + count.to(torch.float64)
-        distributed.all_reduce_sum_(denominator, self.group)
+        checked = self.equal_micro_batch_counts and self._group_size() > 1
+        # [denominator, micro-batches of rank 0, ..., of rank n-1]: each rank fills its own
+        # slot, so the one SUM all-reduce also gives every rank every rank's count.
+        totals = denominator.view(1)
+        if checked:
+            counts = denominator.new_zeros(self._group_size())
+            counts[dist.get_rank(self.group)] = len(micro_batches)
+            totals = torch.cat([totals, counts])
+        distributed.all_reduce_sum_(totals, self.group)
+        denominator = totals[0]
+        if checked:
+            self._check_micro_batch_counts(totals[1:], len(micro_batches))
         world = self.gradient_average_size or self._group_size()
         ranks = world if self.gradient_sync == "mean" else 1
         # share = loss_sum * ranks / global_denominator: the ranks' gradient mean then sums.
@@ -228,23 +271,49 @@ class GlobalBatchLoss:
         self._totals = torch.zeros(2, dtype=torch.float64, device=denominator.device)
         return denominator
 
-    def __call__(self, logits: Tensor, micro_batch: Mapping[str, Any]) -> Tensor:
+    def _check_micro_batch_counts(self, counts: Tensor, mine: int) -> None:
+        # The price of the check: the all-reduced counts are read on the host.
+        by_rank = [int(count) for count in counts.tolist()]
+        if len(set(by_rank)) > 1:
+            rank = dist.get_rank(self.group)
+            raise ValueError(
+                f"GlobalBatchLoss.begin(): the ranks hold different numbers of micro-batches "
+                f"({dict(enumerate(by_rank))} by rank; this rank, {rank}, holds {mine}). "
+                "Under FSDP2 every forward all-gathers the parameters, so every rank must run "
+                "the same number of micro-batches or the ranks wait on each other forever: "
+                "give the short ranks micro-batches whose labels are all ignore_index (they "
+                "add nothing to the loss)."
+            )
+
+    def __call__(
+        self, output: Tensor | Mapping[str, Any], micro_batch: Mapping[str, Any]
+    ) -> Tensor:
         """This micro-batch's share of the global loss, to back-propagate; no collective.
 
         Args:
-            logits: ``[b, s, v]`` (or ``[s, b, v]`` with ``logits_layout="sbv"``), any float
-                dtype.
-            micro_batch: One of the micro-batches given to :meth:`begin`.
+            output: The model's logits, ``[b, s, v]`` (or ``[s, b, v]`` with
+                ``logits_layout="sbv"``), any float dtype; or the output layer's inputs, for
+                the masked-only fused head: a mapping with ``hidden_states`` (``[b, s, h]``,
+                or ``[s, b, h]``; ``hidden_layout`` says which, by default the layout of
+                ``logits_layout``), ``output_weight`` (``[v, h]``) and optionally
+                ``output_bias`` (``[v]``), such that the logits would be
+                ``F.linear(hidden_states, output_weight, output_bias)``, e.g.
+                :func:`bert_reduce.hf.lm_head_inputs`'s.
+            micro_batch: One of the micro-batches given to :meth:`begin`; its
+                ``num_scored`` (:mod:`bert_reduce.num_scored`), if any, sets how many rows
+                are computed.
 
         Returns:
             The 0-dim ``loss_sum * world_size / global_denominator`` (fp32, fp64 for fp64
-            logits); these summed over micro-batches and averaged over ranks are the global
-            loss.
+            logits or hidden states); these summed over micro-batches and averaged over ranks
+            are the global loss.
 
         Raises:
             RuntimeError: Before :meth:`begin`, or when called more often than it had
                 micro-batches.
-            ValueError: If the logits' shape does not match the labels'.
+            KeyError: If ``output`` is a mapping without ``hidden_states`` or
+                ``output_weight``.
+            ValueError: If the logits' or hidden states' shape does not match the labels'.
         """
         if self._scale is None or self._calls >= self._expected:
             raise RuntimeError(
@@ -253,6 +322,23 @@ class GlobalBatchLoss:
                 "micro-batch of the step first."
             )
         mask = self.loss_mask(micro_batch)
+        labels, num_scored = micro_batch["labels"], micro_batch.get(NUM_SCORED_KEY)
+        if isinstance(output, Mapping):
+            per_token_loss = self._fused_head_losses(output, labels, mask, num_scored)
+        else:
+            per_token_loss = self._logits_losses(output, labels, mask, num_scored)
+        numerator, denominator = self._terms(micro_batch, mask, per_token_loss)
+        self._totals = self._totals + make_report(numerator, denominator).to(self._totals)
+        self._calls += 1
+        return numerator * self._scale.to(device=numerator.device, dtype=numerator.dtype)
+
+    def _capacity(self) -> dict[str, Capacity]:
+        return {} if self.capacity is None else {"capacity": self.capacity}
+
+    def _logits_losses(
+        self, logits: Tensor, labels: Tensor, mask: Tensor, num_scored: NumScored | None
+    ) -> Tensor:
+        """``[b, s]`` per-token losses of the logits."""
         if logits.dim() != 3:
             raise ValueError(f"logits must have 3 dims, got shape {tuple(logits.shape)}.")
         # masked_token_losses reads [s, b, v]; a [b, s, v] tensor is that layout with the roles
@@ -263,23 +349,44 @@ class GlobalBatchLoss:
                     f"logits of shape {tuple(logits.shape)} must be [b, s, v] for labels of "
                     f"shape {tuple(mask.shape)}."
                 )
-            labels = micro_batch["labels"]
-            per_token_loss = masked_token_losses(
-                logits, labels.t(), mask.t(), capacity=self.capacity
+            return masked_token_losses(
+                logits, labels.t(), mask.t(), num_scored=num_scored, **self._capacity()
             ).t()
-        else:
-            if logits.shape[:2] != mask.t().shape:
-                raise ValueError(
-                    f"logits of shape {tuple(logits.shape)} must be [s, b, v] for labels of "
-                    f"shape {tuple(mask.shape)}."
-                )
-            per_token_loss = masked_token_losses(
-                logits, micro_batch["labels"], mask, capacity=self.capacity
+        if logits.shape[:2] != mask.t().shape:
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} must be [s, b, v] for labels of "
+                f"shape {tuple(mask.shape)}."
             )
-        numerator, denominator = self._terms(micro_batch, mask, per_token_loss)
-        self._totals = self._totals + make_report(numerator, denominator).to(self._totals)
-        self._calls += 1
-        return numerator * self._scale.to(device=numerator.device, dtype=numerator.dtype)
+        return masked_token_losses(
+            logits, labels, mask, num_scored=num_scored, **self._capacity()
+        )
+
+    def _fused_head_losses(
+        self,
+        output: Mapping[str, Any],
+        labels: Tensor,
+        mask: Tensor,
+        num_scored: NumScored | None,
+    ) -> Tensor:
+        """``[b, s]`` per-token losses of the output layer's inputs: the one fused-head call."""
+        missing = [key for key in (HIDDEN_STATES_KEY, OUTPUT_WEIGHT_KEY) if key not in output]
+        if missing:
+            raise KeyError(
+                f"GlobalBatchLoss takes logits, or a mapping with {HIDDEN_STATES_KEY!r} and "
+                f"{OUTPUT_WEIGHT_KEY!r} (optionally {OUTPUT_BIAS_KEY!r}, {HIDDEN_LAYOUT_KEY!r}); "
+                f"this one lacks {missing} and has {sorted(output)}."
+            )
+        default_layout = "bsh" if self.logits_layout == "bsv" else "sbh"
+        return linear_masked_token_losses(
+            output[HIDDEN_STATES_KEY],
+            output[OUTPUT_WEIGHT_KEY],
+            labels,
+            mask,
+            bias=output.get(OUTPUT_BIAS_KEY),
+            num_scored=num_scored,
+            **self._capacity(),
+            layout=output.get(HIDDEN_LAYOUT_KEY, default_layout),
+        )
 
     def end(self) -> Tensor:
         """Finish the step: the exact global loss, from one all-reduce over ``group``.

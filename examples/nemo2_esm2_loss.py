@@ -84,7 +84,10 @@ def mlm_ddp_config(**overrides: Any) -> DistributedDataParallelConfig:
 
 
 def mlm_data_step(dataloader_iter: Iterator[Any], device: torch.device | None = None) -> dict:
-    """The next micro-batch, on ``device``, cut to this context-parallel rank's shard.
+    """The next micro-batch, cut to this context-parallel rank's shard, on ``device``.
+
+    Sliced on the host, then moved: a ``num_scored`` count (``NumScoredCollator``) becomes
+    this shard's, with no device sync, and no transfer touches it.
 
     Args:
         dataloader_iter: Yields ``[b, s]`` batches (``text``, ``labels``, ``loss_mask``, ...),
@@ -98,9 +101,10 @@ def mlm_data_step(dataloader_iter: Iterator[Any], device: torch.device | None = 
     batch = next(dataloader_iter)
     if isinstance(batch, tuple) and len(batch) == 3:
         batch = batch[0]
+    batch = get_batch_on_this_cp_rank(batch)
     if device is not None:
         batch = move_data_to_device(batch, device)
-    return get_batch_on_this_cp_rank(batch)
+    return batch
 
 
 def mlm_forward_step(model: pl.LightningModule, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -4,7 +4,10 @@ The shape of a bionemo-recipes training script (argparse, ``torchrun``, FSDP2 wi
 ``fully_shard`` per transformer layer, gradient accumulation, clipping), with
 ``outputs.loss`` replaced by :class:`bert_reduce.GlobalBatchLoss`: every optimizer step is
 that of the mean over every masked token of the global batch, however it is split over
-ranks and micro-batches. Runs on CPU (gloo) or GPUs (NCCL)::
+ranks and micro-batches. The loss takes the output layer's inputs
+(:func:`bert_reduce.hf.lm_head_inputs`) and computes the logits of the masked positions only,
+as many as each micro-batch's ``num_scored`` (counted on the host: no device sync);
+``--head logits`` uses the model's logits instead. Runs on CPU (gloo) or GPUs (NCCL)::
 
     torchrun --nproc-per-node 2 examples/torch_fsdp2_loop.py --steps 20
     torchrun --nproc-per-node 8 examples/torch_fsdp2_loop.py --model-path DIR   # a local checkpoint
@@ -26,6 +29,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import EsmConfig, EsmForMaskedLM
 
 from bert_reduce import GlobalBatchLoss
+from bert_reduce.hf import lm_head_inputs
+from bert_reduce.num_scored import count_scored
 
 PAD_ID, MASK_ID, VOCAB = 1, 32, 33  # the ESM alphabet: residues are ids 4..23
 
@@ -43,6 +48,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, default=32, help="ESM-2 8M: 320")
     parser.add_argument("--num-layers", type=int, default=2, help="ESM-2 8M: 6")
     parser.add_argument("--num-heads", type=int, default=4, help="ESM-2 8M: 20")
+    parser.add_argument(
+        "--head", choices=("fused", "logits"), default="fused",
+        help="fused: logits of the masked positions only; logits: the model's [b, s, v]",
+    )  # fmt: skip
     return parser.parse_args()
 
 
@@ -104,23 +113,30 @@ def main() -> None:
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01
     )
-    loss_fn = GlobalBatchLoss(group=mesh.get_group())  # FSDP2 averages gradients over "dp"
+    # FSDP2 averages gradients over "dp"; its ranks must run as many micro-batches each, which
+    # begin() checks (raising, rather than hanging, when they do not).
+    loss_fn = GlobalBatchLoss(group=mesh.get_group(), equal_micro_batch_counts=True)
 
     share = args.global_batch_size // world
     for step in range(1, args.steps + 1):
         batch = global_batch(step, args)
-        mine = {k: v[rank * share : (rank + 1) * share].to(device) for k, v in batch.items()}
-        micro_batches = [
-            {k: v[i : i + args.micro_batch_size] for k, v in mine.items()}
-            for i in range(0, share, args.micro_batch_size)
-        ]
+        micro_batches = []
+        for start in range(rank * share, (rank + 1) * share, args.micro_batch_size):
+            mb = {k: v[start : start + args.micro_batch_size] for k, v in batch.items()}
+            mb["num_scored"] = count_scored(mb)  # on the host, before the batch moves
+            micro_batches.append({k: v.to(device) if torch.is_tensor(v) else v
+                                  for k, v in mb.items()})  # fmt: skip
         optimizer.zero_grad(set_to_none=True)
         loss_fn.begin(micro_batches)  # one all-reduce: the global number of masked tokens
         for index, mb in enumerate(micro_batches):
             # Reduce-scatter gradients once, in the last micro-batch's backward.
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            loss_fn(logits, mb).backward()  # this micro-batch's share of the global mean
+            inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
+            if args.head == "fused":  # hidden states [b, s, h] + the decoder's weight and bias
+                output = lm_head_inputs(model, **inputs)
+            else:
+                output = model(**inputs).logits
+            loss_fn(output, mb).backward()  # this micro-batch's share of the global mean
         step_loss = loss_fn.end()  # one all-reduce: the exact loss of the global batch
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()

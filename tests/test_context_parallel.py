@@ -10,8 +10,11 @@ import torch
 from bert_reduce.context_parallel import (
     context_parallel_indices,
     get_batch_on_this_cp_rank,
+    get_packed_batch_on_this_cp_rank,
     packed_context_parallel_indices,
 )
+from bert_reduce.num_scored import NumScoredCollator
+from bert_reduce.packing import pack_batch
 from tests.helpers.sync_guard import forbid_host_syncs
 
 
@@ -57,3 +60,45 @@ def test_packed_cp_indices_match_loop_and_cover_each_position_once(cp_size) -> N
         assert index.tolist() == loop_partition(bounds.tolist(), cp_size, cp_rank)
         seen += index.tolist()
     assert sorted(seen) == list(range(64))
+
+
+def test_the_recipe_collators_output_is_sliced_and_recounted_per_shard() -> None:
+    """The library's own collator output slices (``[b, s]`` attention mask, host counts)."""
+    from bert_reduce.recipe.data import MLMCollator, MLMDataset
+
+    sequences = ["MKVLAAGIW", "MSTNPKPQRKTKRNTNRRPQDV", "MAL"]
+    dataset = MLMDataset(sequences, max_length=24, mask_prob=0.3)
+    batch = MLMCollator(pad_to_multiple_of=4)([dataset[i] for i in range(3)])
+    total = NumScoredCollator(MLMCollator(pad_to_multiple_of=4))([dataset[i] for i in range(3)])
+    for cp_rank in range(2):
+        shard = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=cp_rank)
+        index = context_parallel_indices(batch["labels"].size(1), 2, cp_rank)
+        for key in ("input_ids", "attention_mask", "labels", "loss_mask"):
+            assert torch.equal(shard[key], batch[key][:, index]), key
+        # Per-sample counts stay per-sample, an int stays an int: each this shard's own.
+        assert shard["num_scored"] == tuple(shard["loss_mask"].sum(dim=1).tolist())
+        one = get_batch_on_this_cp_rank(total, cp_size=2, cp_rank=cp_rank)
+        assert type(one["num_scored"]) is int
+        assert one["num_scored"] == int(shard["loss_mask"].sum()) < total["num_scored"]
+    # On a device the whole count is kept: an upper bound for the shard, read without a sync.
+    on_device = {**total, "loss_mask": total["loss_mask"].to("meta")}
+    with forbid_host_syncs():
+        shard = get_batch_on_this_cp_rank(on_device, cp_size=2, cp_rank=0)
+    assert shard["num_scored"] == total["num_scored"]
+
+
+def test_packed_shards_are_recounted() -> None:
+    labels = torch.arange(24).view(2, 12)
+    mask = torch.rand(2, 12, generator=torch.Generator().manual_seed(3)) < 0.5
+    batch = pack_batch(
+        {"labels": labels, "loss_mask": mask, "num_scored": int(mask.sum())},
+        [12, 8],
+        pad_to_multiple_of=4,
+    )
+    assert batch["num_scored"] == int(mask.sum())  # packing keeps the count
+    counts = []
+    for cp_rank in range(2):
+        shard = get_packed_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=cp_rank)
+        assert shard["num_scored"] == int(shard["loss_mask"].sum())
+        counts.append(shard["num_scored"])
+    assert sum(counts) == int(mask[:, :12].sum() - mask[1, 8:].sum())

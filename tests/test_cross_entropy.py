@@ -4,30 +4,13 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from bert_reduce.cross_entropy import masked_cross_entropy, resolve_capacity
-from tests.helpers.dist_utils import run_distributed
-from tests.helpers.mode_reference import checked_reduce
-from tests.helpers.reference import make_mlm_batch
+from tests.helpers.reference import make_mlm_batch, weighted_reference
 from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
 # Small chunks, so that every test also crosses chunk boundaries.
 CHUNK = 3 * 13
-
-
-def weighted_reference(
-    logits_sbv: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * F.cross_entropy) over the scored tokens and its gradient w.r.t. the logits, fp64."""
-    logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
-    scored = mask != 0
-    per_token = F.cross_entropy(logits.transpose(0, 1)[scored], labels[scored], reduction="none")
-    loss = (per_token * mask[scored].to(torch.float64)).sum()
-    loss.backward()
-    assert logits.grad is not None
-    return loss.detach(), logits.grad
 
 
 def run(
@@ -196,78 +179,6 @@ def test_shape_errors_name_the_shapes() -> None:
         masked_cross_entropy(logits, labels[:, :7], mask[:, :7])
     with pytest.raises(ValueError, match="chunk_elements"):
         masked_cross_entropy(logits, labels, mask, chunk_elements=0)
-
-
-def _tensor_parallel_body() -> None:
-    from megatron.core import parallel_state
-
-    from bert_reduce import BERTMLMLossWithReduction
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    vocab, shard = 14, 7
-    cols = slice(tp_rank * shard, (tp_rank + 1) * shard)
-    logits, labels, mask = make_mlm_batch(3, 10, vocab, mask_prob=0.4, seed=3)
-    weights = mask * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
-    ref_loss, ref_grad = weighted_reference(logits, labels, weights)
-    for capacity in ["all", "nonzero", 0.6]:
-        for in_place in (False, True):
-            leaf = logits[..., cols].clone().requires_grad_(True)
-            with count_collectives() as calls:
-                loss_sum, _ = masked_cross_entropy(
-                    leaf * 1,
-                    labels,
-                    weights,
-                    capacity=capacity,
-                    in_place=in_place,
-                    chunk_elements=20,
-                )
-            assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
-            loss_sum.backward()
-            torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
-            torch.testing.assert_close(leaf.grad, ref_grad[..., cols], rtol=1e-12, atol=1e-15)
-
-    # Through the loss reduction: one collective in forward (the CE's; Megatron-Core's takes
-    # three), none in reduce (DP x CP is a single rank here).
-    logits.requires_grad_(True)
-    with forbid_host_syncs(), count_collectives() as forward_calls:
-        loss_fn = BERTMLMLossWithReduction()
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        loss_sum, num_tokens, report = loss_fn({"token_logits": logits[..., cols]})
-        loss_sum.backward()
-    with forbid_host_syncs(), count_collectives() as reduce_calls:
-        BERTMLMLossWithReduction().reduce([report])
-    assert dict(forward_calls) == {"all_reduce": 1} and dict(reduce_calls) == {}
-    reduced = checked_reduce([report])
-    ref_sum, ref_sum_grad = weighted_reference(logits, labels, mask)
-    # Both TP ranks belong to one data-parallel rank: reduce sums over DP x CP only.
-    torch.testing.assert_close(reduced, ref_sum / num_tokens, rtol=1e-13, atol=0)
-    grad = logits.grad[..., cols]
-    torch.testing.assert_close(grad, ref_sum_grad[..., cols], rtol=1e-12, atol=1e-15)
-
-
-@pytest.mark.slow
-def test_tensor_parallel_two_ranks_match_full_vocab_reference() -> None:
-    run_distributed(_tensor_parallel_body, 2, tp=2)
-
-
-def _explicit_group_body() -> None:
-    # No Megatron: the vocabulary is sharded over the group passed in.
-    rank, vocab, shard = dist.get_rank(), 14, 7
-    cols = slice(rank * shard, (rank + 1) * shard)
-    logits, labels, mask = make_mlm_batch(3, 10, vocab, mask_prob=0.4, seed=3)
-    ref_loss, ref_grad = weighted_reference(logits, labels, mask)
-    leaf = logits[..., cols].clone().requires_grad_(True)
-    with count_collectives() as calls:
-        loss_sum, _ = masked_cross_entropy(leaf * 1, labels, mask, tp_group=dist.group.WORLD)
-    assert dict(calls) == {"all_reduce": 1}
-    loss_sum.backward()
-    torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
-    torch.testing.assert_close(leaf.grad, ref_grad[..., cols], rtol=1e-12, atol=1e-15)
-
-
-@pytest.mark.slow
-def test_explicit_tp_group_without_megatron_matches_full_vocab_reference() -> None:
-    run_distributed(_explicit_group_body, 2, megatron=False)
 
 
 @pytest.mark.parametrize(("shard", "tp_size"), [(7, 2), (5, 4)])

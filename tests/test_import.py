@@ -24,6 +24,7 @@ def test_core_needs_torch_alone() -> None:
         "import sys, torch; "
         "from bert_reduce import BERTMLMLossWithReduction, masked_cross_entropy, pack_batch; "
         "import bert_reduce.context_parallel, bert_reduce.reports, bert_reduce.normalization; "
+        "import bert_reduce.num_scored; "
         "from bert_reduce import GlobalBatchLoss; "
         "mb = {'labels': torch.tensor([[1, -100]])}; g = GlobalBatchLoss(); g.begin([mb]); "
         "g(torch.zeros(1, 2, 3), mb); assert abs(float(g.end()) - 1.0986122886681098) < 1e-6; "

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,10 +17,11 @@ from bert_reduce import (
     linear_masked_token_losses,
     pack_batch,
 )
+from bert_reduce.linear_cross_entropy import linear_weighted_loss_sum
 from bert_reduce.recipe.data import MLMCollator
 from tests.helpers.linear_reference import linear_reference, make_head_batch
 from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
-from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
+from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
 # Small chunks, so that every test crosses row and vocabulary chunk boundaries.
 CHUNKS = {"chunk_rows": 4, "chunk_vocab": 5}
@@ -90,8 +95,7 @@ def test_collator_count_is_exact_without_host_sync_or_collective() -> None:
         mask = torch.rand(length, generator=gen) < 0.4
         samples.append({"input_ids": ids, "labels": ids, "loss_mask": mask})
     batch = MLMCollator()(samples)
-    assert torch.equal(batch["num_scored"], batch["loss_mask"].sum(dim=1))
-    assert batch["num_scored"].device.type == "cpu"
+    assert batch["num_scored"] == tuple(batch["loss_mask"].sum(dim=1).tolist())  # host ints
     b, s = batch["labels"].shape
     hidden, weight, bias, _, _ = make_head_batch(b, s, v=33)
     labels, mask = batch["labels"], batch["loss_mask"]
@@ -119,10 +123,14 @@ def test_num_scored_overrides_capacity_and_guards_against_undercounting() -> Non
     with forbid_host_syncs():
         got = fused(hidden, weight, bias, labels, mask, coef, num_scored=torch.tensor(count - 1))
     assert got[0][mask].isnan().all() and all(g.isnan().any() for g in got[1:])
-    with pytest.raises(ValueError, match="num_scored must stay on the CPU"):
-        linear_masked_token_losses(
-            hidden, weight, labels, mask, num_scored=torch.tensor(count, device="meta")
-        )
+    # A Python int (the micro-batch's total) is the same count, and needs no tensor at all.
+    with forbid_host_syncs():
+        got = fused(hidden, weight, bias, labels, mask, coef, num_scored=count)
+    assert_matches(got, expected, rtol=1e-10)
+    for bad, error in [(1.5, TypeError), (True, TypeError), (mask.sum(1).double(), TypeError),
+                       (-1, ValueError)]:  # fmt: skip
+        with pytest.raises(error, match="num_scored"):
+            linear_masked_token_losses(hidden, weight, labels, mask, num_scored=bad)
 
 
 @pytest.mark.parametrize("capacity", ["all", "nonzero", 4])
@@ -209,16 +217,25 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_loss_reduction_with_head_inputs_matches_reference_in_every_mode(mode, packed) -> None:
+@pytest.mark.parametrize("count", ["collator", "int", None])
+@pytest.mark.parametrize("weights", [False, True])
+def test_loss_reduction_with_head_inputs_matches_reference_in_every_mode(
+    mode, packed, count, weights
+) -> None:
     b, s, v = 4, 9, 13
     hidden, weight, bias, labels, mask = make_head_batch(b, s, v=v, empty_rows=(1,))
     lengths = [9, 4, 7, 6]
     for row, length in enumerate(lengths):
         mask[row, length:] = False
     labels = torch.where(mask, labels, -100)
+    if weights:
+        mask = mask * (torch.rand(mask.shape, dtype=torch.float64) + 0.5)
     kwargs = {"constant_per_sequence": s} if mode == "constant" else {}
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    batch = {"labels": labels, "loss_mask": mask, "num_scored": mask.sum(dim=1)}
+    batch = {"labels": labels, "loss_mask": mask}
+    if count is not None:
+        counts = (mask != 0).sum(dim=1)
+        batch["num_scored"] = counts if count == "collator" else int(counts.sum())
     hidden_in = leaves[0]
     if packed:
         batch = pack_batch({**batch, "hidden": leaves[0].transpose(0, 1)}, lengths)
@@ -226,7 +243,8 @@ def test_loss_reduction_with_head_inputs_matches_reference_in_every_mode(mode, p
     loss_fn = BERTMLMLossWithReduction(normalization=mode, **kwargs)
     loss_fn.setup(batch)
     forward_out = {"hidden_states": hidden_in, "output_weight": leaves[1], "output_bias": leaves[2]}
-    with forbid_host_syncs(), count_collectives() as calls:
+    # With a count: no host sync; without, the count of the scored rows is read back once.
+    with forbid_host_syncs() if count else contextlib.nullcontext(), count_collectives() as calls:
         numerator, denominator, report = loss_fn(forward_out)
     assert sum(calls.values()) == 0
     (numerator / denominator).backward()
@@ -268,8 +286,6 @@ def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> 
     b, s = 3, 8
     hidden, weight, bias, labels, mask = make_head_batch(b, s, mask_prob=0.4)
     batch = {"labels": labels, "loss_mask": mask, "num_scored": mask.sum(dim=1)}
-    with pytest.raises(ValueError, match="num_scored"):
-        get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=0)
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     total = torch.zeros((), dtype=torch.float64)
     for cp_rank in range(2):
@@ -282,7 +298,7 @@ def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> 
         with forbid_host_syncs():
             losses = linear_masked_token_losses(
                 shard["hidden"], leaves[1], shard["labels"], shard["loss_mask"],
-                bias=leaves[2], num_scored=shard["num_scored"],
+                bias=leaves[2], num_scored=batch["num_scored"],
             )  # fmt: skip
         assert not losses.isnan().any()
         total = total + losses.sum()
@@ -300,3 +316,187 @@ def test_any_integer_label_dtype(dtype) -> None:
     narrow = torch.where(mask, labels, 0).to(dtype)
     got = linear_masked_token_losses(hidden, weight, narrow, mask, bias=bias)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+# linear_weighted_loss_sum: the gradients accumulated in the forward, scaled in the backward.
+
+# Passes: one over row chunks of the whole vocabulary (default, and small row chunks), and
+# two (log-sum-exp, then gradients) when the vocabulary is chunked as under TP.
+PASSES = {
+    "one pass": {},
+    "one pass, 4-row chunks": {"chunk_rows": 4},
+    "two passes": {"chunk_rows": 4, "chunk_vocab": 5},
+}
+UPSTREAM = 0.37  # the backward must scale the forward's gradients by the upstream gradient
+
+
+def fused_sum(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, coef: Tensor, **kwargs
+) -> tuple[Tensor, ...]:
+    """``linear_weighted_loss_sum`` and the gradients of ``UPSTREAM`` times it."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
+    bias_leaf = None if bias is None else bias.detach().clone().requires_grad_(True)
+    total = linear_weighted_loss_sum(leaves[0], leaves[1], labels, coef, bias=bias_leaf, **kwargs)
+    (UPSTREAM * total).backward()
+    grads = [leaf.grad for leaf in leaves] + [None if bias_leaf is None else bias_leaf.grad]
+    return total.detach(), *(None if g is None else g / UPSTREAM for g in grads)
+
+
+def weighted_reference(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, coef: Tensor,
+    layout: str = "sbh",
+) -> tuple[Tensor, ...]:  # fmt: skip
+    losses, *grads = linear_reference(hidden, weight, bias, labels, coef, layout)
+    return (losses * coef).sum(), *grads
+
+
+@pytest.mark.parametrize("capacity", ["nonzero", "all", 15, 0.5])
+@pytest.mark.parametrize("layout", ["sbh", "bsh"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("passes", list(PASSES))
+def test_weighted_loss_sum_matches_linear_then_cross_entropy_fp64(
+    capacity, layout, with_bias, passes
+) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(layout=layout, empty_rows=(2,))
+    assert int(mask.sum()) <= 15
+    bias = bias if with_bias else None
+    coef = mask * (torch.rand(mask.shape, dtype=torch.float64) + 0.5)
+    got = fused_sum(
+        hidden, weight, bias, labels, coef, capacity=capacity, layout=layout, **PASSES[passes]
+    )
+    assert got[0].dtype == torch.float64 and got[0].dim() == 0
+    assert_matches(got, weighted_reference(hidden, weight, bias, labels, coef, layout), 1e-10)
+
+
+def test_weighted_loss_sum_with_the_count_is_exact_without_host_sync_or_collective() -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
+    coef = mask * torch.rand(mask.shape, dtype=torch.float64)
+    expected = weighted_reference(hidden, weight, bias, labels, coef)
+    count = int(mask.sum())
+    for num_scored in (count, mask.sum(dim=1), count + 7):
+        with forbid_host_syncs(), count_collectives() as calls:
+            got = fused_sum(hidden, weight, bias, labels, coef, num_scored=num_scored)
+        assert sum(calls.values()) == 0
+        assert_matches(got, expected, rtol=1e-10)
+    # Without a count, the default counts the scored rows: the one (documented) host sync.
+    with pytest.raises(HostSyncError):
+        with forbid_host_syncs():
+            fused_sum(hidden, weight, bias, labels, coef)
+
+
+@contextlib.contextmanager
+def logit_rows() -> Iterator[list[float]]:
+    """Count the rows whose logits the head computes (``F.linear`` calls, over the vocab)."""
+    rows: list[float] = []
+    linear = F.linear
+
+    def counted(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        rows.append(x.size(0) * w.size(0))
+        return linear(x, w, b)
+
+    with mock.patch.object(F, "linear", counted):
+        yield rows
+
+
+@pytest.mark.parametrize("entry", ["losses", "weighted sum", "loss class"])
+@pytest.mark.parametrize("capacity", [None, "all"])
+def test_without_a_count_only_the_scored_rows_are_computed(entry, capacity) -> None:
+    b, s, v = 4, 30, 13
+    hidden, weight, bias, labels, mask = make_head_batch(b, s, v=v, mask_prob=0.15)
+    kwargs = {} if capacity is None else {"capacity": capacity}
+    with logit_rows() as rows:
+        if entry == "losses":
+            linear_masked_token_losses(hidden, weight, labels, mask, bias=bias, **kwargs)
+        elif entry == "weighted sum":
+            linear_weighted_loss_sum(hidden, weight, labels, mask.double(), bias=bias, **kwargs)
+        else:
+            loss_fn = BERTMLMLossWithReduction(
+                **({} if capacity is None else {"mask_capacity": capacity})
+            )
+            loss_fn.setup({"labels": labels, "loss_mask": mask})
+            loss_fn({"hidden_states": hidden, "output_weight": weight, "output_bias": bias})
+    expected = int(mask.sum()) if capacity is None else b * s
+    assert 0 < int(mask.sum()) < b * s // 4
+    assert sum(rows) == expected * v
+
+
+@pytest.mark.parametrize("capacity", ["nonzero", "all", 4])
+def test_weighted_loss_sum_of_an_empty_mask_is_zero_with_zero_gradients(capacity) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(3, 5, empty_rows=(0, 1, 2))
+    for num_scored in (None, 0, torch.zeros(3, dtype=torch.int64)):
+        for passes in PASSES.values():
+            got = fused_sum(
+                hidden, weight, bias, labels, mask.double(),
+                capacity=capacity, num_scored=num_scored, **passes,
+            )  # fmt: skip
+            for value in got:
+                assert torch.equal(value, torch.zeros_like(value))
+
+
+@pytest.mark.parametrize("passes", list(PASSES))
+def test_weighted_loss_sum_is_nan_on_an_undercount_or_an_out_of_vocab_label(passes) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
+    coef, count = mask.double(), int(mask.sum())
+    # More scored rows than the count or the capacity: the sum and every gradient are NaN,
+    # checked on the device; with no row computed at all, those of weight and bias.
+    for rows in ({"num_scored": count - 1}, {"capacity": count - 1}, {"capacity": 0}):
+        with forbid_host_syncs():
+            got = fused_sum(hidden, weight, bias, labels, coef, **rows, **PASSES[passes])
+        poisoned = got if rows != {"capacity": 0} else (got[0], *got[2:])
+        assert all(value.isnan().any() for value in poisoned), rows
+    bad = labels.clone()
+    bad[mask.nonzero()[0].unbind()] = 13
+    total = linear_weighted_loss_sum(hidden, weight, bad, coef, bias=bias, **PASSES[passes])
+    assert total.isnan()
+
+
+def test_weighted_loss_sum_computes_only_the_gradients_asked_for() -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
+    coef = mask.double()
+    expected = weighted_reference(hidden, weight, bias, labels, coef)
+    for passes in PASSES.values():
+        # Validation: no gradient at all, only the sum.
+        with torch.no_grad(), logit_rows() as rows:
+            total = linear_weighted_loss_sum(hidden, weight, labels, coef, bias=bias, **passes)
+        torch.testing.assert_close(total, expected[0], rtol=1e-10, atol=0)
+        assert sum(rows) == int(mask.sum()) * 13  # one pass over the rows, not two
+        # A frozen weight and bias: the hidden states' gradient alone.
+        leaf = hidden.clone().requires_grad_(True)
+        linear_weighted_loss_sum(leaf, weight, labels, coef, bias=bias, **passes).backward()
+        torch.testing.assert_close(leaf.grad, expected[1], rtol=1e-10, atol=1e-12)
+
+
+def test_weighted_loss_sum_backward_twice_is_refused() -> None:
+    hidden, weight, bias, labels, mask = make_head_batch()
+    leaf = weight.clone().requires_grad_(True)
+    total = linear_weighted_loss_sum(hidden, leaf, labels, mask.double(), bias=bias)
+    total.backward(retain_graph=True)
+    # The first backward scaled the stored gradients in place; a second cannot reuse them.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        total.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("passes", list(PASSES))
+def test_weighted_loss_sum_in_half_precision_accumulates_in_fp32(dtype, passes) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(4, 32, 16, 40, mask_prob=0.5)
+    hidden, weight, bias = (t.to(dtype) for t in (hidden, weight, bias))
+    coef = mask * torch.rand(mask.shape, dtype=torch.float64)
+    got = fused_sum(hidden, weight, bias, labels, coef, **PASSES[passes])
+    assert got[0].dtype == torch.float32 and all(g.dtype == dtype for g in got[1:])
+    expected = weighted_reference(hidden, weight, bias, labels, coef)
+    rtol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(got[0].double(), expected[0], rtol=rtol, atol=0)
+    for a, e in zip(got[1:], expected[1:], strict=True):
+        scale = e.abs().max()
+        torch.testing.assert_close(a.double() / scale, e / scale, rtol=0, atol=rtol)
+
+
+def test_weighted_loss_sum_argument_errors() -> None:
+    hidden, weight, _, labels, mask = make_head_batch()
+    with pytest.raises(ValueError, match="token_weights must be floating-point"):
+        linear_weighted_loss_sum(hidden, weight, labels, mask)
+    with pytest.raises(ValueError, match=r"token_weights of shape \(4, 4\)"):
+        linear_weighted_loss_sum(hidden, weight, labels, mask[:, :4].double())
+    with pytest.raises(ValueError, match="chunk_rows and chunk_vocab must be positive"):
+        linear_weighted_loss_sum(hidden, weight, labels, mask.double(), chunk_rows=0)

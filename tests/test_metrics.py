@@ -10,25 +10,13 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torchmetrics.text import Perplexity
 
 from bert_reduce import BERTMLMLossWithReduction, TokenPerplexity
 from bert_reduce.metrics import perplexity_from_sums, token_loss_sums
 from bert_reduce.reports import sum_reports
-from tests.helpers.dist_utils import run_distributed
-from tests.helpers.reference import make_mlm_batch, reference_loss
-from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
-
-BATCH, SEQ_LEN, VOCAB = 7, 10, 12
-# Micro-batches as row indices: unequal sizes, and rows 2 and 5 hold no masked token (row 5
-# alone is a micro-batch with none).
-MICRO_BATCHES = [[0, 1, 2], [3, 4], [5], [6]]
-EMPTY_ROWS = (2, 5)
-
-
-def _batch(dtype: torch.dtype = torch.float64):
-    return make_mlm_batch(BATCH, SEQ_LEN, VOCAB, empty_rows=EMPTY_ROWS, dtype=dtype, seed=3)
+from tests.helpers.reference import UNEVEN_MICRO_BATCHES, reference_loss, uneven_mlm_batch
+from tests.helpers.sync_guard import forbid_host_syncs
 
 
 def _torchmetrics_perplexity(logits_sbv: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -49,9 +37,9 @@ def test_perplexity_from_sums_is_exp_of_mean_and_one_when_empty() -> None:
 
 
 def test_micro_batches_equal_one_pass_reference_and_torchmetrics() -> None:
-    logits, labels, mask = _batch()
+    logits, labels, mask = uneven_mlm_batch()
     metric = TokenPerplexity()
-    for rows in MICRO_BATCHES:
+    for rows in UNEVEN_MICRO_BATCHES:
         metric.update_from_logits(logits[:, rows], labels[rows], mask[rows])
     expected = reference_loss(logits, labels, mask).exp()
     torch.testing.assert_close(metric.compute(), expected, rtol=1e-12, atol=0)
@@ -61,14 +49,14 @@ def test_micro_batches_equal_one_pass_reference_and_torchmetrics() -> None:
 
     # Averaging per-micro-batch perplexities is not the perplexity of the batch.
     per_batch = []
-    for rows in MICRO_BATCHES:
+    for rows in UNEVEN_MICRO_BATCHES:
         if mask[rows].any():
             per_batch.append(reference_loss(logits[:, rows], labels[rows], mask[rows]).exp())
     assert abs(float(torch.stack(per_batch).mean() - expected)) > 1e-2
 
 
 def test_bf16_logits_within_their_precision() -> None:
-    logits, labels, mask = _batch()
+    logits, labels, mask = uneven_mlm_batch()
     metric = TokenPerplexity()
     metric.update_from_logits(logits.to(torch.bfloat16), labels, mask)
     expected = reference_loss(logits.to(torch.bfloat16), labels, mask).exp()
@@ -79,7 +67,7 @@ def test_empty_state_is_one_never_nan() -> None:
     metric = TokenPerplexity()
     with pytest.warns(UserWarning, match="called before the ``update``"):
         assert float(metric.compute()) == 1.0
-    logits, labels, mask = _batch()
+    logits, labels, mask = uneven_mlm_batch()
     metric.update_from_logits(logits[:, [5]], labels[[5]], mask[[5]])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -89,12 +77,12 @@ def test_empty_state_is_one_never_nan() -> None:
 
 
 def test_update_runs_no_host_sync_keeps_no_logits_nor_graph() -> None:
-    logits, labels, mask = _batch(torch.float32)
+    logits, labels, mask = uneven_mlm_batch(torch.float32)
     logits.requires_grad_(True)
     before = logits.detach().clone()
     metric = TokenPerplexity()
     with forbid_host_syncs():
-        for rows in MICRO_BATCHES:
+        for rows in UNEVEN_MICRO_BATCHES:
             metric.update_from_logits(logits[:, rows], labels[rows], mask[rows])
         value = metric.compute()
     assert torch.equal(logits.detach(), before)
@@ -106,10 +94,10 @@ def test_update_runs_no_host_sync_keeps_no_logits_nor_graph() -> None:
 
 
 def test_reports_of_the_loss_reduction_give_the_same_value() -> None:
-    logits, labels, mask = _batch()
+    logits, labels, mask = uneven_mlm_batch()
     from_logits, from_reports, from_list = TokenPerplexity(), TokenPerplexity(), TokenPerplexity()
     reports = []
-    for rows in MICRO_BATCHES:
+    for rows in UNEVEN_MICRO_BATCHES:
         loss_fn = BERTMLMLossWithReduction(validation_step=True)
         loss_fn.setup({"labels": labels[rows], "loss_mask": mask[rows]})
         _, _, report = loss_fn({"token_logits": logits[:, rows]})
@@ -134,54 +122,8 @@ def test_errors_name_keys_and_shapes() -> None:
         sum_reports({"loss_sum_and_microbatch_size": torch.zeros(3)})
     with pytest.raises(TypeError, match=r"or a sequence of them, got Tensor"):
         metric.update_from_reports(torch.zeros(2))  # type: ignore[arg-type]
-    logits, labels, mask = _batch()
+    logits, labels, mask = uneven_mlm_batch()
     with pytest.raises(ValueError, match=r"labels of shape \(7, 10\) and loss_mask of shape"):
         token_loss_sums(logits, labels, mask[:, :5])
     with pytest.raises(ValueError, match=r"Expected labels of shape \[b, s\]"):
         token_loss_sums(logits, labels[0], mask[0])
-
-
-def _distributed_body(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    from megatron.core import parallel_state as ps
-
-    logits, labels, mask = batch
-    expected = reference_loss(logits, labels, mask).exp()
-    total = int(mask.sum())
-    rank = dist.get_rank()
-
-    def synced_count(metric: TokenPerplexity) -> int:
-        with metric.sync_context():
-            return int(metric.denominator)
-
-    # TP = 2: each rank holds half of the vocabulary for every row.
-    shard = VOCAB // 2
-    local = logits[..., rank * shard : (rank + 1) * shard]
-    metric, summed_over_world = TokenPerplexity(), TokenPerplexity(process_group=dist.group.WORLD)
-    with count_collectives() as calls:
-        for rows in MICRO_BATCHES:
-            metric.update_from_logits(local[:, rows], labels[rows], mask[rows])
-            summed_over_world.update_from_logits(local[:, rows], labels[rows], mask[rows])
-    # Megatron's vocab-parallel CE reduces over TP inside; the metric itself adds nothing.
-    assert set(calls) <= {"all_reduce"}
-    torch.testing.assert_close(metric.compute(), expected, rtol=2e-6, atol=0)
-    assert synced_count(metric) == total
-    # Tensor-parallel ranks hold the same sums: reducing over them would count tokens twice.
-    assert synced_count(summed_over_world) == 2 * total
-
-    # DP = 2: rows split unevenly (5 vs 2 rows, 3 vs 1 micro-batches), full vocabulary.
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    mine = MICRO_BATCHES[:3] if rank == 0 else MICRO_BATCHES[3:]
-    sums = [token_loss_sums(logits[:, rows], labels[rows], mask[rows]) for rows in mine]
-    metric = TokenPerplexity()
-    with count_collectives() as calls:
-        for loss_sum, num_tokens in sums:
-            metric.update(loss_sum, num_tokens)
-    assert not calls
-    torch.testing.assert_close(metric.compute(), expected, rtol=2e-6, atol=0)
-    assert synced_count(metric) == total
-
-
-@pytest.mark.slow
-def test_tensor_and_data_parallel_equal_one_pass_reference() -> None:
-    run_distributed(_distributed_body, 2, _batch(), tp=2)

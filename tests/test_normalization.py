@@ -9,7 +9,11 @@ from bert_reduce import (
     get_batch_on_this_cp_rank,
     unreduced_token_loss_fn,
 )
-from bert_reduce.normalization import normalized_loss_terms, sequence_normalizers
+from bert_reduce.normalization import (
+    normalization_weights,
+    normalized_loss_terms,
+    sequence_normalizers,
+)
 from tests.helpers.mode_reference import (
     MODES,
     reference_mode_loss,
@@ -207,3 +211,47 @@ def test_megatron_int32_counter_rejects_float_denominator_weight_resolution_fixe
     assert denominator.dtype == torch.int64
     counter += denominator
     assert int(counter) == int(weights.sum() * 256)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mask_kind", ["bool", "int", "float", "float, weight_resolution"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_normalization_weights_give_the_numerator_and_denominator_up_front(
+    mode, mask_kind, packed
+) -> None:
+    # The fused head weights every token before any loss exists: its sum of weights * losses
+    # must be normalized_loss_terms's numerator, with the same denominator, in every mode.
+    _, _, mask = make_mlm_batch(4, 10, 7, empty_rows=(2,), mask_prob=0.4)
+    options = mode_kwargs(mode)
+    if mask_kind == "int":
+        mask = mask.to(torch.int32) * 2
+    elif mask_kind.startswith("float"):
+        mask = float_weights(mask, dyadic=mask_kind.endswith("resolution"))
+        if mask_kind.endswith("resolution") and mode == "per_token":
+            options["weight_resolution"] = 256
+    if packed:
+        mask = mask.reshape(1, -1)
+        cu_seqlens = torch.tensor([0, 7, 7, 19, 33, 40])
+        options.update(zip(("sequence_weight", "sequence_start"),
+                           sequence_normalizers(mask, cu_seqlens), strict=True))  # fmt: skip
+    # NaN and inf losses where nothing is scored must not reach either numerator.
+    loss = torch.rand(mask.shape, dtype=torch.float64) * 5
+    loss = torch.where(mask != 0, loss, torch.tensor([torch.nan, torch.inf])[mask.shape[1] % 2])
+    numerator, denominator = normalized_loss_terms(loss, mask, mode, **options)
+    with forbid_host_syncs():
+        weights, up_front = normalization_weights(mask, mode, dtype=torch.float64, **options)
+    assert weights.dtype == torch.float64 and weights.shape == mask.shape
+    assert torch.equal(up_front, denominator) and up_front.dtype == denominator.dtype
+    scored = weights != 0
+    assert torch.equal(scored, mask != 0)
+    torch.testing.assert_close(
+        (weights[scored] * loss[scored]).sum(), numerator, rtol=1e-14, atol=0
+    )
+    # A negative weight makes the sum NaN, as normalized_loss_terms's does.
+    negative = mask.double().flatten()
+    negative[(mask != 0).flatten().nonzero()[0]] = -0.5
+    negative = negative.view(mask.shape)
+    options.pop("weight_resolution", None)
+    numerator, _ = normalized_loss_terms(loss, negative, mode, **options)
+    weights, _ = normalization_weights(negative, mode, dtype=torch.float64, **options)
+    assert numerator.isnan() and weights.isnan().sum() == 1

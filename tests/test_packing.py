@@ -2,14 +2,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from bert_reduce import BERTMLMLossWithReduction, pack_batch
 from bert_reduce.context_parallel import (
     get_packed_batch_on_this_cp_rank,
 )
 from bert_reduce.packing import unpack_sequences
-from tests.helpers.dist_utils import run_distributed
 from tests.helpers.mode_reference import (
     MODES,
     checked_reduce,
@@ -17,11 +15,11 @@ from tests.helpers.mode_reference import (
     reference_mode_loss_and_grad,
 )
 from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
+from tests.helpers.packed_batch import pack_with_logits, ragged_padded_batch
 from tests.helpers.reference import (
     RAGGED_LENGTHS,
     RAGGED_SEQ_LEN,
     RAGGED_VOCAB,
-    ragged_mlm_batch,
 )
 from tests.helpers.sync_guard import forbid_host_syncs
 
@@ -32,34 +30,9 @@ def mode_kwargs(mode: str) -> dict:
     return _mode_kwargs(mode, SEQ_LEN)
 
 
-def padded_batch(weighted: bool = False, seed: int = 3):
-    """A right-padded [b, s] batch whose loss mask is already 0 on padding, and its logits."""
-    logits, labels, mask, real = ragged_mlm_batch(seed)
-    loss_mask = mask
-    if weighted:
-        gen = torch.Generator().manual_seed(seed)
-        loss_mask = torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64), 0)
-    input_ids = torch.randint(1, VOCAB, (len(LENGTHS), SEQ_LEN))
-    return logits, {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask}, real
-
-
-def pack_with_logits(batch: dict, logits_sbv: torch.Tensor, multiple: int) -> dict:
-    """Pack the batch and, as a stand-in model output, the logits ([T, 1, v])."""
-    packed = pack_batch(
-        {**batch, "logits": logits_sbv.transpose(0, 1)}, LENGTHS, pad_to_multiple_of=multiple
-    )
-    # Huge logits on padding slots: if padding were ever scored, the loss would change.
-    padding = torch.ones(packed["labels"].shape[1], dtype=torch.bool)
-    for start, n in zip(packed["cu_seqlens_padded"][:-1].tolist(), LENGTHS, strict=True):
-        padding[start : start + n] = False
-    packed["logits"] = torch.where(padding[None, :, None], 1e4, packed["logits"])
-    packed["padding"] = padding
-    return packed
-
-
 @pytest.mark.parametrize("multiple", [1, 4])
 def test_pack_unpack_round_trip(multiple) -> None:
-    logits, batch, real = padded_batch()
+    logits, batch, real = ragged_padded_batch()
     packed = pack_batch({**batch, "attention_mask": real.long()}, pad_to_multiple_of=multiple)
     assert "attention_mask" not in packed
     padded = [-(-n // multiple) * multiple for n in LENGTHS]
@@ -91,7 +64,7 @@ def test_pack_unpack_round_trip(multiple) -> None:
 
 
 def test_pack_errors() -> None:
-    _, batch, real = padded_batch()
+    _, batch, real = ragged_padded_batch()
     with pytest.raises(ValueError, match=r"lengths must be 6 values in \[1, 12\]"):
         pack_batch(batch, [0, *LENGTHS[1:]])
     not_right_padded = real.clone()
@@ -109,7 +82,7 @@ def test_pack_errors() -> None:
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("multiple", [1, 4])
 def test_packed_loss_and_grad_equal_unpacked_reference(mode, weighted, multiple) -> None:
-    logits, batch, _ = padded_batch(weighted)
+    logits, batch, _ = ragged_padded_batch(weighted)
     ref_loss, ref_grad = reference_mode_loss_and_grad(
         logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode)
     )
@@ -137,7 +110,7 @@ def test_packed_loss_and_grad_equal_unpacked_reference(mode, weighted, multiple)
 
 def test_packed_batch_without_cu_seqlens_would_be_wrong() -> None:
     # Guards the test above: a packed row read as one sequence changes both modes' values.
-    logits, batch, _ = padded_batch()
+    logits, batch, _ = ragged_padded_batch()
     packed = pack_with_logits(batch, logits, 1)
     for mode in ("per_sequence", "constant"):
         loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
@@ -167,7 +140,7 @@ def simulated_cp_loss_and_grad(packed: dict, mode: str, cp_size: int):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_simulated_cp2_on_packed_batch_is_exact(mode) -> None:
-    logits, batch, _ = padded_batch(weighted=True)
+    logits, batch, _ = ragged_padded_batch(weighted=True)
     ref_loss, ref_grad = reference_mode_loss_and_grad(
         logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode)
     )
@@ -184,51 +157,9 @@ def test_simulated_cp2_on_packed_batch_is_exact(mode) -> None:
     torch.testing.assert_close(grad, ref_grad, rtol=1e-11, atol=1e-15)
 
 
-def _cp2_packed_body() -> None:
-    from megatron.core import parallel_state as ps
-
-    assert ps.get_context_parallel_world_size() == 2
-    logits, batch, _ = padded_batch(weighted=True)
-    packed = pack_with_logits(batch, logits, 4)
-    for mode in MODES:
-        ref_loss, ref_grad = reference_mode_loss_and_grad(
-            logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode)
-        )
-        token_logits = packed["logits"].transpose(0, 1).detach().requires_grad_(True)
-        shard = get_packed_batch_on_this_cp_rank({**packed, "logits": token_logits.transpose(0, 1)})
-        loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
-        loss_fn.setup(shard)
-        numerator, denominator, report = loss_fn({"token_logits": shard["logits"].transpose(0, 1)})
-        numerator.backward()
-        # Megatron's vocab-parallel cross-entropy computes in fp32.
-        torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-6, atol=0)
-        # What finalize_model_grads does: sum gradients and denominators over DP x CP.
-        group = ps.get_data_parallel_group(with_context_parallel=True)
-        dist.all_reduce(token_logits.grad, group=group)
-        dist.all_reduce(denominator, group=group)
-        grad = unpack_sequences(
-            token_logits.grad / denominator,
-            packed["cu_seqlens"],
-            SEQ_LEN,
-            cu_seqlens_padded=packed["cu_seqlens_padded"],
-            seq_dim=0,
-        )
-        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-8)
-        if mode != "per_token":
-            bare = {k: v for k, v in shard.items() if not k.startswith("sequence_")}
-            loss_fn.setup(bare)
-            with pytest.raises(ValueError, match="sequence_weight"):
-                loss_fn({"token_logits": shard["logits"].transpose(0, 1)})
-
-
-@pytest.mark.slow
-def test_real_cp2_on_packed_batch_matches_unpacked_reference() -> None:
-    run_distributed(_cp2_packed_body, 2, cp=2)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_loss_on_packed_batch_has_no_host_sync(mode) -> None:
-    logits, batch, _ = padded_batch(weighted=True)
+    logits, batch, _ = ragged_padded_batch(weighted=True)
     packed = pack_with_logits(batch, logits, 4)
     bare = {k: v for k, v in packed.items() if not k.startswith("sequence_")}
     token_logits = packed["logits"].transpose(0, 1).requires_grad_(True)

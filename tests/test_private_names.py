@@ -5,7 +5,7 @@ environments differ (Lightning 2.4 under NeMo, 2.6 in the core). This scan of th
 source fails on
 
 * an import of a private name or module from another package;
-* a private attribute reached through anything but ``self``/``cls``;
+* a private attribute reached through anything but ``self``/``cls``/``super()``;
 * a private member of another library's class used or overridden by a subclass (``self._x``
   or ``def _x`` where a base class outside bert_reduce defines ``_x``),
 
@@ -60,6 +60,14 @@ def _foreign_members(klass: type) -> frozenset[str]:
     )
 
 
+def _is_own(owner: ast.expr) -> bool:
+    """``self``, ``cls`` or ``super()``: members the class's own code may use, unless a base
+    class outside bert_reduce defines them (checked through the class's MRO)."""
+    if isinstance(owner, ast.Name):
+        return owner.id in ("self", "cls")
+    return isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"
+
+
 def private_uses(path: Path, module: ModuleType | None = None) -> list[tuple[int, str]]:
     """``(line, name)`` of every private name of another library that ``path`` uses.
 
@@ -80,8 +88,7 @@ def private_uses(path: Path, module: ModuleType | None = None) -> list[tuple[int
             for alias in node.names:
                 found += [(node.lineno, p) for p in alias.name.split(".") if _private(p)]
         elif isinstance(node, ast.Attribute) and _private(node.attr):
-            owner = node.value
-            if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+            if not _is_own(node.value):
                 found.append((node.lineno, node.attr))
         elif isinstance(node, ast.ClassDef) and module is not None:
             klass = getattr(module, node.name, None)
@@ -91,10 +98,8 @@ def private_uses(path: Path, module: ModuleType | None = None) -> list[tuple[int
             for inner in ast.walk(node):
                 if isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
                     name, line = inner.name, inner.lineno
-                elif isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name):
+                elif isinstance(inner, ast.Attribute) and _is_own(inner.value):
                     name, line = inner.attr, inner.lineno
-                    if inner.value.id not in ("self", "cls"):
-                        continue
                 else:
                     continue
                 if name in foreign:
@@ -130,7 +135,7 @@ import torch._dynamo
 class Last(ModelCheckpoint):
     def save(self, trainer):
         self._pending = []  # its own
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._save_last_checkpoint(trainer, super()._monitor_candidates(trainer))
         trainer._signal_connector.received_sigterm = True
 
 

@@ -5,6 +5,8 @@ Multi-process runs (DDP, FSDP2) are in tests/integration/test_torch_loop_distrib
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -123,12 +125,83 @@ def test_no_host_sync_and_no_collective_per_micro_batch(mode) -> None:
     bsv = logits.transpose(0, 1).detach().requires_grad_(True)
     loss_fn = GlobalBatchLoss(group=None, normalization=mode, **mode_kwargs(mode))
     mbs = [{"labels": labels[:2], "loss_mask": weighted(mask[:2])}, {"labels": labels[2:]}]
+    for mb in mbs:  # the collator's host count: the kernels size their work without a sync
+        mb["num_scored"] = int((mb["labels"] != -100).sum())
     with forbid_host_syncs(), count_collectives() as calls:
         loss_fn.begin(mbs)
         for rows, mb in zip((slice(0, 2), slice(2, 4)), mbs, strict=True):
             loss_fn(bsv[rows], mb).backward()
         loss_fn.end()
     assert sum(calls.values()) == 0
+
+
+def head_batch(b: int = 8, s: int = 10, h: int = 6, v: int = 7):
+    """``[s, b, h]`` hidden states, a ``[v, h]`` weight, a ``[v]`` bias (fp64) and a batch."""
+    _, labels, mask = make_mlm_batch(b, s, v, empty_rows=(0, 3, 4), mask_prob=0.3)
+    gen = torch.Generator().manual_seed(2)
+    shapes = ((s, b, h), (v, h), (v,))
+    hidden, weight, bias = (torch.randn(x, generator=gen, dtype=torch.float64) for x in shapes)
+    return hidden, weight, bias, labels, mask
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", ["bsv", "sbv"])
+@pytest.mark.parametrize("counted", [False, True])
+def test_hidden_states_and_the_output_layer_equal_the_reference(mode, layout, counted) -> None:
+    """The fused head through GlobalBatchLoss: F.linear + F.cross_entropy on the whole batch."""
+    hidden, weight, bias, labels, mask = head_batch()
+    loss_mask = weighted(mask)
+    ref_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    ref_loss = reference_mode_loss(
+        torch.nn.functional.linear(*ref_leaves), labels, loss_mask, mode, **mode_kwargs(mode)
+    )
+    ref_loss.backward()
+
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    splits = [slice(0, 3), slice(3, 3), slice(3, 8)]
+    micro_batches = [{"labels": labels[rows], "loss_mask": loss_mask[rows]} for rows in splits]
+    if counted:  # the host count of a collator: the work is sized with no sync
+        for mb in micro_batches:
+            mb["num_scored"] = int(mb["loss_mask"].count_nonzero())
+    loss_fn = GlobalBatchLoss(
+        group=None, logits_layout=layout, normalization=mode, **mode_kwargs(mode)
+    )
+    loss_fn.begin(micro_batches)
+    for rows, mb in zip(splits, micro_batches, strict=True):
+        part = leaves[0][:, rows]
+        # The layout follows logits_layout unless the mapping says otherwise.
+        output = {"hidden_states": part.transpose(0, 1) if layout == "bsv" else part}
+        output |= {"output_weight": leaves[1], "output_bias": leaves[2]}
+        with forbid_host_syncs() if counted else contextlib.nullcontext():
+            loss_fn(output, mb).backward()
+    torch.testing.assert_close(loss_fn.end(), ref_loss.detach(), rtol=1e-12, atol=0)
+    for leaf, ref in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-10, atol=1e-15)
+
+
+def test_fused_head_equals_the_logits_path_and_reads_the_layout_key() -> None:
+    hidden, weight, bias, labels, mask = head_batch()
+    mb = {"labels": labels, "loss_mask": mask, "num_scored": int(mask.sum())}
+    logits = torch.nn.functional.linear(hidden, weight, bias)  # [s, b, v]
+    results = []
+    for output in (
+        logits.transpose(0, 1),
+        {"hidden_states": hidden.transpose(0, 1), "output_weight": weight, "output_bias": bias},
+        {"hidden_states": hidden, "hidden_layout": "sbh", "output_weight": weight,
+         "output_bias": bias},
+    ):  # fmt: skip
+        loss_fn = GlobalBatchLoss(group=None)
+        loss_fn.begin([mb])
+        results.append(loss_fn(output, mb))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(results[2], results[0], rtol=1e-12, atol=0)
+    # The micro-batch's count reaches both kernels: one too few poisons the loss.
+    under = {**mb, "num_scored": mb["num_scored"] - 1}
+    for output in (logits.transpose(0, 1), {"hidden_states": hidden, "hidden_layout": "sbh",
+                                            "output_weight": weight}):  # fmt: skip
+        loss_fn = GlobalBatchLoss(group=None)
+        loss_fn.begin([under])
+        assert loss_fn(output, under).isnan()
 
 
 def test_errors_name_what_to_do() -> None:
@@ -150,6 +223,12 @@ def test_errors_name_what_to_do() -> None:
         GlobalBatchLoss(group=None, normalization="constant")
     with pytest.raises(ValueError, match="gradient_sync must be"):
         GlobalBatchLoss(group=None, gradient_sync="avg")  # type: ignore[arg-type]
+    loss_fn = GlobalBatchLoss(group=None)
+    loss_fn.begin([{"labels": labels}])
+    with pytest.raises(KeyError, match=r"lacks \['output_weight'\] and has \['hidden_states'\]"):
+        loss_fn({"hidden_states": bsv}, {"labels": labels})
+    with pytest.raises(ValueError, match=r"hidden of shape \(4, 2, 5\) must be \[b, s, h\]"):
+        loss_fn({"hidden_states": logits, "output_weight": torch.zeros(3, 5)}, {"labels": labels})
 
 
 # --- Hugging Face packed batches (DataCollatorWithFlattening) --------------------------------

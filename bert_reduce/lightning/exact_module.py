@@ -47,6 +47,7 @@ from typing_extensions import override
 from bert_reduce import distributed
 from bert_reduce.functional import safe_divide
 from bert_reduce.lightning.sampling import check_sampler_placement
+from bert_reduce.num_scored import NUM_SCORED_KEY
 from bert_reduce.reduction import BERTMLMLossWithReduction, MegatronLossReduction
 from bert_reduce.reports import make_report
 
@@ -65,15 +66,45 @@ LRSchedulerFactory = Callable[[Optimizer], LRScheduler]
 """Builds a learning-rate scheduler stepped once per optimizer step."""
 
 
+def _split_num_scored(num_scored: Any, batch_size: int, micro_batch_size: int) -> list[Any]:
+    """Each micro-batch's ``num_scored``: per-sample host counts summed into ints.
+
+    A tensor is split like every tensor (the loss sums it); a whole batch's ``int`` cannot be
+    split, so it is only valid for a single micro-batch.
+    """
+    count = batch_size // micro_batch_size
+    if isinstance(num_scored, Tensor):
+        return list(num_scored.split(micro_batch_size))
+    if isinstance(num_scored, tuple | list):
+        if len(num_scored) != batch_size:
+            raise ValueError(
+                f"batch['num_scored'] holds {len(num_scored)} per-sample counts for a batch of "
+                f"{batch_size} samples."
+            )
+        return [
+            sum(num_scored[start : start + micro_batch_size])
+            for start in range(0, batch_size, micro_batch_size)
+        ]
+    if count > 1:
+        raise ValueError(
+            f"batch['num_scored'] = {num_scored!r} counts the whole batch of {batch_size} "
+            f"samples and cannot be split into {count} micro-batches: give per-sample counts "
+            "instead (bert_reduce.num_scored.NumScoredCollator(collate_fn, per_sample=True))."
+        )
+    return [num_scored]
+
+
 def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list[dict[str, Any]]:
     """Cut a ``[b, ...]`` batch into consecutive micro-batches of ``micro_batch_size`` samples.
 
     Every tensor is split along dim 0; values that are not tensors are shared by all
-    micro-batches. Only shapes are read, so this never synchronizes with the device.
+    micro-batches, except ``num_scored`` (:mod:`bert_reduce.num_scored`): per-sample counts (a
+    tuple of ints) become each micro-batch's ``int`` total. Only shapes and host ints are
+    read, so this never synchronizes with the device.
 
     Args:
         batch: This rank's share of the global batch, e.g. ``input_ids``, ``labels`` and
-            ``loss_mask`` of shape ``[b, s]``.
+            ``loss_mask`` of shape ``[b, s]``, optionally ``num_scored``.
         micro_batch_size: Samples per micro-batch; must divide ``b``.
 
     Returns:
@@ -81,7 +112,9 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
 
     Raises:
         ValueError: If the batch holds no tensor, a tensor is 0-dim, the tensors disagree on
-            ``b``, or ``b`` is not a multiple of ``micro_batch_size``.
+            ``b``, ``b`` is not a multiple of ``micro_batch_size``, or ``num_scored`` is a
+            whole batch's ``int`` to split into several micro-batches, or holds per-sample
+            counts for another number of samples.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
@@ -107,6 +140,10 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
     chunks = {
         key: value.split(micro_batch_size) for key, value in batch.items() if key in batch_sizes
     }
+    if NUM_SCORED_KEY in batch:
+        chunks[NUM_SCORED_KEY] = _split_num_scored(
+            batch[NUM_SCORED_KEY], batch_size, micro_batch_size
+        )
     return [
         {key: chunks[key][i] if key in chunks else value for key, value in batch.items()}
         for i in range(batch_size // micro_batch_size)
@@ -154,6 +191,12 @@ class ExactMLMModule(pl.LightningModule):
     (one per transformer layer) or tensor parallelism. FSDP2 all-gathers parameters in every
     forward, so every rank must run the same number of micro-batches per step (equal shares of
     the global batch, as :class:`bert_reduce.lightning.GlobalBatchSampler` gives).
+
+    The masked-only kernels compute exactly the scored rows, with no device sync, when each
+    micro-batch carries its count as host data: give the loader per-sample counts
+    (``collate_fn=bert_reduce.num_scored.NumScoredCollator(collate, per_sample=True)``, a
+    tuple of ints that the batch transfer leaves on the host); :func:`split_micro_batches`
+    hands each micro-batch's loss their ``int`` sum.
 
     The model maps a micro-batch dict to ``{"token_logits": [s, b, v]}``; pass it to the
     constructor or override :meth:`forward`. Subclasses may override :meth:`micro_batches` to

@@ -149,9 +149,7 @@ class ValidationPerplexityCallback(Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        with self.metric.sync_context():
-            loss_sum = self.metric.loss_sum.clone()
-            denominator = self.metric.denominator.clone()
+        loss_sum, denominator = self._epoch_totals(trainer)
         self.metric.reset()
         self.result = ValidationResult(
             loss_sum=loss_sum,
@@ -164,6 +162,11 @@ class ValidationPerplexityCallback(Callback):
             (self.ppl_key, self.result.perplexity),
         ):
             pl_module.log(key, value, prog_bar=self.prog_bar, on_step=False, on_epoch=True)
+
+    def _epoch_totals(self, trainer: pl.Trainer) -> tuple[Tensor, Tensor]:
+        """This epoch's ``(loss_sum, denominator)`` summed over ranks: the one sync."""
+        with self.metric.sync_context():
+            return self.metric.loss_sum.clone(), self.metric.denominator.clone()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -1,25 +1,40 @@
 """Validation data for NeMo 2 that drops nothing: every sample of the set on exactly one rank.
 
-NeMo 2's ``MegatronDataSampler`` drops the validation set's last partial global batch.
-:class:`ExactValidationDataSampler` instead pads the validation (and test) set to a multiple
-of the global batch with copies of its first sample whose ``loss_mask`` is all zero
-(:class:`PaddedEvalDataset`), so nothing is dropped and each rank holds the real samples
-Megatron's sampler deals it (uneven shards). A padding sample adds 0 to the loss sum and 0 to
-the token count. :class:`bert_reduce.nemo.NeMoValidationPerplexityCallback` then logs the
-loss and perplexity of the whole set.
+NeMo 2's ``MegatronDataSampler`` drops the validation set's last partial global batch, and it
+tells a validation loader from a training one by a ``mode`` attribute that only NeMo's
+``WrappedDataLoader`` has: a plain ``DataLoader`` from ``val_dataloader`` is sampled as
+training data. :class:`ExactValidationDataSampler` asks the trainer instead: Lightning builds
+each loader while ``trainer.state.stage`` says which one it is. It pads the validation (and
+test) set to a multiple of the global batch with copies of its first sample whose
+``loss_mask`` is all zero (:class:`PaddedEvalDataset`), so nothing is dropped and each rank
+holds the real samples Megatron's sampler deals it (uneven shards). A padding sample adds 0 to
+the loss sum and 0 to the token count. The validation loader's batch sampler is wrapped in a
+:class:`RealSampleTracker`, which records which of the samples it deals are real, so that
+:class:`bert_reduce.nemo.NeMoValidationPerplexityCallback` can check that the loss it logs
+covers every sample of the set exactly once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import RunningStage
 from nemo.lightning.pytorch.plugins import MegatronDataSampler
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-__all__ = ["ExactValidationDataSampler", "PaddedEvalDataset"]
+__all__ = ["ExactValidationDataSampler", "PaddedEvalDataset", "RealSampleTracker"]
+
+# The loader Lightning builds in each stage, as NeMo's samplers name it (``mode``).
+_MODE_OF_STAGE = {
+    RunningStage.TRAINING: "train",
+    RunningStage.SANITY_CHECKING: "validation",
+    RunningStage.VALIDATING: "validation",
+    RunningStage.TESTING: "test",
+    RunningStage.PREDICTING: "predict",
+}
 
 
 class PaddedEvalDataset(Dataset):
@@ -60,28 +75,115 @@ class PaddedEvalDataset(Dataset):
         return {**sample, "loss_mask": torch.zeros_like(sample["loss_mask"])}
 
 
+class RealSampleTracker:
+    """A batch sampler that records which of the indices it deals are real samples.
+
+    Wraps this rank's batch sampler over a :class:`PaddedEvalDataset`: indices below
+    ``num_real`` are the dataset's own samples, the others padding. Each pass (``iter``)
+    starts a new record, :attr:`is_real`, one flag per dealt index in order: the ``k``-th
+    micro-batch the model sees holds the flags ``k * b`` to ``(k + 1) * b`` for micro-batches
+    of ``b`` samples, however far the loader's workers have read ahead.
+
+    Args:
+        batch_sampler: Yields lists of dataset indices (Megatron's sampler for this rank).
+        num_real: Number of real samples, ``len`` of the unpadded dataset.
+    """
+
+    def __init__(self, batch_sampler: Iterable[list[int]], num_real: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.num_real = num_real
+        self.is_real: list[bool] = []
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.is_real = []  # now, when the loader starts a pass, not at the first batch
+        return self._record(iter(self.batch_sampler))
+
+    def _record(self, batches: Iterator[list[int]]) -> Iterator[list[int]]:
+        for batch in batches:
+            self.is_real.extend(0 <= index < self.num_real for index in batch)
+            yield batch
+
+    def real_samples_in_first(self, num_samples: int) -> int:
+        """How many of the first ``num_samples`` indices dealt in this pass are real samples.
+
+        Raises:
+            ValueError: If fewer than ``num_samples`` indices were dealt in this pass.
+        """
+        if num_samples > len(self.is_real):
+            raise ValueError(
+                f"{num_samples} samples were counted, but this rank's validation sampler dealt "
+                f"only {len(self.is_real)} in this pass."
+            )
+        return sum(self.is_real[:num_samples])
+
+
+def _loader_like(dataloader: DataLoader, dataset: Dataset, **kwargs: Any) -> DataLoader:
+    """A loader over ``dataset`` with what NeMo's ``add_megatron_sampler`` keeps of another."""
+    return DataLoader(
+        dataset,
+        num_workers=dataloader.num_workers,
+        pin_memory=dataloader.pin_memory,
+        persistent_workers=dataloader.persistent_workers,
+        collate_fn=dataloader.collate_fn,
+        **kwargs,
+    )
+
+
 class ExactValidationDataSampler(MegatronDataSampler):
     """NeMo's ``MegatronDataSampler`` that keeps the whole validation and test sets.
 
-    Training is unchanged. Validation and test datasets are wrapped in
-    :class:`PaddedEvalDataset` (to a multiple of ``global_batch_size``) before Megatron's
-    sampler deals them out, so its ``drop_last`` drops nothing. Same arguments as
-    ``MegatronDataSampler``. As for NeMo's own sampler, a loader's kind is its ``mode``
-    attribute: return ``nemo.lightning.data.WrappedDataLoader(mode="validation", ...)`` from
-    ``val_dataloader`` (NeMo's data modules do); a loader without it counts as training.
+    Same arguments as ``MegatronDataSampler``; training is unchanged. Which loader is being
+    built is read from the trainer (``trainer.state.stage``: training, validation, sanity
+    check, test or predict), so any ``DataLoader`` works, NeMo's ``WrappedDataLoader`` or a
+    plain one; only without a trainer (NeMo's Fabric strategy) is the loader's ``mode``
+    attribute read, as NeMo does (``"train"`` when it has none). Validation and test datasets
+    are wrapped in :class:`PaddedEvalDataset` (to a multiple of ``global_batch_size``) before
+    Megatron's sampler deals them out, so its ``drop_last`` drops nothing, and the validation
+    loader's batch sampler in a :class:`RealSampleTracker`. Predict loaders get NeMo's
+    ``"predict"`` treatment (nothing dropped) even when they have no ``mode``.
     """
+
+    @classmethod
+    def from_sampler(cls, sampler: MegatronDataSampler) -> ExactValidationDataSampler:
+        """An ``ExactValidationDataSampler`` with the settings of ``sampler``.
+
+        For data modules that build their own (NeMo's, BioNeMo's), e.g.
+        ``dm.data_sampler = ExactValidationDataSampler.from_sampler(dm.data_sampler)``.
+        """
+        return cls(
+            seq_len=sampler.seq_len,
+            micro_batch_size=sampler.micro_batch_size,
+            global_batch_size=sampler.global_batch_size,
+            rampup_batch_size=sampler.rampup_batch_size,
+            dataloader_type=sampler.dataloader_type,
+            init_consumed_samples=sampler.init_consumed_samples,
+            init_global_step=sampler.init_global_step,
+            output_log=sampler.output_log,
+            decoder_seq_len=sampler.decoder_seq_len,
+        )
+
+    def loader_mode(self, dataloader: DataLoader) -> str:
+        """``"train"``, ``"validation"``, ``"test"`` or ``"predict"``: the loader being built."""
+        state = getattr(getattr(self, "trainer", None), "state", None)
+        stage = getattr(state, "stage", None)
+        if stage in _MODE_OF_STAGE:
+            return _MODE_OF_STAGE[stage]
+        return getattr(dataloader, "mode", "train")
 
     @override
     def transform_dataloader(self, dataloader: DataLoader, consumed_samples: int = 0) -> DataLoader:
-        mode = getattr(dataloader, "mode", "train")
+        mode = self.loader_mode(dataloader)
+        dataset = dataloader.dataset
         if mode in ("validation", "test"):
-            padded = DataLoader(
-                PaddedEvalDataset(dataloader.dataset, self.global_batch_size),
-                batch_size=dataloader.batch_size,
-                collate_fn=dataloader.collate_fn,
-                num_workers=dataloader.num_workers,
-                pin_memory=dataloader.pin_memory,
-            )
-            padded.mode = mode  # type: ignore[attr-defined]
-            dataloader = padded
-        return super().transform_dataloader(dataloader, consumed_samples)
+            dataset = PaddedEvalDataset(dataset, self.global_batch_size)
+        # NeMo's MegatronDataSampler reads the kind of loader from its `mode` attribute.
+        carrier = _loader_like(dataloader, dataset)
+        carrier.mode = mode  # type: ignore[attr-defined]
+        loader = super().transform_dataloader(carrier, consumed_samples)
+        if mode != "validation":
+            return loader
+        tracker = RealSampleTracker(loader.batch_sampler, len(dataloader.dataset))
+        return _loader_like(loader, loader.dataset, batch_sampler=tracker)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,8 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 
 from bert_reduce.lightning import RNGStateCheckpoint, StopOnSignal
@@ -50,6 +54,7 @@ __all__ = [
     "build_module",
     "build_trainer",
     "check_launcher",
+    "ignore_warnings_wrong_for_the_recipe",
     "resolve_precision",
     "run",
 ]
@@ -122,8 +127,48 @@ def build_loggers(cfg: DictConfig, run_dir: Path, resumed_step: int | None = Non
 
             loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard", version=""))
         except ModuleNotFoundError:
-            log.info("TensorBoard is not installed: logging to metrics.csv only.")
+            rank_zero_info(  # once, not once per DDP process
+                "TensorBoard is not installed: logging to metrics.csv only (pip install "
+                "tensorboard to add it, or tensorboard=false to go without this message)."
+            )
     return loggers
+
+
+def ignore_warnings_wrong_for_the_recipe(cfg: DictConfig) -> None:
+    """Silence what Lightning and torch print on every run that is wrong here or not actionable.
+
+    Each filter matches one message (and its category or module), never a whole category, so
+    that every other warning still shows; ``tests/recipe/test_train_e2e.py`` checks that the
+    default runs print none.
+    """
+    # Lightning (up to 2.6.6, the newest) builds torch's deprecated LeafSpec in its
+    # CombinedLoader (lightning/pytorch/utilities/_pytree.py:21), which torch 2.13 flags on
+    # every fit: a matter between the two libraries that no setting here changes.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+    # Under DDP Lightning suggests sync_dist=True for values logged per epoch. Those the recipe
+    # logs are the same on every rank already (the validation callback syncs its sums once;
+    # "step" is the trainer's global step): syncing them would only add collectives.
+    logged_per_epoch = ["step"]
+    if cfg.callbacks.val_perplexity is not None:
+        logged_per_epoch += [cfg.callbacks.val_perplexity.loss_key]
+        logged_per_epoch += [cfg.callbacks.val_perplexity.ppl_key]
+    for key in logged_per_epoch:
+        warnings.filterwarnings(
+            "ignore",
+            message=re.escape(f"It is recommended to use `self.log({key!r}, ..., sync_dist=True)`"),
+            category=PossibleUserWarning,
+        )
+    # Lightning's advertisements for its cloud services ("💡 Tip: ... litlogger"), at INFO.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_a_tip)
+
+
+def _not_a_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> pl.Trainer:
@@ -212,6 +257,7 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         # The environment variable reaches DDP's worker processes, and Lightning keeps it.
         os.environ["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
         torch.set_num_threads(cfg.cpu_threads)
+    ignore_warnings_wrong_for_the_recipe(cfg)
     explicit = None if cfg.resume is None or auto else Path(cfg.resume)
     global_batch_size = cfg.data.global_batch_size
     resumed_step = None if explicit is None else read_resume_step(explicit, global_batch_size)

@@ -5,6 +5,11 @@
 every value is type-checked when the config is composed: ``trainer.max_steps=abc`` or an
 unknown key such as ``trainer.max_step=5`` fails with Hydra's error naming the key. Each
 node with a ``_target_`` is built with ``hydra.utils.instantiate``.
+
+The defaults of the recipe's own classes are written here once: :class:`ESM2Model`,
+:class:`HFEsm2Model` and :class:`ESMDataModule` take theirs from these dataclasses, so that
+``ESM2Model()`` and ``python train.py`` build the same model
+(``tests/recipe/test_config.py::test_recipe_classes_take_their_defaults_from_the_configs``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from bert_reduce.normalization import Normalization
 
 __all__ = [
     "CallbacksConfig",
@@ -101,12 +108,21 @@ class DataConfig:
     pack_sequences: bool = False
 
 
-class NormalizationName(str, Enum):
-    """The loss normalizations of :mod:`bert_reduce.normalization`, by their config names."""
-
-    per_token = "per_token"
-    per_sequence = "per_sequence"
-    constant = "constant"
+# The config's names of the Normalization modes, built from that enum so that the modes are
+# written once. A structured config cannot hold Normalization itself: OmegaConf reads an enum
+# override by member *name* (`Normalization["per_sequence"]` fails; the name is PER_SEQUENCE)
+# and writes the name to config.yaml, so `loss.normalization=per_sequence` would be refused.
+# Here each member's name is its value: `per_token`, `per_sequence`, `constant`.
+NormalizationName = Enum(  # type: ignore[misc]
+    "NormalizationName",
+    [(mode.value, mode.value) for mode in Normalization],
+    type=str,
+    module=__name__,
+)
+NormalizationName.__doc__ = (
+    "The loss normalizations of :class:`bert_reduce.normalization.Normalization`, named by "
+    "their values (``per_token``, ...), as the config and the command line write them."
+)
 
 
 @dataclass
@@ -117,7 +133,7 @@ class LossConfig:
     """
 
     _target_: str = "bert_reduce.BERTMLMLossWithReduction"
-    normalization: NormalizationName = NormalizationName.per_token
+    normalization: NormalizationName = NormalizationName.per_token  # type: ignore[valid-type]
     constant_per_sequence: int | None = None
 
 

@@ -14,12 +14,14 @@ import io
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from bert_reduce.num_scored import NUM_SCORED_KEY, count_scored
 from bert_reduce.packing import pack_batch
 from bert_reduce.recipe.tokenizer import ESMTokenizer
 
@@ -341,10 +343,12 @@ class MLMCollator:
     Returns (when called):
         ``input_ids`` (``[b, s]`` int64, padded with ``pad_id``), ``attention_mask`` (``[b, s]``
         bool, false on padding), ``labels`` (``[b, s]`` int64), ``loss_mask`` (``[b, s]``
-        bool, false on padding) and ``num_scored`` (``[b]`` int64, each sample's number of
-        scored positions). ``num_scored`` is counted here, on the host, so that the loss can
-        compute exactly the scored rows without reading the mask back from the device
-        (keep it on the CPU: :class:`~bert_reduce.recipe.module.ESM2MLMModule` does).
+        bool, false on padding) and ``num_scored`` (a tuple of ``b`` ints, each sample's
+        number of scored positions). ``num_scored`` is counted here, on the host, so that the
+        loss computes exactly the scored rows without reading the mask back from the device;
+        as Python ints, no device transfer touches it, and
+        :class:`~bert_reduce.lightning.ExactMLMModule` sums each micro-batch's share
+        (:mod:`bert_reduce.num_scored`).
     """
 
     def __init__(
@@ -354,7 +358,7 @@ class MLMCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_length = pad_to_length
 
-    def __call__(self, samples: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    def __call__(self, samples: Sequence[Mapping[str, Tensor]]) -> dict[str, Any]:
         """Pad ``samples`` into one batch; see the class docstring."""
         if not samples:
             raise ValueError("Cannot collate an empty list of samples.")
@@ -377,7 +381,7 @@ class MLMCollator:
             batch["attention_mask"][row, :size] = True
             batch["labels"][row, :size] = sample["labels"]
             batch["loss_mask"][row, :size] = sample["loss_mask"]
-        batch["num_scored"] = batch["loss_mask"].sum(dim=1)
+        batch[NUM_SCORED_KEY] = count_scored(batch, per_sample=True)
         return batch
 
 
@@ -388,8 +392,8 @@ class PackedMicroBatchCollator:
     the training step reads nothing back from the device. Each micro-batch is what
     :func:`bert_reduce.pack_batch` makes of ``micro_batch_size`` consecutive samples: one
     ``[1, T]`` row without padding (unless ``pad_to_multiple_of > 1``), with ``cu_seqlens``,
-    ``cu_seqlens_padded``, the per-sequence normalizers, and the ``[b]`` ``num_scored`` of
-    :class:`MLMCollator` (their sum is the packed row's count of scored positions).
+    ``cu_seqlens_padded``, the per-sequence normalizers, and ``num_scored``, the packed row's
+    count of scored positions as a Python ``int``.
 
     Args:
         micro_batch_size: Samples per packed micro-batch.
@@ -410,13 +414,15 @@ class PackedMicroBatchCollator:
 
     def __call__(
         self, samples: Sequence[Mapping[str, Tensor]]
-    ) -> dict[str, list[dict[str, Tensor]]]:
+    ) -> dict[str, list[dict[str, Any]]]:
         """Pack ``samples`` micro-batch by micro-batch; see the class docstring."""
         micro_batches = []
         for start in range(0, len(samples), self.micro_batch_size):
             chunk = samples[start : start + self.micro_batch_size]
             lengths = [sample["input_ids"].numel() for sample in chunk]
-            micro_batches.append(
-                pack_batch(self.collate(chunk), lengths, pad_to_multiple_of=self.pad_to_multiple_of)
+            packed = pack_batch(
+                self.collate(chunk), lengths, pad_to_multiple_of=self.pad_to_multiple_of
             )
+            packed[NUM_SCORED_KEY] = sum(packed[NUM_SCORED_KEY])
+            micro_batches.append(packed)
         return {"micro_batches": micro_batches}

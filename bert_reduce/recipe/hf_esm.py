@@ -4,15 +4,9 @@ The model is built from an ``EsmConfig`` (ESM-2 8M's shape by default) or loaded
 checkpoint directory (``save_pretrained``'s; nothing is downloaded). Like the recipe's own
 :class:`~bert_reduce.recipe.model.ESM2Model` it returns ``{"token_logits": [s, b, v]}``, so
 the same exact loss trains it. With ``fused_lm_head=True`` (as the recipe's own model) it
-returns in training mode what the loss's masked-only fused head consumes
-(:mod:`bert_reduce.linear_cross_entropy`), without computing the ``[s, b, v]`` logits:
-
-* ``hidden_states``: ``[b, s, h]`` (``hidden_layout: "bsh"``), the LM head's input to its
-  decoder (after its dense layer, GELU and LayerNorm);
-* ``output_weight``: ``[v, h]``, the decoder's weight (tied to the token embeddings);
-* ``output_bias``: ``[v]``, the head's bias;
-
-so that ``logits = hidden_states @ output_weight.T + output_bias``.
+returns in training mode what the loss's masked-only fused head consumes,
+:func:`bert_reduce.hf.lm_head_inputs` (``hidden_states`` ``[b, s, h]``, ``output_weight``,
+``output_bias``), without computing the ``[s, b, v]`` logits.
 
 Needs ``transformers`` (the ``hf`` extra); it is imported when the model is built.
 """
@@ -24,18 +18,17 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from bert_reduce.linear_cross_entropy import (
-    HIDDEN_LAYOUT_KEY,
-    HIDDEN_STATES_KEY,
-    OUTPUT_BIAS_KEY,
-    OUTPUT_WEIGHT_KEY,
-)
+from bert_reduce.hf.lm_head import lm_head_inputs
+from bert_reduce.recipe.config import HFEsm2ModelConfig
 
 __all__ = ["HFEsm2Model"]
 
 
 class HFEsm2Model(nn.Module):
     """``transformers.EsmForMaskedLM`` behind the recipe's model interface.
+
+    The defaults are :class:`~bert_reduce.recipe.config.HFEsm2ModelConfig`'s: ``HFEsm2Model()``
+    is the model ``python train.py model=hf_esm2`` trains.
 
     Args:
         pretrained_path: A local Hugging Face checkpoint directory to load (its config gives
@@ -63,20 +56,20 @@ class HFEsm2Model(nn.Module):
 
     def __init__(
         self,
-        pretrained_path: str | None = None,
-        vocab_size: int = 33,
-        hidden_size: int = 320,
-        num_layers: int = 6,
-        num_heads: int = 20,
-        ffn_size: int = 1280,
-        max_position_embeddings: int = 1026,
-        dropout: float = 0.0,
-        token_dropout: bool = True,
-        pad_id: int = 1,
-        mask_id: int = 32,
-        init_std: float = 0.02,
-        attn_implementation: str = "sdpa",
-        fused_lm_head: bool = True,
+        pretrained_path: str | None = HFEsm2ModelConfig.pretrained_path,
+        vocab_size: int = HFEsm2ModelConfig.vocab_size,
+        hidden_size: int = HFEsm2ModelConfig.hidden_size,
+        num_layers: int = HFEsm2ModelConfig.num_layers,
+        num_heads: int = HFEsm2ModelConfig.num_heads,
+        ffn_size: int = HFEsm2ModelConfig.ffn_size,
+        max_position_embeddings: int = HFEsm2ModelConfig.max_position_embeddings,
+        dropout: float = HFEsm2ModelConfig.dropout,
+        token_dropout: bool = HFEsm2ModelConfig.token_dropout,
+        pad_id: int = HFEsm2ModelConfig.pad_id,
+        mask_id: int = HFEsm2ModelConfig.mask_id,
+        init_std: float = HFEsm2ModelConfig.init_std,
+        attn_implementation: str = HFEsm2ModelConfig.attn_implementation,
+        fused_lm_head: bool = HFEsm2ModelConfig.fused_lm_head,
     ) -> None:
         super().__init__()
         try:
@@ -94,6 +87,9 @@ class HFEsm2Model(nn.Module):
             self.model = EsmForMaskedLM.from_pretrained(
                 pretrained_path, local_files_only=True, attn_implementation=attn_implementation
             )
+            # from_pretrained returns the model in eval mode; Lightning keeps a module's modes,
+            # so it would train without dropout. A module starts in training mode.
+            self.model.train()
         else:
             config = EsmConfig(
                 vocab_size=vocab_size,
@@ -155,16 +151,4 @@ class HFEsm2Model(nn.Module):
         if logits:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
             return {"token_logits": out.transpose(0, 1)}
-        from transformers.models.esm.modeling_esm import gelu
-
-        hidden = self.model.esm(input_ids=input_ids, attention_mask=attention_mask)[0]
-        head = self.model.lm_head
-        # EsmLMHead.forward up to its decoder: logits = features @ decoder.weight.T + bias.
-        features = head.layer_norm(gelu(head.dense(hidden)))
-        # [b, s, h] as computed: the loss reads it in this layout without a copy.
-        return {
-            HIDDEN_STATES_KEY: features,
-            HIDDEN_LAYOUT_KEY: "bsh",
-            OUTPUT_WEIGHT_KEY: head.decoder.weight,
-            OUTPUT_BIAS_KEY: head.bias,
-        }
+        return lm_head_inputs(self.model, input_ids=input_ids, attention_mask=attention_mask)

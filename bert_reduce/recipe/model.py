@@ -23,6 +23,7 @@ from bert_reduce.linear_cross_entropy import (
     OUTPUT_BIAS_KEY,
     OUTPUT_WEIGHT_KEY,
 )
+from bert_reduce.recipe.config import ModelConfig
 
 __all__ = ["ESM2Model", "RotaryEmbedding"]
 
@@ -118,6 +119,9 @@ class _Block(nn.Module):
 class ESM2Model(nn.Module):
     """ESM-2-style masked-language model.
 
+    The defaults are :class:`~bert_reduce.recipe.config.ModelConfig`'s: ``ESM2Model()`` is the
+    model ``python train.py`` trains.
+
     Args:
         vocab_size: Number of tokens (33 for the ESM alphabet).
         hidden_size: Width of the residual stream.
@@ -139,16 +143,16 @@ class ESM2Model(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int = 33,
-        hidden_size: int = 64,
-        num_layers: int = 2,
-        num_heads: int = 4,
-        ffn_size: int = 256,
-        dropout: float = 0.0,
-        tie_embeddings: bool = True,
-        pad_id: int = 1,
-        init_std: float = 0.02,
-        fused_lm_head: bool = True,
+        vocab_size: int = ModelConfig.vocab_size,
+        hidden_size: int = ModelConfig.hidden_size,
+        num_layers: int = ModelConfig.num_layers,
+        num_heads: int = ModelConfig.num_heads,
+        ffn_size: int = ModelConfig.ffn_size,
+        dropout: float = ModelConfig.dropout,
+        tie_embeddings: bool = ModelConfig.tie_embeddings,
+        pad_id: int = ModelConfig.pad_id,
+        init_std: float = ModelConfig.init_std,
+        fused_lm_head: bool = ModelConfig.fused_lm_head,
     ) -> None:
         super().__init__()
         sizes = {

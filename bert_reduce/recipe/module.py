@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 from typing_extensions import override
 
@@ -49,26 +48,6 @@ class ESM2MLMModule(ExactMLMModule):
                 cu_seqlens_padded=batch.get("cu_seqlens_padded"),
             )
         return self.model(batch["input_ids"], batch["attention_mask"])
-
-    @override
-    def transfer_batch_to_device(
-        self, batch: Any, device: torch.device, dataloader_idx: int
-    ) -> Any:
-        """Move the batch to ``device``, except ``num_scored``, which stays on the CPU.
-
-        ``num_scored`` (from :class:`~bert_reduce.recipe.data.MLMCollator`) is host data: the
-        loss reads it to size its work without waiting for the device.
-        """
-        if isinstance(batch, Mapping):
-            return {
-                key: value
-                if key == "num_scored"
-                else self.transfer_batch_to_device(value, device, dataloader_idx)
-                for key, value in batch.items()
-            }
-        if isinstance(batch, list):
-            return [self.transfer_batch_to_device(value, device, dataloader_idx) for value in batch]
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     @override
     def micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -7,11 +7,16 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from bert_reduce.recipe.config import SchedulerConfig
+
 __all__ = ["warmup_cosine_schedule"]
 
 
 def warmup_cosine_schedule(
-    optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
+    optimizer: Optimizer,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float = SchedulerConfig.min_lr_ratio,
 ) -> LambdaLR:
     """Linear warm-up, then cosine decay of the learning rate.
 

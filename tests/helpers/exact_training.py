@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
+from typing import ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from bert_reduce.functional import safe_divide
 from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.num_scored import NumScoredCollator
 from bert_reduce.reduction import BERTMLMLossWithReduction
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
@@ -166,6 +168,23 @@ class InstrumentedModule(ExactMLMModule):
         return loss
 
 
+class CountRecordingLoss(BERTMLMLossWithReduction):
+    """The loss, recording the ``num_scored`` and ``loss_mask`` of every micro-batch it scores."""
+
+    seen: ClassVar[list[tuple[object, Tensor]]] = []
+
+    def forward(self, batch, forward_out):
+        CountRecordingLoss.seen.append((batch.get("num_scored"), batch["loss_mask"].clone()))
+        return super().forward(batch, forward_out)
+
+
+def assert_each_loss_got_its_micro_batch_count() -> None:
+    """Every micro-batch reached the loss with its own count of scored positions, an int."""
+    assert CountRecordingLoss.seen
+    for count, mask in CountRecordingLoss.seen:
+        assert type(count) is int and count == int(mask.sum()), (count, mask)
+
+
 GRADIENT_BUCKETS_REDUCED: list[int] = []
 
 
@@ -220,11 +239,14 @@ def lightning_train(
     val_size: int = 0,
     steps: int = STEPS,
     model_dtype: torch.dtype | None = None,
+    count_scored: bool = False,
 ) -> Run:
     """Train with Lightning, then validate on the first ``val_size`` validation samples.
 
     The model is fp64 under ``"64-true"``, else fp32, unless ``model_dtype`` says otherwise
     (``ModelParallelStrategy`` refuses ``"64-true"``: an fp64 model under ``"32-true"``).
+    With ``count_scored``, the training loader adds per-sample ``num_scored`` counts
+    (``NumScoredCollator``) and the loss is a :class:`CountRecordingLoss` (reset here).
     """
     if model_dtype is None:
         model_dtype = torch.float64 if precision == "64-true" else torch.float32
@@ -259,14 +281,17 @@ def lightning_train(
             **common,
         )
     else:
-        loss_fn = BERTMLMLossWithReduction(
+        loss_cls = CountRecordingLoss if count_scored else BERTMLMLossWithReduction
+        CountRecordingLoss.seen = []
+        loss_fn = loss_cls(
             normalization=mode,
             constant_per_sequence=CONSTANT_PER_SEQUENCE if mode == "constant" else None,
         )
         module = module_cls(
             model, micro_batch_size, optimizer=optimizer, loss_fn=loss_fn, gradient_clip_val=clip
         )
-        loader = DataLoader(dataset, batch_sampler=sampler)
+        collate = NumScoredCollator(default_collate, per_sample=True) if count_scored else None
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
         trainer = pl.Trainer(callbacks=[recorder], **common)
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
     assert (trainer.global_step, trainer.world_size) == (steps, devices)

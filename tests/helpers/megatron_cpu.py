@@ -17,6 +17,8 @@ Small shims, nothing in Megatron is modified:
 * ``sequence_parallel_mappings_on_cpu()``: Megatron's sequence-parallel all-gather and
   reduce-scatter allocate their outputs on ``torch.cuda.current_device()``; inside the
   context, that name of the mappings module only gives the CPU.
+* ``megatron_model_on_cpu()``: the forward of Megatron's own transformer layers (local spec):
+  attention's buffer and RNG fork, see its docstring.
 """
 
 from __future__ import annotations
@@ -126,11 +128,41 @@ def sequence_parallel_mappings_on_cpu() -> Iterator[None]:
 
     Test-only shim: ``megatron/core/tensor_parallel/mappings.py`` allocates their outputs with
     ``torch.empty(..., device=torch.cuda.current_device())`` (``_gather_along_first_dim``,
-    line 141, and ``_reduce_scatter_along_first_dim``, line 181, in megatron-core 0.16.1). Within
-    the context, the ``torch`` name of that module only is a proxy whose
-    ``cuda.current_device()`` is ``"cpu"``; the collectives themselves are gloo's, unchanged.
+    line 141, and ``_reduce_scatter_along_first_dim``, line 181, in megatron-core 0.16.1), and
+    so does ``ColumnParallelLinear``'s backward when it all-gathers its sequence-parallel input
+    again (``megatron/core/tensor_parallel/layers.py:552``). Within the context, the ``torch``
+    name of those two modules only is a proxy whose ``cuda.current_device()`` is ``"cpu"``;
+    the collectives themselves are gloo's, unchanged.
     """
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import layers, mappings
 
-    with mock.patch.object(mappings, "torch", _TorchWithCpuCurrentDevice()):
+    with (
+        mock.patch.object(mappings, "torch", _TorchWithCpuCurrentDevice()),
+        mock.patch.object(layers, "torch", _TorchWithCpuCurrentDevice()),
+    ):
         yield
+
+
+@contextlib.contextmanager
+def megatron_model_on_cpu() -> Iterator[None]:
+    """Megatron-Core's transformer layers (local layer spec) run forward and backward on CPU.
+
+    Test-only shims, nothing else replaced (line numbers of megatron-core 0.16.1):
+
+    * ``megatron/core/utils.py:631`` (``GlobalMemoryBuffer.get_tensor``) allocates attention's
+      score buffer on ``torch.cuda.current_device()``: within the context, the ``torch`` name
+      of that module only is the proxy whose ``cuda.current_device()`` is ``"cpu"``;
+    * ``megatron/core/transformer/dot_product_attention.py:217`` forks the CUDA RNG tracker
+      around attention dropout (even at probability 0): Megatron's own inference tracker
+      (``tensor_parallel/random.py``, ``initialize_rng_tracker(inference_rng_tracker=True)``)
+      forks no CUDA state. The CUDA tracker is restored afterwards.
+    """
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import random
+
+    with mock.patch.object(utils, "torch", _TorchWithCpuCurrentDevice()):
+        random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        try:
+            yield
+        finally:
+            random.initialize_rng_tracker(force_reset=True)

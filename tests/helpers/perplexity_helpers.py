@@ -15,12 +15,16 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from bert_reduce import BERTMLMLossWithReduction
+from bert_reduce.lightning import ValidationPerplexityCallback
 from bert_reduce.reports import reduce_reports
 from tests.helpers.reference import reference_loss
 
 SEQ_LEN, VOCAB, HIDDEN = 8, 11, 6
 # Masking probability per sample: uneven masked counts per batch, and samples with none.
 MASK_PROBS = (0.5, 0.1, 0.0, 0.9, 0.3, 0.7, 0.0, 0.2, 0.6, 0.4, 0.8, 0.15, 0.05)
+# The validation set: 11 samples in batches of 4 (3 + ... per rank), a size that divides neither
+# the batch size nor the number of ranks.
+SIZE, BATCH = 11, 4
 
 
 class MLMSamples(Dataset[dict[str, Tensor]]):
@@ -103,6 +107,18 @@ def reference(model: TinyMLM, dataset: MLMSamples) -> tuple[Tensor, Tensor, int]
     ppl = perplexity.compute()
     torch.testing.assert_close(ppl, loss.exp(), rtol=1e-12, atol=0)
     return loss, ppl, int(dataset.loss_mask.sum())
+
+
+def assert_matches_reference(
+    callback: ValidationPerplexityCallback, model: TinyMLM, data: MLMSamples
+) -> None:
+    """The callback's last result is the one-pass reference's: count, loss and perplexity."""
+    ref_loss, ref_ppl, ref_count = reference(model, data)
+    result = callback.result
+    assert result is not None
+    assert int(result.denominator) == ref_count
+    torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(result.perplexity, ref_ppl, rtol=1e-12, atol=0)
 
 
 def trainer(callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:

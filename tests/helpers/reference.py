@@ -49,6 +49,20 @@ def reference_loss_and_grad(
     return loss.detach(), logits.grad
 
 
+def weighted_reference(logits_sbv: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``sum(w * F.cross_entropy)`` over the scored tokens and its gradient, fp64.
+
+    ``logits_sbv`` are ``[s, b, v]``; ``w`` is the ``[b, s]`` ``mask`` (0/1 or float weights).
+    """
+    logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
+    scored = mask != 0
+    per_token = F.cross_entropy(logits.transpose(0, 1)[scored], labels[scored], reduction="none")
+    loss = (per_token * mask[scored].to(torch.float64)).sum()
+    loss.backward()
+    assert logits.grad is not None
+    return loss.detach(), logits.grad
+
+
 RAGGED_LENGTHS = (5, 12, 1, 9, 12, 3)
 RAGGED_SEQ_LEN, RAGGED_VOCAB = 12, 11
 
@@ -66,3 +80,14 @@ def ragged_mlm_batch(seed: int = 3) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     real = torch.arange(RAGGED_SEQ_LEN) < torch.tensor(RAGGED_LENGTHS)[:, None]
     mask[2] = False  # a sequence with no masked token
     return logits, labels, mask & real, real
+
+
+# Micro-batches as row indices of uneven_mlm_batch(): unequal sizes, and rows 2 and 5 hold no
+# masked token (row 5 alone is a micro-batch with none).
+UNEVEN_MICRO_BATCHES = [[0, 1, 2], [3, 4], [5], [6]]
+UNEVEN_VOCAB = 12
+
+
+def uneven_mlm_batch(dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor]:
+    """``[10, 7, 12]`` logits, ``[7, 10]`` labels and mask, for ``UNEVEN_MICRO_BATCHES``."""
+    return make_mlm_batch(7, 10, UNEVEN_VOCAB, empty_rows=(2, 5), dtype=dtype, seed=3)

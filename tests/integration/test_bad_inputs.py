@@ -28,9 +28,11 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from lightning.pytorch import Trainer
 
-from bert_reduce import BERTMLMLossWithReduction
+from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
 from bert_reduce.cross_entropy import masked_cross_entropy
+from bert_reduce.lightning import split_micro_batches
 from bert_reduce.normalization import normalized_loss_terms
+from bert_reduce.num_scored import count_scored
 from bert_reduce.packing import pack_batch, unpack_sequences
 from bert_reduce.recipe.build import run
 from bert_reduce.recipe.config import register_configs
@@ -275,6 +277,34 @@ def reduce_reports_of(reports: object) -> Callable[[Path], str]:
     return probe
 
 
+def whole_batch_count(tmp: Path) -> str:
+    split_micro_batches({"labels": torch.zeros(4, 3), "num_scored": 5}, 2)
+    return "split"
+
+
+def count_on_a_device(tmp: Path) -> str:
+    count_scored({"loss_mask": torch.ones(2, 3, dtype=torch.bool, device="meta")})
+    return "counted"
+
+
+def head_without_weight(tmp: Path) -> str:
+    labels = torch.zeros(1, 2, dtype=torch.long)
+    loss_fn = GlobalBatchLoss(group=None)
+    loss_fn.begin([{"labels": labels}])
+    loss_fn({"hidden_states": torch.zeros(1, 2, 4)}, {"labels": labels})
+    return "scored"
+
+
+def megatron_head_of(model: torch.nn.Module) -> Callable[[Path], str]:
+    def probe(tmp: Path) -> str:
+        from bert_reduce.megatron import output_layer_inputs
+
+        output_layer_inputs(model, torch.zeros(1, 2))
+        return "ran"
+
+    return probe
+
+
 PROBES = [
     Probe(
         "`train.py`",
@@ -476,6 +506,34 @@ PROBES = [
         reduce_reports_of([{"loss_sum_and_microbatch_size": torch.zeros(3)}]),
         ValueError,
         r"must have shape \[2\] or \[\.\.\., 2\] \(loss_sum, denominator\), got \(3,\)",
+    ),
+    Probe(
+        "library",
+        "one `int` `num_scored` for a batch `ExactMLMModule` splits into micro-batches",
+        whole_batch_count,
+        ValueError,
+        r"num_scored'\] = 5 counts the whole batch of 4 samples and cannot be split into 2",
+    ),
+    Probe(
+        "library",
+        "`NumScoredCollator` / `count_scored` on a batch already on the GPU",
+        count_on_a_device,
+        ValueError,
+        r"batch\['loss_mask'\] is on meta: reading it to count would synchronize",
+    ),
+    Probe(
+        "library",
+        "`GlobalBatchLoss` given hidden states without `output_weight`",
+        head_without_weight,
+        KeyError,
+        r"lacks \['output_weight'\]",
+    ),
+    Probe(
+        "library",
+        "`output_layer_inputs` on a model without an output layer",
+        megatron_head_of(torch.nn.Linear(2, 2)),
+        TypeError,
+        r"needs a Megatron-Core language model with an `output_layer`.*got Linear",
     ),
     Probe(
         "library",

@@ -41,6 +41,9 @@ def _full(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _body(world_size: int) -> None:
     for mode, micro_batch_size in (("per_token", 1), ("per_token", 2), ("per_sequence", 2)):
+        # The first run's loader counts each sample's scored positions; every micro-batch's
+        # loss gets its own count as an int through FSDP2's batch transfer and the split.
+        count_scored = micro_batch_size == 1
         expected, expected_losses = et.reference_train(et.sgd(), clip=None, mode=mode)
         run = et.lightning_train(
             micro_batch_size=micro_batch_size,
@@ -52,7 +55,10 @@ def _body(world_size: int) -> None:
             # ModelParallelStrategy refuses "64-true"; "32-true" leaves the fp64 model as is.
             precision="32-true",
             model_dtype=torch.float64,
+            count_scored=count_scored,
         )
+        if count_scored:
+            et.assert_each_loss_got_its_micro_batch_count()
         assert any(isinstance(p, DTensor) for p in run.module.parameters())
         et.assert_params_close(_full(run.params), expected)
         torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)

@@ -1,8 +1,8 @@
 """The fused masked-only LM head under tensor parallelism: 2 real gloo processes, Megatron's TP.
 
-Each rank holds half of the vocabulary (rows of the output weight and bias); the losses and
-gradients must equal F.linear + F.cross_entropy on the whole vocabulary, with ONE collective
-in the forward.
+Each rank holds half of the vocabulary (rows of the output weight and bias); the losses (or
+their weighted sum) and gradients must equal F.linear + F.cross_entropy on the whole
+vocabulary, with ONE collective in the forward.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from bert_reduce import BERTMLMLossWithReduction, linear_masked_token_losses
+from bert_reduce.linear_cross_entropy import linear_weighted_loss_sum
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.linear_reference import linear_reference, make_head_batch
 from tests.helpers.megatron_cpu import sequence_parallel_mappings_on_cpu
@@ -52,6 +53,27 @@ def _tensor_parallel_body() -> None:
         dist.all_reduce(hidden_grad, group=tp_group)
         torch.testing.assert_close(hidden_grad, ref_hidden, rtol=1e-10, atol=1e-12)
 
+    # The weighted sum: gradients accumulated in the forward, after the one all-reduce
+    # (two passes over the shard's chunks), scaled by the upstream gradient in backward.
+    expected_sum = (ref_losses * coef).sum()
+    for capacity, num_scored in [("all", None), (None, None), (0.6, None), (1, int(mask.sum()))]:
+        leaves = [hidden.clone(), weight[cols].clone(), bias[cols].clone()]
+        leaves = [leaf.requires_grad_(True) for leaf in leaves]
+        rows = {} if capacity is None else {"capacity": capacity}
+        with count_collectives() as calls:
+            total = linear_weighted_loss_sum(
+                leaves[0], leaves[1], labels, coef.double(), bias=leaves[2],
+                num_scored=num_scored, **rows, **CHUNKS,
+            )  # fmt: skip
+            (0.5 * total).backward()
+        assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
+        torch.testing.assert_close(total, expected_sum, rtol=1e-10, atol=0)
+        torch.testing.assert_close(leaves[1].grad, ref_weight[cols] / 2, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(leaves[2].grad, ref_bias[cols] / 2, rtol=1e-10, atol=1e-12)
+        hidden_grad = leaves[0].grad.clone()
+        dist.all_reduce(hidden_grad, group=tp_group)
+        torch.testing.assert_close(hidden_grad, ref_hidden / 2, rtol=1e-10, atol=1e-12)
+
     # Through the loss reduction, with the collator's CPU count: one collective, no sync.
     leaves = [hidden.clone(), weight[cols].clone(), bias[cols].clone()]
     leaves = [leaf.requires_grad_(True) for leaf in leaves]
@@ -87,6 +109,20 @@ def _sequence_parallel_body() -> None:
         (losses * coef).sum().backward()
     torch.testing.assert_close(losses, ref_losses, rtol=1e-10, atol=1e-12)
     # The sequence shard's gradient is whole: Megatron's reduce-scatter summed the shards'.
+    torch.testing.assert_close(leaves[0].grad, ref_hidden[rows], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(leaves[1].grad, ref_weight[cols], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(leaves[2].grad, ref_bias[cols], rtol=1e-10, atol=1e-12)
+
+    # The weighted sum on the sequence shard, with the count as an int.
+    leaves = [hidden[rows].clone(), weight[cols].clone(), bias[cols].clone()]
+    leaves = [leaf.requires_grad_(True) for leaf in leaves]
+    with sequence_parallel_mappings_on_cpu():
+        total = linear_weighted_loss_sum(
+            leaves[0], leaves[1], labels, coef, bias=leaves[2], sequence_parallel=True,
+            num_scored=int(mask.sum()),
+        )  # fmt: skip
+        total.backward()
+    torch.testing.assert_close(total, (ref_losses * coef).sum(), rtol=1e-10, atol=0)
     torch.testing.assert_close(leaves[0].grad, ref_hidden[rows], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(leaves[1].grad, ref_weight[cols], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(leaves[2].grad, ref_bias[cols], rtol=1e-10, atol=1e-12)

@@ -19,9 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import default_collate
 
 from bert_reduce import BERTMLMLossWithReduction
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import HANG_GUARD_S, run_distributed
 from tests.helpers.megatron_cpu import (
     GradSyncShell,
     schedule_counter_on_cpu,
@@ -241,3 +242,76 @@ def test_data_parallel_two_ranks_equal_one_rank() -> None:
         expected, _, _ = schedule_step(list(range(GLOBAL_BATCH)), 4)
     ref, ref_loss = reference_grads()
     run_distributed(_dp2_body, 2, expected, ref, ref_loss)
+
+
+CP_SEQ_LEN = 12  # a multiple of 2 * cp_size
+
+
+def cp_global_batch() -> list[dict[str, torch.Tensor]]:
+    """Samples of length ``CP_SEQ_LEN`` with uneven masks (row 3 empty), for a DataLoader."""
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, CP_SEQ_LEN), generator=gen)
+    labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, CP_SEQ_LEN), generator=gen)
+    rates = torch.linspace(0.1, 0.6, 8)[:, None]
+    mask = torch.rand(GLOBAL_BATCH, CP_SEQ_LEN, generator=gen) < rates
+    mask[3] = False
+    return [
+        {"input_ids": ids[i], "labels": torch.where(mask[i], labels[i], -100), "loss_mask": mask[i]}
+        for i in range(GLOBAL_BATCH)
+    ]
+
+
+def _docs_forward_step_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
+    """docs/megatron.md's forward_step under CP = 2: each micro-batch's loss gets an int count."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from torch.utils.data import DataLoader, default_collate
+
+    from bert_reduce import get_batch_on_this_cp_rank
+    from bert_reduce.num_scored import NumScoredCollator
+
+    device = torch.device("cpu")  # "cuda" on a GPU
+    seen = []
+
+    def forward_step(data_iterator, model):  # as in docs/megatron.md
+        batch = get_batch_on_this_cp_rank(next(data_iterator))  # on the host, then move
+        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+                 for k, v in batch.items()}  # fmt: skip
+        seen.append((batch["num_scored"], batch["loss_mask"]))
+        loss_fn = BERTMLMLossWithReduction()
+        loss_fn.setup(batch)
+        return model(batch["input_ids"]), loss_fn
+
+    collate = NumScoredCollator(default_collate)
+    loader = DataLoader(cp_global_batch(), batch_size=2, collate_fn=collate)
+    model = make_model(calculate_per_token_loss=True)
+    with schedule_counter_on_cpu():
+        reports = forward_backward_no_pipelining(
+            forward_step_func=forward_step,
+            data_iterator=iter(loader),
+            model=[model],
+            num_microbatches=len(loader),
+            seq_length=CP_SEQ_LEN // 2,
+            micro_batch_size=2,
+        )
+    assert len(seen) == 4
+    for count, mask in seen:
+        assert type(count) is int and count == int(mask.sum()), (count, mask)
+    grads = {name: param.grad for name, param in model.module.named_parameters()}
+    assert_grads_close(grads, ref, **FP32_TOL)
+    torch.testing.assert_close(checked_reduce(reports), ref_loss, **FP32_TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_docs_forward_step_hands_each_cp_shard_its_count() -> None:
+    """The count survives Megatron's data path: collator, CP slicing, the move to the device."""
+    from megatron.core.transformer import TransformerConfig
+
+    model = TinyMLM(TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1))
+    batch = default_collate(cp_global_batch())
+    logits = model(batch["input_ids"])["token_logits"].transpose(0, 1)
+    mask = batch["loss_mask"]
+    loss = F.cross_entropy(logits[mask], batch["labels"][mask])
+    loss.backward()
+    ref = {name: param.grad for name, param in model.named_parameters()}
+    run_distributed(_docs_forward_step_body, 2, ref, loss.detach(), cp=2)

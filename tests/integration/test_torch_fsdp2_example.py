@@ -1,4 +1,7 @@
-"""examples/torch_fsdp2_loop.py under ``torchrun`` on CPU: 2 ranks log the losses of 1 rank."""
+"""examples/torch_fsdp2_loop.py under ``torchrun`` on CPU: 2 ranks log the losses of 1 rank.
+
+With the fused head (the default) and with the model's logits (``--head logits``).
+"""
 
 from __future__ import annotations
 
@@ -45,5 +48,9 @@ def test_two_ranks_log_the_losses_of_one() -> None:
     two = torchrun(2, "--steps=3", "--micro-batch-size=2")
     one = torchrun(1, "--steps=3", "--micro-batch-size=4")
     assert sorted(two) == [1, 2, 3] and two[1] != two[3]
+    # The fused head (the default) trains as the model's own logits do.
+    logits = torchrun(2, "--steps=3", "--micro-batch-size=2", "--head=logits")
+    for step, loss in logits.items():
+        assert two[step] == pytest.approx(loss, rel=1e-5), step
     for step, loss in one.items():
         assert two[step] == pytest.approx(loss, rel=1e-5), step

@@ -5,103 +5,11 @@ import functools
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, split_micro_batches
+from bert_reduce.num_scored import NumScoredCollator
 from tests.helpers import exact_training as et
-from tests.helpers.dist_utils import run_distributed
-
-VAL_SIZE = 7  # split 3 + 4 over two ranks, in batches of 2: ranks run 2 and 2 uneven batches
-
-
-def _ddp_body(world_size: int) -> None:
-    """Every rank trains with Lightning DDP and checks itself against the reference."""
-    expected, expected_losses = et.reference_train(et.sgd(), clip=None)
-    for micro_batch_size in sorted({8 // world_size, 2, 1}):
-        run = et.lightning_train(
-            micro_batch_size=micro_batch_size,
-            optimizer=et.sgd(),
-            clip=None,
-            strategy=et.existing_group_ddp(),
-            devices=world_size,
-        )
-        et.assert_params_close(run.params, expected)
-        torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
-
-    expected_adam, _ = et.reference_train(et.adamw(), clip=None)
-    run = et.lightning_train(
-        micro_batch_size=2,
-        optimizer=et.adamw(),
-        clip=None,
-        strategy=et.existing_group_ddp(),
-        devices=world_size,
-    )
-    et.assert_params_close(run.params, expected_adam)
-
-    # Clipping of the exact global gradient; counted collectives and no host sync in the step
-    # (SGD: Adam's own step reads its step count on the host); an uneven validation set whose
-    # reports sum to the loss of the whole set.
-    expected_clipped, _ = et.reference_train(et.sgd(), clip=0.05)
-    et.GRADIENT_BUCKETS_REDUCED.clear()
-    et.InstrumentedModule.collectives_per_step = []
-    run = et.lightning_train(
-        micro_batch_size=1,
-        optimizer=et.sgd(),
-        clip=0.05,
-        strategy=et.existing_group_ddp(),
-        devices=world_size,
-        module_cls=et.InstrumentedModule,
-        val_size=VAL_SIZE,
-    )
-    et.assert_params_close(run.params, expected_clipped)
-    assert et.max_param_difference(expected_clipped, expected) > 1e-3  # the clip is active
-    num_buckets = len(et.GRADIENT_BUCKETS_REDUCED) // et.STEPS
-    # One DDP gradient reduction per step (each bucket once) although each rank ran
-    # 8 / world_size micro-batches, ...
-    assert num_buckets >= 1
-    assert et.GRADIENT_BUCKETS_REDUCED == list(range(num_buckets)) * et.STEPS
-    # ... and one all-reduce of the sums (none needed on one rank); the hook's all-reduces of
-    # the gradient buckets go through torch.distributed.all_reduce too.
-    expected_all_reduces = num_buckets + (1 if world_size > 1 else 0)
-    assert (
-        et.InstrumentedModule.collectives_per_step
-        == [{"all_reduce": expected_all_reduces}] * et.STEPS
-    ), et.InstrumentedModule.collectives_per_step
-    val_totals = run.val_totals.clone()
-    torch.distributed.all_reduce(val_totals)
-    torch.testing.assert_close(
-        val_totals, et.reference_val_totals(expected_clipped, VAL_SIZE), rtol=1e-10, atol=0
-    )
-
-    expected_per_sequence, expected_losses = et.reference_train(et.sgd(), None, "per_sequence")
-    run = et.lightning_train(
-        micro_batch_size=1,
-        optimizer=et.sgd(),
-        clip=None,
-        strategy=et.existing_group_ddp(),
-        devices=world_size,
-        mode="per_sequence",
-    )
-    et.assert_params_close(run.params, expected_per_sequence)
-    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
-
-    if world_size > 1:
-        stock = et.lightning_train(
-            micro_batch_size=2,
-            optimizer=et.sgd(),
-            clip=None,
-            strategy=et.existing_group_ddp(),
-            devices=world_size,
-            stock=True,
-        )
-        # Lightning's own accumulation + DDP averaging: a mean of means, visibly different.
-        assert et.max_param_difference(stock.params, expected) > 1e-3
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_ddp_training_equals_one_process_on_the_global_batch(world_size: int) -> None:
-    run_distributed(_ddp_body, world_size, world_size, megatron=False)
 
 
 @pytest.mark.parametrize("micro_batch_size", [8, 4, 2, 1])
@@ -143,6 +51,49 @@ def test_lower_precisions_train_close_to_the_fp64_reference(
     torch.testing.assert_close(run.losses, expected_losses, rtol=loss_rtol, atol=0)
     for name, value in expected.items():
         torch.testing.assert_close(run.params[name].double(), value, rtol=0, atol=param_atol)
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 2, 1])
+def test_each_micro_batch_loss_gets_its_count_as_an_int(micro_batch_size: int) -> None:
+    expected, expected_losses = et.reference_train(et.sgd(), clip=None)
+    run = et.lightning_train(
+        micro_batch_size=micro_batch_size,
+        optimizer=et.sgd(),
+        clip=None,
+        strategy="auto",
+        devices=1,
+        count_scored=True,
+    )
+    et.assert_each_loss_got_its_micro_batch_count()
+    assert len(et.CountRecordingLoss.seen) == et.STEPS * et.GLOBAL_BATCH // micro_batch_size
+    et.assert_params_close(run.params, expected)
+    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
+
+
+def test_per_sample_counts_survive_the_batch_transfer_and_split_into_ints() -> None:
+    """Lightning moves the tensors (to "meta", standing in for an accelerator), not the counts."""
+    dataset = et.UnevenMaskDataset()
+    batch = NumScoredCollator(default_collate, per_sample=True)([dataset[i] for i in range(8)])
+    module = ExactMLMModule(et.initial_model(), micro_batch_size=2)
+    moved = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
+    assert moved["loss_mask"].device.type == "meta"
+    parts = module.micro_batches(moved)
+    assert [part["num_scored"] for part in parts] == [4, 0, 7, 7]
+    assert list(et.MASK_COUNTS[:8]) == [3, 1, 0, 0, 5, 2, 6, 1]
+    one = split_micro_batches({**moved, "num_scored": 17}, 8)
+    assert one[0]["num_scored"] == 17  # a whole batch's int, for one micro-batch
+
+
+@pytest.mark.parametrize(
+    ("num_scored", "message"),
+    [
+        (17, r"num_scored'\] = 17 counts the whole batch of 4 samples and cannot be split into 2"),
+        ((1, 2, 3), r"holds 3 per-sample counts for a batch of 4 samples"),
+    ],
+)
+def test_counts_that_cannot_be_split_are_refused(num_scored, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        split_micro_batches({"labels": torch.zeros(4, 3), "num_scored": num_scored}, 2)
 
 
 def test_split_micro_batches_keeps_order_and_shares_non_tensors() -> None:

@@ -1,49 +1,36 @@
-"""ValidationPerplexityCallback against a one-pass reference, in one and two real processes.
+"""ValidationPerplexityCallback against a one-pass reference, in one process.
 
-The validation set has 11 samples, validated in batches of 4 (3 + ... per rank): its size
-divides neither the batch size nor the number of ranks, and batches hold different numbers of
-masked tokens (some samples hold none).
+The validation set has 11 samples, validated in batches of 4: its size divides neither the
+batch size nor the number of ranks, and batches hold different numbers of masked tokens (some
+samples hold none). Real DDP processes: tests/integration/test_validation_perplexity_ddp.py.
 """
 
 from __future__ import annotations
 
 import os
-from collections import Counter
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from bert_reduce.lightning import (
-    ShardedEvalBatchSampler,
     ValidationPerplexityCallback,
     check_no_repeated_samples,
 )
-from tests.helpers.dist_utils import run_distributed
 from tests.helpers.perplexity_helpers import (
+    BATCH,
+    SIZE,
     MLMSamples,
     TinyMLM,
-    join_existing_group,
+    assert_matches_reference,
     loader,
     reference,
     trainer,
 )
-from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
-
-SIZE, BATCH = 11, 4
-
-
-def _assert_matches(callback: ValidationPerplexityCallback, model: TinyMLM, data: MLMSamples):
-    ref_loss, ref_ppl, ref_count = reference(model, data)
-    result = callback.result
-    assert result is not None
-    assert int(result.denominator) == ref_count
-    torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=0)
-    torch.testing.assert_close(result.perplexity, ref_ppl, rtol=1e-12, atol=0)
+from tests.helpers.sync_guard import forbid_host_syncs
 
 
 def test_validate_equals_one_pass_reference_and_nemo_mean_of_means_does_not() -> None:
@@ -51,7 +38,7 @@ def test_validate_equals_one_pass_reference_and_nemo_mean_of_means_does_not() ->
     callback = ValidationPerplexityCallback()
     (logged,) = trainer([callback]).validate(model, loader(data, BATCH), verbose=False)
 
-    _assert_matches(callback, model, data)
+    assert_matches_reference(callback, model, data)
     ref_loss, ref_ppl, _ = reference(model, data)
     assert logged["val_loss"] == pytest.approx(float(ref_loss), rel=1e-12)
     assert logged["val_ppl"] == pytest.approx(float(ref_ppl), rel=1e-12)
@@ -95,7 +82,7 @@ def test_fit_ignores_sanity_check_and_logs_every_epoch() -> None:
     assert [(epoch, count) for epoch, _, count in record.epochs] == [(0, ref_count), (1, ref_count)]
     for _, ppl, _ in record.epochs:
         assert ppl == pytest.approx(float(ref_ppl), rel=1e-12)
-    _assert_matches(callback, model, data)
+    assert_matches_reference(callback, model, data)
     assert float(fit.callback_metrics["val_ppl"]) == pytest.approx(
         float(callback.result.perplexity), rel=1e-12
     )
@@ -226,76 +213,3 @@ def test_resumed_run_reports_the_uninterrupted_values(tmp_path: Any) -> None:
     assert restored.result is not None and callback.result is not None
     for saved, live in zip(restored.result, callback.result, strict=True):
         assert torch.equal(saved, live)
-
-
-def _ddp_body(world_size: int) -> None:
-    """Every check that needs real DDP processes, in one spawn."""
-    rank = dist.get_rank()
-    join_existing_group(rank, world_size)
-    ddp = {"devices": world_size, "strategy": "ddp"}
-    data, model = MLMSamples(SIZE), TinyMLM()
-    _, _, ref_count = reference(model, data)
-
-    # The fix: every sample on exactly one rank, with Lightning's UnrepeatedDistributedSampler
-    # (Lightning keeps a DistributedSampler it is given) or bert_reduce's
-    # ShardedEvalBatchSampler. Count the collectives: none while batches run, one sync at the end.
-    for size, sharded in ((SIZE, False), (9, False), (SIZE, True)):  # 9: 2 batches vs 1
-        subset = MLMSamples(size)
-        if sharded:
-            batches = ShardedEvalBatchSampler(size, BATCH, num_replicas=world_size, rank=rank)
-            val_loader = DataLoader(subset, batch_sampler=batches)
-        else:
-            sampler = UnrepeatedDistributedSampler(subset, world_size, rank, shuffle=False)
-            val_loader = loader(subset, BATCH, sampler=sampler)
-        callback = ValidationPerplexityCallback()
-        counter = _CountCollectives()
-        trainer([callback, counter], use_distributed_sampler=not sharded, **ddp).validate(
-            model, val_loader, verbose=False
-        )
-        _assert_matches(callback, model, subset)
-        assert counter.during_batches == Counter(), counter.during_batches
-        # torchmetrics gathers each of the two scalar states once.
-        assert counter.at_epoch_end["all_gather"] == 2, counter.at_epoch_end
-
-    # Lightning's default DistributedSampler pads the 11 samples to 12 by repeating sample 0:
-    # the check refuses it, and without the check its tokens count twice.
-    if world_size > 1:
-        with pytest.raises(ValueError, match=r"repeats 1 of the 11 samples"):
-            trainer([ValidationPerplexityCallback()], **ddp).validate(model, loader(data, BATCH))
-    stock = ValidationPerplexityCallback(check_sampler=False)
-    trainer([stock], **ddp).validate(model, loader(data, BATCH), verbose=False)
-    assert stock.result is not None
-    repeated = int(data.loss_mask[0].sum()) if world_size > 1 else 0
-    assert int(stock.result.denominator) == ref_count + repeated
-    if world_size > 1:
-        assert repeated > 0
-        assert not torch.allclose(stock.result.perplexity, reference(model, data)[1], rtol=1e-6)
-    else:
-        _assert_matches(stock, model, data)
-
-
-class _CountCollectives(pl.Callback):
-    """Counts torch.distributed collectives while batches run and after the last one."""
-
-    def __init__(self) -> None:
-        self.during_batches: Counter[str] = Counter()
-        self.at_epoch_end: Counter[str] = Counter()
-        self._context: Any = None
-        self._counts: Counter[str] = Counter()
-
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule):
-        self._context = count_collectives()
-        self._counts = self._context.__enter__()
-
-    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.during_batches = Counter(self._counts)
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.at_epoch_end = Counter(self._counts) - self.during_batches
-        self._context.__exit__(None, None, None)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_ddp_gloo_equals_one_pass_reference(world_size: int) -> None:
-    run_distributed(_ddp_body, world_size, world_size, megatron=False)

@@ -77,10 +77,13 @@ def optimizer_module() -> MegatronOptimizerModule:
     )
 
 
-def nemo_trainer(world_size: int, steps: int, pp: int = 1, **kwargs: Any) -> nl.Trainer:
+def nemo_trainer(
+    world_size: int, steps: int, pp: int = 1, tp: int = 1, **kwargs: Any
+) -> nl.Trainer:
     """A NeMo 2 trainer with the Megatron flags the exact per-token reduction needs."""
     strategy = nl.MegatronStrategy(
         pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
         ddp=DistributedDataParallelConfig(average_in_collective=False),
         ckpt_load_strictness="log_all",
     )
@@ -118,10 +121,13 @@ def save_rank_result(out_dir: str, module: pl.LightningModule, **extra: Any) -> 
     torch.save(result, Path(out_dir) / f"rank{os.environ['RANK']}.pt")
 
 
-def _fit_body(out_dir: str, world_size: int, steps: int, pp: int, output: str) -> None:
+def _fit_body(
+    out_dir: str, world_size: int, steps: int, pp: int, output: str, tp: int = 1
+) -> None:
     recorder = LossRecorder()
-    trainer = nemo_trainer(world_size, steps, pp, callbacks=[recorder])
-    model = TinyBertMLM(tiny_bert_config(pipeline_model_parallel_size=pp), output=output)
+    trainer = nemo_trainer(world_size, steps, pp, tp, callbacks=[recorder])
+    config = tiny_bert_config(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp)
+    model = TinyBertMLM(config, output=output)
     optimizer_module().connect(model)
     with megatron_on_cpu():
         trainer.fit(model, TinyBertDataModule(steps))
@@ -129,8 +135,8 @@ def _fit_body(out_dir: str, world_size: int, steps: int, pp: int, output: str) -
 
 
 def fit(
-    out_dir: str, world_size: int, steps: int, pp: int = 1, output: str = "logits"
+    out_dir: str, world_size: int, steps: int, pp: int = 1, output: str = "logits", tp: int = 1
 ) -> list[dict[str, Any]]:
-    """Fit on ``world_size`` processes (DP = ``world_size / pp``); every rank's result."""
-    run_processes(_fit_body, world_size, out_dir, world_size, steps, pp, output)
+    """Fit on ``world_size`` processes (DP = ``world_size / (pp * tp)``); every rank's result."""
+    run_processes(_fit_body, world_size, out_dir, world_size, steps, pp, output, tp)
     return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world_size)]

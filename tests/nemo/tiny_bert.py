@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from bert_reduce import BERTMLMLossWithReduction
-from bert_reduce.nemo import ExactValidationDataSampler
+from bert_reduce.megatron import output_layer_inputs
+from bert_reduce.nemo import ExactValidationDataSampler, num_scored_data_step
 
 VOCAB, SEQ_LEN, MASK_ID = 32, 12, 3
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
@@ -199,8 +200,13 @@ class TinyBertMLM(pl.LightningModule, io.IOMixin):
         config: Megatron config (``calculate_per_token_loss=True``).
         loss_reduction_class: Builds the training loss (``()``) and the validation loss
             (``(validation_step=True)``), as BioNeMo's ``loss_reduction_class``.
-        output: What the last stage hands the loss: ``"logits"`` (``[b, s, v]``, NeMo's BERT)
-            or ``"lm_loss"`` (``[b, s]`` per-token losses from Megatron's BERT given labels).
+        output: What the last stage hands the loss: ``"logits"`` (``[b, s, v]``, NeMo's BERT),
+            ``"lm_loss"`` (``[b, s]`` per-token losses from Megatron's BERT given labels), or
+            ``"fused"``: in training, the output layer's inputs
+            (:func:`bert_reduce.megatron.output_layer_inputs`) for the masked-only fused head,
+            with each micro-batch's ``num_scored`` counted on the host by
+            :func:`bert_reduce.nemo.num_scored_data_step` (checked to reach the loss as this
+            micro-batch's own ``int``); logits in validation.
     """
 
     def __init__(
@@ -224,17 +230,23 @@ class TinyBertMLM(pl.LightningModule, io.IOMixin):
     def forward(self, batch: Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
         """Hidden states ``[s, b, h]`` on a non-last stage, else the loss's input."""
         assert self.module is not None
+        if self.output == "fused" and self.training:
+            return output_layer_inputs(self.module, batch["text"], batch["attention_mask"])
         labels = batch["labels"] if self.output == "lm_loss" else None
         out = self.module(batch["text"], batch["attention_mask"], lm_labels=labels)
         if not isinstance(out, tuple):
             return out
-        return {self.output: out[0]}
+        return {"logits" if self.output == "fused" else self.output: out[0]}
 
     def data_step(self, dataloader_iter: Iterator[Any]) -> dict[str, Tensor]:
-        batch = next(dataloader_iter)
-        return batch[0] if isinstance(batch, tuple) else batch
+        if self.output == "fused":
+            return num_scored_data_step(_plain_data_step)(dataloader_iter)
+        return _plain_data_step(dataloader_iter)
 
     def forward_step(self, batch: Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
+        if self.output == "fused" and self.training:
+            count = batch["num_scored"]
+            assert type(count) is int and count == int(batch["loss_mask"].sum()), count
         return self(batch)
 
     @override
@@ -250,6 +262,11 @@ class TinyBertMLM(pl.LightningModule, io.IOMixin):
 
     def validation_loss_reduction(self) -> BERTMLMLossWithReduction:
         return self.loss_reduction_class(validation_step=True)
+
+
+def _plain_data_step(dataloader_iter: Iterator[Any]) -> dict[str, Tensor]:
+    batch = next(dataloader_iter)
+    return batch[0] if isinstance(batch, tuple) else batch
 
 
 def reference_val_loss(steps: int, val_samples: int) -> float:

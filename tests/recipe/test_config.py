@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import TQDMProgressBar
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.lightning import (
@@ -22,10 +25,20 @@ from bert_reduce.lightning import (
 from bert_reduce.normalization import Normalization
 from bert_reduce.recipe.build import build_module, build_trainer, resolve_precision
 from bert_reduce.recipe.checkpoint_io import AtomicCheckpointIO
-from bert_reduce.recipe.config import NormalizationName, register_configs
+from bert_reduce.recipe.config import (
+    DataConfig,
+    HFEsm2ModelConfig,
+    ModelConfig,
+    NormalizationName,
+    SchedulerConfig,
+    TrainConfig,
+    register_configs,
+)
 from bert_reduce.recipe.csv_logger import AppendingCSVLogger
 from bert_reduce.recipe.datamodule import ESMDataModule
+from bert_reduce.recipe.hf_esm import HFEsm2Model
 from bert_reduce.recipe.model import ESM2Model
+from bert_reduce.recipe.optim import warmup_cosine_schedule
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -137,3 +150,57 @@ def test_precision_auto() -> None:
         "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
     )
     assert resolve_precision("auto") == expected
+
+
+@pytest.mark.parametrize(
+    ("key", "schema", "target"),
+    [
+        ("model", ModelConfig, ESM2Model),
+        ("model", HFEsm2ModelConfig, HFEsm2Model),
+        ("data", DataConfig, ESMDataModule),
+        ("optim.scheduler", SchedulerConfig, warmup_cosine_schedule),
+    ],
+    ids=["ESM2Model", "HFEsm2Model", "ESMDataModule", "warmup_cosine_schedule"],
+)
+def test_recipe_classes_take_their_defaults_from_the_configs(
+    key: str, schema: type, target: Callable
+) -> None:
+    # Every default the recipe's class (or function) and its config both state is the same,
+    # so that ESM2Model() builds what `python train.py` builds; "${seed}" and other
+    # interpolations are resolved as train.py resolves them.
+    assert schema.__dict__["_target_"] == f"{target.__module__}.{target.__qualname__}"
+    root = OmegaConf.structured(TrainConfig(model=schema()))
+    resolved = OmegaConf.to_container(OmegaConf.select(root, key), resolve=True)
+    fields = {f.name for f in dataclasses.fields(schema) if not f.name.startswith("_")}
+    parameters = inspect.signature(target).parameters
+    assert fields <= set(parameters), "a config key the target does not take"
+    empty = inspect.Parameter.empty
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not empty}
+    assert set(defaults) <= fields, "a default the config cannot override"
+    assert defaults == {name: resolved[name] for name in defaults}
+
+
+def test_model_defaults_are_the_config_defaults() -> None:
+    # The case: ESM2Model() had dropout 0.0 while the config (and train.py) had 0.1.
+    model, configured = ESM2Model(), instantiate(ModelConfig())
+    dropouts = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    assert dropouts == {m.p for m in configured.modules() if isinstance(m, torch.nn.Dropout)}
+    assert dropouts == {ModelConfig.dropout} == {0.1}
+    assert model.layers[0].attn.dropout == ModelConfig.dropout
+    shapes = {name: p.shape for name, p in model.state_dict().items()}
+    assert shapes == {name: p.shape for name, p in configured.state_dict().items()}
+
+
+def test_normalization_names_are_the_modes() -> None:
+    # One list of modes (bert_reduce.normalization); the config's enum is named by their values,
+    # which is what the command line and config.yaml write.
+    assert [(m.name, m.value) for m in NormalizationName] == [
+        (m.value, m.value) for m in Normalization
+    ]
+    for name in NormalizationName:
+        assert Normalization(name) is Normalization(name.value)
+    cfg = make("loss.normalization=per_sequence")
+    assert "normalization: per_sequence" in OmegaConf.to_yaml(cfg.loss)
+    with pytest.raises(ConfigCompositionException) as info:
+        make("loss.normalization=PER_SEQUENCE")
+    assert "expected one of [per_token, per_sequence, constant]" in str(info.value.__cause__)

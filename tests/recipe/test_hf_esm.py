@@ -83,6 +83,8 @@ def test_pretrained_path_loads_a_local_checkpoint(tmp_path: Path) -> None:
     saved.model.save_pretrained(tmp_path)
     loaded = instantiate(make(f"model.pretrained_path={tmp_path}").model)
     assert loaded.model.config.hidden_size == 16  # the checkpoint's shape, not the config's
+    # In training mode, as a model built from a config (from_pretrained returns eval mode).
+    assert all(module.training for module in loaded.modules())
     expected = saved.state_dict()
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)

@@ -3,68 +3,28 @@
 The same global batches give the same per-step ``train_loss`` and final ``val_ppl`` whatever
 the micro-batch size and number of DDP processes (gloo), on a validation set whose size
 divides neither the batch sizes nor the number of ranks; and a run stopped after step k and
-resumed writes the rows of an uninterrupted run.
+resumed writes the rows of an uninterrupted run. The README's runs print no warning.
 """
 
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist_utils import HANG_GUARD_S
+from tests.helpers.recipe_runs import (
+    run_train_py,
+    train,
+    train_losses,
+    validations,
+    warnings_printed,
+)
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-NUM_VAL = 37  # prime: divides no micro-batch size nor 2 ranks
-TINY = [
-    "model.dropout=0.0",
-    "data.global_batch_size=16",
-    "data.num_train_sequences=80",
-    f"data.num_val_sequences={NUM_VAL}",
-    "data.max_length=512",  # lengths vary: micro-batches and ranks pad differently
-    "trainer.num_sanity_val_steps=0",
-    "trainer.enable_progress_bar=false",
-    "plot=false",
-]
 SPLITS = [(16, 1), (4, 1), (2, 2), (8, 2)]  # (micro_batch_size, devices)
 PACKED = (4, 2)  # also packing each micro-batch into one row: the same losses again
-
-
-def train(run_dir: Path, *overrides: str, multirun: bool = False) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    where = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
-    result = subprocess.run(
-        [sys.executable, "train.py", *(["-m"] if multirun else []), *TINY, *overrides, where],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-
-def rows(run_dir: Path) -> list[dict[str, str]]:
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return list(csv.DictReader(handle))
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    return {int(r["step"]): float(r["train_loss"]) for r in rows(run_dir) if r["train_loss"]}
-
-
-def validations(run_dir: Path) -> dict[int, tuple[float, float]]:
-    return {
-        int(r["step"]): (float(r["val_loss"]), float(r["val_ppl"]))
-        for r in rows(run_dir)
-        if r["val_ppl"]
-    }
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +121,22 @@ def test_multirun_wrote_one_run_directory_per_job(
         micro, devices = PACKED if split == "packed" else split
         resolved = (run_dir / "config.yaml").read_text()
         assert f"micro_batch_size: {micro}" in resolved and f"devices: {devices}" in resolved
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["model=hf_esm2"], ["trainer.devices=2", "loss.normalization=per_sequence"]],
+    ids=["default", "hf_esm2", "ddp"],
+)
+def test_runs_print_no_warning(overrides: list[str], tmp_path: Path) -> None:
+    # The README's runs as a user starts them, shortened (2 steps, small data), with every
+    # Python warning shown (PYTHONWARNINGS=default: deprecations too) and the progress bar on.
+    result = run_train_py(
+        *overrides,
+        "trainer.max_steps=2",
+        "data.num_train_sequences=64",
+        "data.num_val_sequences=16",
+        f"hydra.run.dir={tmp_path}",
+        env={"PYTHONWARNINGS": "default", "HF_HUB_OFFLINE": "1"},
+    )
+    assert not warnings_printed(result), "\n".join(warnings_printed(result))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipe.test_train_e2e import train, train_losses, validations
+from tests.helpers.recipe_runs import train, train_losses, validations, warnings_printed
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -62,7 +62,10 @@ def test_trains_from_a_local_checkpoint(tmp_path: Path) -> None:
         checkpoint
     )
     run_dir = tmp_path / "run"
-    train(run_dir, *HF_TINY, f"model.pretrained_path={checkpoint}")
+    result = train(run_dir, *HF_TINY, f"model.pretrained_path={checkpoint}")
+    assert not warnings_printed(result), warnings_printed(result)  # e.g. modules in eval mode
     assert sorted(train_losses(run_dir)) == [1, 2]
+    # The counts are host ints: no batch-transfer hook, so no Lightning warning about one.
+    assert "transfer_batch_to_device" not in result.stdout + result.stderr
     resolved = (run_dir / "config.yaml").read_text()
     assert f"pretrained_path: {checkpoint}" in resolved

@@ -1,0 +1,355 @@
+"""``transformers.Trainer`` with the exact masked-LM loss of every global batch and eval set.
+
+The plain ``Trainer`` takes a mean per micro-batch: gradient accumulation then averages means
+(ESM, whose ``accepts_loss_kwargs`` is ``False``), or skips the division by the accumulation
+steps for a model whose ``forward`` takes ``**kwargs`` but whose loss is still a mean (BERT:
+gradient x steps), DDP averages the ranks' means, an empty micro-batch gives NaN, and
+``evaluate()`` averages batch means. :class:`ExactMLMTrainer` counts first and divides once:
+
+    share(mb) = loss_sum(mb) * world / global_denominator     # back-propagated per micro-batch
+    gradient  = mean over ranks of sum over mb of d share(mb)   # DDP's mean
+              = d (sum of every loss_sum of the step) / global_denominator
+
+where ``global_denominator`` sums every accumulation micro-batch of the optimizer step on
+every process (one all-reduce per step, before the first backward) and ``world`` undoes DDP's
+mean. It uses Trainer's public hooks (the class docstring lists them); see
+``docs/hf_trainer.md``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from bert_reduce import distributed
+from bert_reduce.functional import safe_divide
+from bert_reduce.hf.token_losses import (
+    batch_loss_terms,
+    masked_lm_token_losses,
+    sample_loss_terms,
+    scored_weights,
+)
+from bert_reduce.normalization import Normalization, checked_normalization
+
+try:
+    import transformers
+    from transformers import Trainer
+except ModuleNotFoundError as error:  # pragma: no cover - the hf extra is missing
+    raise ModuleNotFoundError(
+        "bert_reduce.hf.ExactMLMTrainer needs Hugging Face transformers and accelerate: "
+        "pip install 'bert_reduce[hf]'."
+    ) from error
+
+__all__ = ["TESTED_TRANSFORMERS_VERSIONS", "ExactMLMTrainer"]
+
+TESTED_TRANSFORMERS_VERSIONS = ("5.24.0",)
+"""``transformers`` versions the test suite runs :class:`ExactMLMTrainer` with."""
+
+
+def _check_trainer_hooks() -> None:
+    """Raise if this ``transformers`` lacks the two Trainer hooks the exact loss relies on.
+
+    ``Trainer.loss_is_scaled_for_ga`` (the loss is not divided by the accumulation steps) and
+    ``get_batch_samples(epoch_iterator, num_batches, device)`` returning the step's batches and
+    the ``num_items_in_batch`` that ``training_step`` hands to ``compute_loss``.
+    """
+    parameters = list(inspect.signature(Trainer.get_batch_samples).parameters)
+    if not hasattr(Trainer, "loss_is_scaled_for_ga") or parameters[1:4] != [
+        "epoch_iterator",
+        "num_batches",
+        "device",
+    ]:
+        raise RuntimeError(
+            f"ExactMLMTrainer needs transformers.Trainer.loss_is_scaled_for_ga and "
+            f"get_batch_samples(epoch_iterator, num_batches, device), which transformers "
+            f"{transformers.__version__} does not have; it is tested with transformers "
+            f"{', '.join(TESTED_TRANSFORMERS_VERSIONS)} (pip install -c "
+            "requirements/constraints-cpu.txt 'bert_reduce[hf]')."
+        )
+
+
+class ExactMLMTrainer(Trainer):
+    """A ``transformers.Trainer`` whose masked-LM loss is exact over each global batch.
+
+    A drop-in replacement: the same arguments, plus the loss options below. For an
+    ``EsmForMaskedLM``, a ``BertForMaskedLM`` (Geneformer) or any masked LM returning
+    ``[b, s, v]`` ``logits``, and batches with ``labels`` (``[b, s]``, ``-100`` where
+    unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights)::
+
+        trainer = ExactMLMTrainer(model=model, args=args, train_dataset=train,
+                                  eval_dataset=val, data_collator=collator)
+        trainer.train()                 # every step: the gradient of the global batch's mean
+        trainer.evaluate()              # eval_loss, eval_perplexity over the whole eval set
+
+    * ``train()``: each optimizer step's gradient is that of the mean over every scored
+      token (or the chosen normalization) of the global batch, all
+      ``gradient_accumulation_steps`` micro-batches on all processes, whatever the sampler,
+      ``average_tokens_across_devices`` (unused) or the model's ``accepts_loss_kwargs``
+      (the model computes no loss: it gets no ``labels``). A micro-batch or process without a
+      scored token adds 0, never NaN. The logged ``loss`` is the exact global-batch loss
+      (averaged over the optimizer steps of a logging interval, as Trainer does).
+    * ``evaluate()`` (and ``predict()`` with labels): ``eval_loss`` is the exact mean over
+      every scored token of the eval set, each sample counted once across processes (the
+      distributed sampler's padding duplicates dropped by ``gather_for_metrics``), and
+      ``eval_perplexity = exp(eval_loss)``. ``compute_metrics`` receives logits and labels
+      as with Trainer.
+
+    Trainer hooks used (all public): ``get_batch_samples`` (the step's batches, prefetched by
+    Trainer, give the global denominator: one all-reduce per optimizer step), the
+    ``num_items_in_batch`` it returns (passed by ``training_step`` to ``compute_loss``),
+    ``loss_is_scaled_for_ga = True`` (no division by the accumulation steps),
+    ``model_accepts_loss_kwargs = False`` (Trainer counts nothing itself),
+    ``prediction_step`` / ``evaluation_loop`` (the eval sums; one gather of the last batch
+    and one all-reduce per evaluation). Tested with transformers
+    :data:`TESTED_TRANSFORMERS_VERSIONS`; another version lacking these hooks raises at
+    construction.
+
+    Supported: one process, or data parallelism (``torchrun``/``accelerate launch``: DDP,
+    whose gradient mean ``world`` undoes). Not supported, with an error: ``DataParallel``
+    (several GPUs in one process), tensor/context/sequence parallelism, a
+    ``compute_loss_func``, label smoothing.
+
+    The batch keys the loss reads (``labels``, ``loss_mask``, ``sequence_weight``,
+    ``sequence_start``, ``num_scored``) are not passed to the model; packing keys
+    (``position_ids``, ``cu_seq_lens_q``) are passed to both. A ``loss_mask`` column of the
+    *dataset* (rather than one made by the collator) needs ``remove_unused_columns=False``:
+    Trainer drops dataset columns the model's ``forward`` does not name.
+
+    Args:
+        *args: ``transformers.Trainer``'s positional arguments.
+        normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``; see
+            :mod:`bert_reduce.normalization`. Packed batches (Hugging Face's
+            ``DataCollatorWithFlattening``: ``position_ids``, or ``cu_seq_lens_q``) count
+            each packed sequence.
+        constant_per_sequence: The ``"constant"`` mode's denominator per sequence.
+        fused_head: Train through the masked-only fused head (``EsmForMaskedLM`` and
+            ``BertForMaskedLM``): no ``[b, s, v]`` logits in training, nor in evaluation
+            without ``compute_metrics``. The number of scored tokens of each micro-batch is
+            read on the host once per optimizer step (one sync), so that exactly those rows
+            are computed.
+        ignore_index: Label value of unscored tokens.
+        **kwargs: ``transformers.Trainer``'s keyword arguments.
+
+    Raises:
+        RuntimeError: With a ``transformers`` lacking the hooks above.
+        ValueError: On an unknown normalization, ``constant`` without
+            ``constant_per_sequence``, a ``compute_loss_func``, label smoothing, or several
+            GPUs in one process (``DataParallel``).
+        TypeError: With ``fused_head`` for a model other than ``EsmForMaskedLM`` or
+            ``BertForMaskedLM``.
+        NotImplementedError: Under tensor, context or sequence parallelism.
+    """
+
+    loss_is_scaled_for_ga = True
+    """Trainer hook: each micro-batch's loss is already its share of the global batch."""
+
+    def __init__(
+        self,
+        *args: Any,
+        normalization: Normalization | str = Normalization.PER_TOKEN,
+        constant_per_sequence: int | None = None,
+        fused_head: bool = False,
+        ignore_index: int = -100,
+        **kwargs: Any,
+    ) -> None:
+        _check_trainer_hooks()
+        self.normalization = checked_normalization(normalization, constant_per_sequence)
+        self.constant_per_sequence = constant_per_sequence
+        self.fused_head = fused_head
+        self.ignore_index = ignore_index
+        # Evaluation sums: [loss_sum, denominator, labelled batches] of this process, and the
+        # same of the eval set's last batch, gathered without the sampler's duplicates.
+        self._eval_local: Tensor | None = None
+        self._eval_last: Tensor | None = None
+        self._logits_wanted = True
+        super().__init__(*args, **kwargs)
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "ExactMLMTrainer computes the loss itself; drop compute_loss_func (choose the "
+                "normalization with normalization=... instead)."
+            )
+        if self.args.label_smoothing_factor != 0:
+            raise ValueError(
+                "ExactMLMTrainer does not implement label smoothing; set "
+                f"label_smoothing_factor=0 (got {self.args.label_smoothing_factor})."
+            )
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"ExactMLMTrainer does not support torch.nn.DataParallel ({self.args.n_gpu} GPUs "
+                "in one process); launch one process per GPU (torchrun, accelerate launch)."
+            )
+        sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size()}
+        sizes["sequence"] = self.get_sp_size()
+        if any(size != 1 for size in sizes.values()):
+            raise NotImplementedError(
+                f"ExactMLMTrainer supports data parallelism only; got parallel sizes {sizes}."
+            )
+        if fused_head and self.model is not None:
+            from transformers import BertForMaskedLM, EsmForMaskedLM
+
+            if not isinstance(self.model, EsmForMaskedLM | BertForMaskedLM):
+                raise TypeError(
+                    "fused_head=True supports EsmForMaskedLM and BertForMaskedLM, got "
+                    f"{type(self.model).__name__}; use fused_head=False (the model's logits)."
+                )
+        # The model gets no labels and computes no loss: Trainer must not count tokens for it
+        # (nor all-gather the count under average_tokens_across_devices).
+        self.model_accepts_loss_kwargs = False
+
+    def _loss_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel processes whose batches make up the global batch."""
+        return dist.group.WORLD if self.accelerator.num_processes > 1 else None
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator, num_batches: int, device: torch.device
+    ) -> tuple[list, Tensor]:
+        """The optimizer step's micro-batches and the global denominator: one all-reduce.
+
+        Returns:
+            ``(batches, global_denominator)``: the 0-dim fp64 sum of the denominators of
+            every micro-batch of this step on every process (the scored-token count in
+            per-token mode), which Trainer passes to :meth:`compute_loss` as
+            ``num_items_in_batch``. With ``fused_head``, each batch also gets its
+            ``num_scored`` (read on the host here, once per step), unless it has one.
+        """
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        denominator = torch.zeros((), dtype=torch.float64, device=device)
+        scored_counts = []
+        for batch in batches:
+            weights = scored_weights(batch, self.ignore_index)
+            _, count = batch_loss_terms(
+                batch, weights, None, self.normalization, self.constant_per_sequence
+            )
+            denominator = denominator + count.to(device=device, dtype=torch.float64)
+            scored_counts.append(torch.count_nonzero(weights))
+        distributed.all_reduce_sum_(denominator, self._loss_group())
+        if self.fused_head and scored_counts:
+            # One host read for the whole step: the fused head then computes exactly the
+            # scored rows of each micro-batch without a sync of its own.
+            for batch, count in zip(batches, torch.stack(scored_counts).tolist(), strict=True):
+                batch.setdefault("num_scored", count)
+        return batches, denominator
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Tensor | int | None = None,
+    ) -> Tensor | tuple[Tensor, Any]:
+        """This micro-batch's share of the global loss (training) or its own mean.
+
+        Args:
+            model: The (possibly DDP-wrapped) model.
+            inputs: The batch, with ``labels`` ``[b, s]``.
+            return_outputs: Also return the model's outputs (evaluation).
+            num_items_in_batch: The step's global denominator from :meth:`get_batch_samples`;
+                ``None`` gives the batch's own exact mean.
+
+        Returns:
+            ``loss_sum * world / global_denominator`` (0-dim; these summed over micro-batches
+            and averaged over processes are the global loss), or the batch's mean without
+            ``num_items_in_batch``; with ``return_outputs``, ``(loss, outputs)``.
+        """
+        weights = scored_weights(inputs, self.ignore_index)
+        fused = self.fused_head and (model.training or not self._logits_wanted)
+        num_scored = inputs.get("num_scored")
+        if fused and num_scored is None and not model.training:
+            # Evaluation has no step to read the count in: read it here (a host sync).
+            num_scored = int(torch.count_nonzero(weights))
+        per_token_loss, outputs = masked_lm_token_losses(
+            model, inputs, weights, fused_head=fused, num_scored=num_scored
+        )
+        numerator, denominator = batch_loss_terms(
+            inputs, weights, per_token_loss, self.normalization, self.constant_per_sequence
+        )
+        if self._eval_local is not None and not model.training:
+            self._add_eval_terms(inputs, weights, per_token_loss, numerator, denominator)
+        if num_items_in_batch is None:
+            loss = safe_divide(numerator, denominator)
+        else:
+            global_denominator = torch.as_tensor(
+                num_items_in_batch, dtype=torch.float64, device=numerator.device
+            )
+            # share = loss_sum * world / global_denominator: DDP's mean over the world's
+            # processes then sums the shares. 0 (not NaN) when the step scores nothing.
+            world = torch.full_like(global_denominator, self.accelerator.num_processes)
+            loss = numerator * safe_divide(world, global_denominator).to(numerator.dtype)
+        if return_outputs:
+            return loss, ({} if outputs is None else outputs)
+        return loss
+
+    def _add_eval_terms(
+        self,
+        inputs: dict[str, Any],
+        weights: Tensor,
+        losses: Tensor,
+        numerator: Tensor,
+        denominator: Tensor,
+    ) -> None:
+        """Add an eval batch's ``(loss_sum, denominator)``, padding duplicates dropped."""
+        one = torch.ones(1, dtype=torch.float64, device=numerator.device)
+        gradient_state = self.accelerator.gradient_state
+        if self.accelerator.num_processes > 1 and gradient_state.end_of_dataloader:
+            # Only the last batch holds the distributed sampler's padding: its per-sample
+            # terms are gathered, and gather_for_metrics keeps the real samples only.
+            if gradient_state.remainder == -1:
+                raise ValueError(
+                    "ExactMLMTrainer cannot tell the padding duplicates of this eval set apart "
+                    "across processes (it has no length): give evaluate() a dataset with "
+                    "__len__, or evaluate on one process."
+                )
+            terms = sample_loss_terms(
+                inputs, weights, losses, self.normalization, self.constant_per_sequence
+            )
+            gathered = self.accelerator.gather_for_metrics(terms)
+            self._eval_last = self._eval_last + torch.cat([gathered.sum(dim=0), one])
+        else:
+            pair = torch.stack([numerator.detach().double(), denominator.double()])
+            self._eval_local = self._eval_local + torch.cat([pair, one])
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """Trainer's ``prediction_step``; the fused head serves when no logits are wanted."""
+        self._logits_wanted = not prediction_loss_only
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        finally:
+            self._logits_wanted = True
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``evaluation_loop``, with the exact ``<prefix>_loss`` and ``_perplexity``.
+
+        The eval set's ``(loss_sum, denominator)`` are summed over its batches and processes
+        (one all-reduce; the last batch is gathered per sample to drop the distributed
+        sampler's duplicates) and divided once. Without labels the metrics are Trainer's.
+        """
+        signature = inspect.signature(Trainer.evaluation_loop).bind(self, *args, **kwargs)
+        signature.apply_defaults()
+        prefix = signature.arguments["metric_key_prefix"]
+        device = self.args.device
+        self._eval_local = torch.zeros(3, dtype=torch.float64, device=device)
+        self._eval_last = torch.zeros(3, dtype=torch.float64, device=device)
+        try:
+            output = super().evaluation_loop(*args, **kwargs)
+            totals = distributed.all_reduce_sum_(self._eval_local, self._loss_group())
+            totals = totals + self._eval_last
+        finally:
+            self._eval_local = self._eval_last = None
+        loss_sum, denominator, labelled_batches = totals.tolist()
+        if labelled_batches > 0 and output.metrics is not None:
+            loss = loss_sum / denominator if denominator != 0 else 0.0
+            output.metrics[f"{prefix}_loss"] = loss
+            output.metrics[f"{prefix}_perplexity"] = math.exp(loss)
+        return output

@@ -1,0 +1,182 @@
+"""The fused head's inputs from a Hugging Face masked LM, without its ``[b, s, v]`` logits.
+
+``EsmForMaskedLM`` and ``BertForMaskedLM`` end in a prediction head: a transform (dense,
+activation, LayerNorm) and a decoder, ``logits = transform(sequence_output) @ W^T + bias``.
+:func:`lm_head_inputs` runs the model through its own ``forward`` (so DDP, FSDP2 and
+``accelerate`` wrappers see a normal call) with the head stopped before its decoder, and
+returns what :func:`bert_reduce.linear_masked_token_losses` and
+:class:`bert_reduce.BERTMLMLossWithReduction` take instead of logits::
+
+    forward_out = lm_head_inputs(model, input_ids=ids, attention_mask=mask)
+    # forward_out["hidden_states"] [b, s, h] @ forward_out["output_weight"].T [h, v]
+    #   + forward_out["output_bias"] [v]  ==  model(input_ids=ids, ...).logits [b, s, v]
+
+Needs ``transformers`` (the ``hf`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+from bert_reduce.linear_cross_entropy import (
+    HIDDEN_LAYOUT_KEY,
+    HIDDEN_STATES_KEY,
+    OUTPUT_BIAS_KEY,
+    OUTPUT_WEIGHT_KEY,
+)
+
+__all__ = ["lm_head_inputs"]
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside ``DistributedDataParallel`` (FSDP2 keeps the model's own class)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def _check_output_layer_is_in_the_root_unit(model: nn.Module, decoder: nn.Module) -> None:
+    """FSDP2 frees a unit's gathered parameters after its forward, before the loss reads them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        if module is not model and isinstance(module, FSDPModule):
+            if any(inner is decoder for inner in module.modules()):
+                raise ValueError(
+                    f"lm_head_inputs reads the output layer's weight after the forward of the "
+                    f"fully_shard unit {name!r}, which FSDP2 reshards (frees) right after it. "
+                    "Leave the prediction head in the root unit: fully_shard the transformer "
+                    "layers and then the whole model."
+                )
+
+
+def _prediction_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Tensor], nn.Module]:
+    """``(head module, its transform, its decoder)`` of a supported masked LM.
+
+    The transform is the head's ``forward`` up to the decoder; ``tests/hf/test_lm_head.py``
+    checks it against the model's own logits, so a change in ``transformers`` fails there.
+    """
+    from transformers import BertForMaskedLM, EsmForMaskedLM
+
+    if isinstance(model, EsmForMaskedLM):
+        from transformers.models.esm.modeling_esm import gelu
+
+        head = model.lm_head
+        # EsmLMHead.forward: decoder(layer_norm(gelu(dense(x)))) + bias.
+        return head, lambda x: head.layer_norm(gelu(head.dense(x))), head.decoder
+    if isinstance(model, BertForMaskedLM):
+        # BertOnlyMLMHead -> BertLMPredictionHead: decoder(transform(x)), the decoder's bias
+        # tied to predictions.bias.
+        predictions = model.cls.predictions
+        return model.cls, predictions.transform, predictions.decoder
+    raise TypeError(
+        f"lm_head_inputs supports transformers' EsmForMaskedLM and BertForMaskedLM (optionally "
+        f"inside DistributedDataParallel or fully_shard), got {type(model).__name__}."
+    )
+
+
+def _finds_unused_parameters(model: nn.Module) -> bool:
+    """Whether ``model`` is a DDP that marks parameters its outputs do not reach as unused."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel) and model.find_unused_parameters
+
+
+@contextlib.contextmanager
+def _head_stops_before_decoder(
+    head: nn.Module,
+    transform: Callable[[Tensor], Tensor],
+    decoder: nn.Module,
+    seen: dict,
+    keep_decoder_in_graph: bool,
+) -> Iterator[None]:
+    """Make ``head(x)`` return ``transform(x)`` and record the decoder's parameters.
+
+    An instance attribute shadows the class's ``forward`` for this call only; module hooks
+    (FSDP2's all-gather, DDP's) still run, as ``nn.Module.__call__`` is unchanged. The
+    parameters are read inside the forward, where FSDP2 has them unsharded.
+
+    With ``keep_decoder_in_graph``, the result also depends, through an exact zero, on the
+    decoder's weight and bias: DDP with ``find_unused_parameters=True`` (Hugging Face
+    Trainer's default) marks the parameters the forward's outputs do not reach as ready
+    before the backward, and the loss's gradient of the bias would then fail ("marked as
+    ready twice").
+    """
+
+    def forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        weight, bias = decoder.weight, _decoder_bias(head, decoder)
+        seen["weight"], seen["bias"] = weight, bias
+        hidden = transform(features)
+        if keep_decoder_in_graph:
+            anchor = weight[:1, :1].sum() if bias is None else weight[:1, :1].sum() + bias[:1].sum()
+            hidden = hidden + anchor * 0
+        return hidden
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _decoder_bias(head: nn.Module, decoder: nn.Module) -> Tensor | None:
+    # ESM's decoder has no bias; its head adds its own `bias` parameter after the decoder.
+    return decoder.bias if decoder.bias is not None else getattr(head, "bias", None)
+
+
+def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
+    """``{hidden_states [b, s, h], output_weight [v, h], output_bias [v]}`` of a masked LM.
+
+    Runs ``model(**inputs)`` with the prediction head stopped before its decoder, so the
+    ``[b, s, v]`` logits are never computed: ``F.linear(hidden_states, output_weight,
+    output_bias)`` equals the model's ``logits``. Pass no ``labels`` (the model would score
+    the hidden states as logits); the loss reads them from the batch.
+
+    The loss uses the output layer's parameters after the model's forward. Under
+    ``DistributedDataParallel`` with ``find_unused_parameters=True`` (Hugging Face Trainer's
+    default) the hidden states keep them in the forward's graph through an exact zero; under
+    FSDP2 the prediction head must be in the root ``fully_shard`` unit (per-layer units and
+    then the whole model, the usual layout), whose parameters stay gathered until backward.
+    ``tests/integration/test_hf_fused_head_loop.py`` runs DDP and FSDP2,
+    ``tests/integration/test_hf_exact_trainer.py`` the Trainer's DDP.
+
+    Args:
+        model: A ``transformers`` ``EsmForMaskedLM`` or ``BertForMaskedLM``, optionally inside
+            ``DistributedDataParallel`` or sharded with ``fully_shard``.
+        **inputs: The model's inputs (``input_ids``, ``attention_mask``, ``position_ids``, ...).
+
+    Returns:
+        The ``forward_out`` of the fused head: ``hidden_states`` (``[b, s, h]``, after the
+        head's dense layer, activation and LayerNorm), ``hidden_layout`` (``"bsh"``),
+        ``output_weight`` (``[v, h]``, the decoder's weight, tied to the embeddings) and
+        ``output_bias`` (``[v]``).
+
+    Raises:
+        TypeError: For another model class.
+        ValueError: If ``inputs`` holds ``labels``, or when the output layer is in an FSDP2
+            unit of its own.
+    """
+    if "labels" in inputs:
+        raise ValueError(
+            "lm_head_inputs takes the model's inputs without 'labels': the model would score "
+            "its hidden states as logits. Give the labels to the loss instead."
+        )
+    inner = _unwrap(model)
+    head, transform, decoder = _prediction_head(inner)
+    _check_output_layer_is_in_the_root_unit(inner, decoder)
+    seen: dict[str, Tensor | None] = {}
+    keep = _finds_unused_parameters(model)
+    with _head_stops_before_decoder(head, transform, decoder, seen, keep):
+        hidden = model(**inputs).logits
+    return {
+        HIDDEN_STATES_KEY: hidden,
+        HIDDEN_LAYOUT_KEY: "bsh",
+        OUTPUT_WEIGHT_KEY: seen["weight"],
+        OUTPUT_BIAS_KEY: seen["bias"],
+    }

@@ -1,0 +1,153 @@
+"""The fused head's inputs from a Megatron-Core language model, without its ``[s, b, v]`` logits.
+
+Megatron-Core's ``BertModel`` and BioNeMo's ``MegatronBioBertModel`` (which ESM-2 and
+Geneformer build on) end their forward with ``logits, _ = self.output_layer(hidden,
+weight=output_weight)``: a ``ColumnParallelLinear`` whose weight is this rank's vocab shard,
+the word embeddings' own when ``share_embeddings_and_output_weights``.
+:func:`output_layer_inputs` runs the model's own forward (wrappers and hooks included) with
+that one call stopped, and returns what :class:`bert_reduce.BERTMLMLossWithReduction` and
+:func:`bert_reduce.linear_masked_token_losses` take instead of logits::
+
+    forward_out = output_layer_inputs(model, input_ids, attention_mask)
+    # F.linear(forward_out["hidden_states"] [s, b, h], forward_out["output_weight"] [v/tp, h],
+    #          forward_out["output_bias"] [v/tp])  ==  this rank's [s, b, v/tp] logits
+
+Under tensor parallelism the hidden states go through the mapping the output layer itself
+applies, so their gradient is summed over the tensor-parallel ranks: Megatron-Core's
+``copy_to_tensor_model_parallel_region``, or, with sequence parallelism,
+``gather_from_sequence_parallel_region`` (all-gather of the ``[s/tp, b, h]`` shards, whose
+gradient is reduce-scattered). The loss then combines the vocab shards' statistics in its one
+all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+from bert_reduce.linear_cross_entropy import (
+    HIDDEN_LAYOUT_KEY,
+    HIDDEN_STATES_KEY,
+    OUTPUT_BIAS_KEY,
+    OUTPUT_WEIGHT_KEY,
+)
+
+__all__ = ["output_layer_inputs"]
+
+
+def _language_model(model: nn.Module) -> nn.Module:
+    """The module that owns ``output_layer`` (or is a pipeline stage without one).
+
+    Wrappers keep the model in ``.module``: Megatron's ``DistributedDataParallel`` and
+    ``Float16Module``, NeMo's and BioNeMo's LightningModules.
+    """
+    inner = model
+    while not hasattr(inner, "output_layer") and getattr(inner, "post_process", True):
+        wrapped = getattr(inner, "module", None)
+        if not isinstance(wrapped, nn.Module):
+            raise TypeError(
+                f"output_layer_inputs needs a Megatron-Core language model with an "
+                f"`output_layer` (Megatron-Core's BertModel, BioNeMo's MegatronBioBertModel), or a "
+                f"wrapper holding one in `.module`; got {type(model).__name__}."
+            )
+        inner = wrapped
+    return inner
+
+
+def _tensor_parallel_input(layer: nn.Module, hidden: Tensor) -> Tensor:
+    """``hidden`` through the mapping ``ColumnParallelLinear.forward`` applies to its input."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    group = getattr(layer, "tp_group", None)
+    if layer.sequence_parallel:
+        # [s/tp, b, h] -> [s, b, h]; backward: reduce-scatter of the vocab shards' gradients.
+        return gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=True, group=group
+        )
+    if getattr(layer, "disable_grad_reduce", False):
+        return hidden
+    # Identity forward; backward: all-reduce of the vocab shards' partial gradients.
+    return copy_to_tensor_model_parallel_region(hidden, group=group)
+
+
+@contextlib.contextmanager
+def _output_layer_stopped(layer: nn.Module, seen: dict[str, Any]) -> Iterator[None]:
+    """Make ``layer(hidden, weight=...)`` record its inputs and return empty ``[s, b, 0]`` logits.
+
+    An instance attribute shadows the class's ``forward`` for this call only; module hooks
+    still run. The empty logits let the rest of the model's forward run unchanged (Megatron's
+    ``BertModel`` transposes them, BioNeMo's puts them in its output dict).
+    """
+
+    def forward(input_: Tensor, weight: Tensor | None = None, **kwargs: Any) -> tuple:
+        seen[HIDDEN_STATES_KEY] = _tensor_parallel_input(layer, input_)
+        seen[OUTPUT_WEIGHT_KEY] = layer.weight if weight is None else weight
+        # With skip_bias_add the layer returns the bias for the caller, and Megatron's BERT
+        # and BioNeMo's drop it: their logits carry no bias.
+        seen[OUTPUT_BIAS_KEY] = None if layer.skip_bias_add else layer.bias
+        return input_.new_empty(*input_.shape[:-1], 0), None
+
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def output_layer_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``model(*args, **kwargs)`` with the output layer stopped: the fused head's ``forward_out``.
+
+    Use it in training, where :class:`bert_reduce.BERTMLMLossWithReduction` then computes the
+    logits of the scored positions only; call the model itself where logits are wanted
+    (validation, a perplexity metric). On a pipeline stage without the output layer
+    (``post_process=False``), the model's own output (the hidden states to send on) is
+    returned unchanged.
+
+    Args:
+        model: A Megatron-Core ``BertModel``-style language model whose forward ends in
+            ``self.output_layer(hidden, weight=...)`` (``BertModel``, BioNeMo's
+            ``MegatronBioBertModel`` and its ESM-2 and Geneformer subclasses), or a wrapper
+            holding one in ``.module``.
+        *args: The model's positional inputs (``input_ids``, ``attention_mask``, ...).
+        **kwargs: Its keyword inputs; no labels (``lm_labels``): the model would compute a
+            loss from the stopped layer's empty logits. The loss reads the batch's labels.
+
+    Returns:
+        ``{"hidden_states": [s, b, h], "hidden_layout": "sbh", "output_weight": [v/tp, h],
+        "output_bias": [v/tp] or None}`` on the last pipeline stage (with sequence
+        parallelism the hidden states are whole, ``[s, b, h]``), else the model's output.
+
+    Raises:
+        TypeError: If no ``output_layer`` is found on the model or inside its wrappers.
+        ValueError: If labels are passed, or with ``defer_embedding_wgrad_compute``, whose
+            deferred weight gradient needs the output layer's own forward.
+    """
+    if kwargs.get("lm_labels") is not None:
+        raise ValueError(
+            "output_layer_inputs takes the model's inputs without lm_labels: the model would "
+            "compute a loss from the stopped output layer. Give the labels to the loss instead."
+        )
+    inner = _language_model(model)
+    if not hasattr(inner, "output_layer"):  # a pipeline stage before the last
+        return model(*args, **kwargs)
+    layer = inner.output_layer
+    if getattr(getattr(layer, "config", None), "defer_embedding_wgrad_compute", False):
+        raise ValueError(
+            "output_layer_inputs does not support defer_embedding_wgrad_compute=True: the "
+            "deferred weight gradient is computed from the output layer's own forward."
+        )
+    seen: dict[str, Any] = {}
+    with _output_layer_stopped(layer, seen):
+        model(*args, **kwargs)
+    if not seen:
+        raise TypeError(
+            f"{type(inner).__name__}.forward did not call its output_layer; "
+            "output_layer_inputs needs a model that does (on the last pipeline stage)."
+        )
+    return {HIDDEN_LAYOUT_KEY: "sbh", **seen}

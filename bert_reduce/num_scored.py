@@ -1,0 +1,131 @@
+"""The count of scored positions, made on the host where the batch is built.
+
+Given ``num_scored``, the masked-only kernels (:func:`bert_reduce.masked_token_losses`,
+:func:`bert_reduce.linear_masked_token_losses`) compute exactly that many rows with no device
+sync (:func:`bert_reduce.cross_entropy.select_rows`); without it they must read the mask back
+from the device to learn how many rows it selects. So the count is made where the mask is
+still on the host (the collator, or a data step before it moves the batch) and carried as
+host data that no device transfer touches:
+
+* a Python ``int``, the micro-batch's total: what a loss receives, and what
+  ``torch.compile`` handles best (a tensor of counts on the host works too);
+* a tuple of per-sample ``int`` counts, for a batch that is cut into micro-batches after it
+  was moved (:class:`bert_reduce.lightning.ExactMLMModule` sums each micro-batch's share).
+
+Lightning's and NeMo's ``move_data_to_device``, Hugging Face's ``Trainer._prepare_inputs``
+and a loop of ``.to(device)`` over tensors leave both alone. Which rows count as scored is
+the loss's own rule: ``loss_mask != 0`` where the batch has a ``loss_mask`` (BioNeMo's, NeMo's
+and this library's collators), else ``labels != ignore_index`` (Hugging Face's
+``DataCollatorForLanguageModeling``). A count above the true one only costs unscored rows of
+work; one below makes the loss NaN (checked on the device), never silently wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["NUM_SCORED_KEY", "NumScoredCollator", "count_scored"]
+
+NUM_SCORED_KEY = "num_scored"
+"""The batch key of the count."""
+
+
+def _scored_positions(batch: Mapping[str, Any], ignore_index: int) -> Tensor:
+    """The ``[b, ...]`` bool of the positions the loss scores (see the module docstring)."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        labels = batch.get("labels")
+        if labels is None:
+            raise KeyError(
+                f"Counting scored positions needs batch['loss_mask'] or batch['labels']; the "
+                f"batch has {sorted(batch)}."
+            )
+        name, scored = "labels", labels
+    else:
+        name, scored = "loss_mask", mask
+    if not isinstance(scored, Tensor) or scored.dim() < 1:
+        raise ValueError(f"batch[{name!r}] must be a [b, s] tensor to count its scored positions.")
+    if scored.device.type != "cpu":
+        raise ValueError(
+            f"batch[{name!r}] is on {scored.device}: reading it to count would synchronize with "
+            "the device. Count where the batch is still on the host (NumScoredCollator in the "
+            "data loader, or a data step before it moves the batch)."
+        )
+    return scored != ignore_index if mask is None else scored != 0
+
+
+def count_scored(
+    batch: Mapping[str, Any], *, ignore_index: int = -100, per_sample: bool = False
+) -> int | tuple[int, ...]:
+    """The number of positions a host batch scores, as Python ints.
+
+    Args:
+        batch: A collated batch on the CPU: ``loss_mask`` (``[b, s]``, non-zero where scored),
+            or else ``labels`` (``[b, s]``, ``ignore_index`` where unscored).
+        ignore_index: The unscored label, read only without a ``loss_mask``.
+        per_sample: Return each sample's count (a tuple of ``b`` ints) instead of the total.
+
+    Returns:
+        The total, or the per-sample counts.
+
+    Raises:
+        KeyError: If the batch has neither ``loss_mask`` nor ``labels``.
+        ValueError: If that tensor is not on the CPU (counting would be a device sync) or is
+            0-dim.
+    """
+    scored = _scored_positions(batch, ignore_index)
+    if not per_sample:
+        return int(scored.count_nonzero())
+    # Host memory: tolist() reads it without involving any device.
+    return tuple(scored.reshape(scored.size(0), -1).sum(dim=1).tolist())
+
+
+class NumScoredCollator:
+    """Any collator, plus ``num_scored``: its batches' count of scored positions.
+
+    Wraps a ``collate_fn`` (BioNeMo's ``bert_padding_collate_fn``, Hugging Face's
+    ``DataCollatorForLanguageModeling``, ``torch.utils.data.default_collate``, ...) and adds
+    ``batch["num_scored"]`` as :func:`count_scored` makes it. It runs in the data loader's
+    workers, on the CPU, so the count costs the training step nothing::
+
+        loader = DataLoader(dataset, batch_size=8, collate_fn=NumScoredCollator(collate))
+
+    Args:
+        collate_fn: Turns a list of samples into a mapping with ``loss_mask`` or ``labels``.
+        ignore_index: The unscored label (Hugging Face's ``-100``), read without a
+            ``loss_mask``.
+        per_sample: Add per-sample counts (a tuple of ints) instead of the total: for a loader
+            whose batches are cut into micro-batches after they are moved
+            (:class:`bert_reduce.lightning.ExactMLMModule`).
+    """
+
+    def __init__(
+        self,
+        collate_fn: Callable[[Sequence[Any]], MutableMapping[str, Any]],
+        *,
+        ignore_index: int = -100,
+        per_sample: bool = False,
+    ) -> None:
+        self.collate_fn = collate_fn
+        self.ignore_index = ignore_index
+        self.per_sample = per_sample
+
+    def __call__(self, samples: Sequence[Any]) -> MutableMapping[str, Any]:
+        """``collate_fn(samples)`` with ``num_scored`` added.
+
+        Raises:
+            TypeError: If the collator does not return a mutable mapping.
+        """
+        batch = self.collate_fn(samples)
+        if not isinstance(batch, MutableMapping):
+            raise TypeError(
+                f"NumScoredCollator needs a collator that returns a dict of tensors, got "
+                f"{type(batch).__name__}."
+            )
+        batch[NUM_SCORED_KEY] = count_scored(
+            batch, ignore_index=self.ignore_index, per_sample=self.per_sample
+        )
+        return batch

@@ -1,0 +1,341 @@
+"""Real ``transformers.Trainer`` runs on CPU, 1 or several gloo processes, and their references.
+
+Shared by ``tests/hf``, ``tests/integration/test_hf_exact_trainer.py`` and
+``bench/hf_trainer_exactness.py`` (which prints the table of ``docs/hf_trainer.md``):
+
+* :func:`tiny_model` and :func:`samples`: a tiny fp64 ``EsmForMaskedLM`` / ``BertForMaskedLM``
+  (dropout 0, non-zero biases) and pre-padded samples with chosen numbers of masked tokens;
+* :func:`reference_step` / :func:`reference_eval`: one process, the whole unsplit batch (or
+  eval set), ``F.cross_entropy`` over its masked tokens. Nothing from bert_reduce is used;
+* :func:`trainer_step` / :func:`trainer_eval`: one optimizer step (lr 0) or one ``evaluate()``
+  of a plain ``Trainer`` or an ``ExactMLMTrainer``; the gradient is read at
+  ``on_pre_optimizer_step`` (after DDP's all-reduce), the loss from the log;
+* :func:`run_jobs` / :func:`run_cases`: runs on 1 process here, or on ``processes`` gloo processes
+  (``run_distributed``; the environment ``accelerate`` reads for a CPU run is set from the
+  initialized process group: no port, no launcher).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+from transformers import TrainerCallback
+
+from tests.helpers.hf_bert import tiny_bert_config
+from tests.helpers.hf_esm import esm_batch, tiny_esm_config
+
+SEQ_LEN = 16
+# One global batch of 8: heavily masked samples first, an empty last micro-batch for every
+# split into 2, 4 or 8 micro-batches (over accumulation steps and processes).
+TRAIN_LENGTHS = (16, 14, 12, 15, 10, 9, 13, 11)
+TRAIN_MASKED = (11, 9, 7, 5, 3, 1, 0, 0)
+# 13 eval samples with uneven masking: eval batch 3 leaves a partial last batch, and over two
+# processes the distributed sampler pads it with duplicates.
+EVAL_LENGTHS = (16, 9, 14, 12, 16, 7, 11, 15, 10, 13, 8, 16, 12)
+EVAL_MASKED = (12, 1, 2, 9, 3, 1, 7, 2, 5, 1, 4, 13, 2)
+
+
+def tiny_model(kind: str, seed: int = 0) -> nn.Module:
+    """A tiny fp64 ``EsmForMaskedLM`` (``"esm"``) or ``BertForMaskedLM`` (``"bert"``)."""
+    from transformers import BertForMaskedLM, EsmForMaskedLM
+
+    torch.manual_seed(seed)
+    if kind == "esm":
+        model = EsmForMaskedLM(tiny_esm_config())
+    elif kind == "bert":
+        model = BertForMaskedLM(tiny_bert_config())
+    else:
+        raise ValueError(kind)
+    model = model.double()
+    with torch.no_grad():  # non-zero biases, so that a bias the loss dropped would show
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def samples(
+    lengths: Sequence[int], masked: Sequence[int], seed: int = 0
+) -> list[dict[str, Tensor]]:
+    """One dict per sample: ``input_ids``, ``attention_mask``, ``labels`` of length SEQ_LEN."""
+    batch = esm_batch(list(lengths), SEQ_LEN, list(masked), seed=seed)
+    return [{key: value[row] for key, value in batch.items()} for row in range(len(lengths))]
+
+
+def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+class ListDataset(Dataset):
+    def __init__(self, rows: Sequence[dict[str, Tensor]]) -> None:
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return self.rows[index]
+
+
+def cross_entropy_mean(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean ``F.cross_entropy`` over the labelled (``!= -100``) tokens; 0 if there are none."""
+    scored = labels != -100
+    if not scored.any():
+        return logits.sum() * 0
+    return F.cross_entropy(logits[scored].double(), labels[scored])
+
+
+def reference_step(kind: str, rows: Sequence[dict[str, Tensor]]) -> dict[str, Any]:
+    """Gradient and loss of one process on the whole unsplit batch."""
+    model = tiny_model(kind)
+    model.train()
+    batch = stack(rows)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    loss = cross_entropy_mean(logits, batch["labels"])
+    loss.backward()
+    return {"grads": _grads(model), "loss": loss.item()}
+
+
+def reference_eval(kind: str, rows: Sequence[dict[str, Tensor]]) -> float:
+    """Mean cross-entropy over every masked token of the eval set, in one pass."""
+    model = tiny_model(kind)
+    model.eval()
+    batch = stack(rows)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return cross_entropy_mean(logits.logits, batch["labels"]).item()
+
+
+def _grads(model: nn.Module) -> dict[str, Tensor]:
+    return {
+        name: param.grad.detach().clone()
+        for name, param in model.named_parameters()
+        if param.grad is not None
+    }
+
+
+def relative_error(grads: dict[str, Tensor], reference: dict[str, Tensor]) -> float:
+    """``||g - g_ref|| / ||g_ref||`` over every parameter (a missing gradient counts as 0)."""
+    names = sorted(set(grads) | set(reference))
+
+    def flat(values: dict[str, Tensor], like: dict[str, Tensor]) -> Tensor:
+        return torch.cat(
+            [values.get(n, torch.zeros_like(like.get(n, values.get(n)))).reshape(-1) for n in names]
+        )
+
+    g, r = flat(grads, reference), flat(reference, grads)
+    return float((g - r).norm() / r.norm())
+
+
+def norm_ratio(grads: dict[str, Tensor], reference: dict[str, Tensor]) -> float:
+    norm = torch.cat([g.reshape(-1) for g in grads.values()]).norm()
+    return float(norm / torch.cat([g.reshape(-1) for g in reference.values()]).norm())
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One Trainer run: which model and trainer, how the global batch of 8 is split."""
+
+    kind: str  # "esm" | "bert"
+    exact: bool  # ExactMLMTrainer, else transformers.Trainer
+    accumulation: int = 1
+    average_tokens: bool = True  # TrainingArguments.average_tokens_across_devices
+    sampling: str = "sequential"  # TrainingArguments.train_sampling_strategy
+    seed: int = 0
+    fused_head: bool = False
+    train_masked: tuple[int, ...] = TRAIN_MASKED
+    eval_batch: int = 3  # for evaluation cases
+    with_metrics: bool = False  # evaluation: a compute_metrics that needs the logits
+
+
+def training_arguments(output_dir: str, **overrides: Any):
+    from transformers import TrainingArguments
+
+    values: dict[str, Any] = {
+        "output_dir": output_dir,
+        "use_cpu": True,
+        "learning_rate": 0.0,
+        "max_grad_norm": 0.0,  # the gradient is read after clipping: none
+        "max_steps": 1,
+        "logging_steps": 1,
+        "report_to": [],
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "train_sampling_strategy": "sequential",  # the heavily masked samples first
+    }
+    if dist.is_initialized():
+        # With one process accelerate must get no backend (it would look for a process group).
+        values["ddp_backend"] = "gloo"
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def recording(trainer_class: type) -> type:
+    """``trainer_class`` keeping what ``training_step`` returns for each micro-batch."""
+
+    class Recording(trainer_class):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.micro_batch_losses = [*getattr(self, "micro_batch_losses", []), loss.item()]
+            return loss
+
+    return Recording
+
+
+def _trainer(case: Case, output_dir: str, **kwargs: Any):
+    from transformers import Trainer
+
+    from bert_reduce.hf import ExactMLMTrainer
+
+    if case.exact:
+        return recording(ExactMLMTrainer)(
+            model=tiny_model(case.kind), fused_head=case.fused_head, **kwargs
+        )
+    return recording(Trainer)(model=tiny_model(case.kind), **kwargs)
+
+
+class GradientAtStep(TrainerCallback):
+    """Copies every parameter's gradient at ``on_pre_optimizer_step`` (after DDP's all-reduce)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, Tensor] | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = _grads(model)
+
+
+def logged_losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def trainer_step(case: Case, output_dir: str) -> dict[str, Any]:
+    """One optimizer step (lr 0) on the global batch of 8 over this process group."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    capture = GradientAtStep()
+    args = training_arguments(
+        output_dir,
+        per_device_train_batch_size=8 // (world * case.accumulation),
+        gradient_accumulation_steps=case.accumulation,
+        average_tokens_across_devices=case.average_tokens,
+        train_sampling_strategy=case.sampling,
+        seed=case.seed,
+    )
+    rows = samples(TRAIN_LENGTHS, case.train_masked)
+    trainer = _trainer(case, output_dir, args=args, train_dataset=ListDataset(rows))
+    trainer.add_callback(capture)
+    trainer.train()
+    return {
+        "grads": capture.grads,
+        "loss": logged_losses(trainer)[0],
+        "micro_batch_losses": trainer.micro_batch_losses,
+    }
+
+
+def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
+    """``evaluate()`` over the 13 eval samples with eval batch ``case.eval_batch``."""
+    rows = samples(EVAL_LENGTHS, EVAL_MASKED, seed=1)
+    seen: dict[str, Any] = {}
+
+    def compute_metrics(prediction) -> dict[str, float]:
+        logits, labels = prediction.predictions, prediction.label_ids
+        seen["shapes"] = (tuple(logits.shape), tuple(labels.shape))
+        scored = labels != -100
+        accuracy = float((logits.argmax(-1)[scored] == labels[scored]).mean())
+        return {"masked_accuracy": accuracy}
+
+    args = training_arguments(output_dir, per_device_eval_batch_size=case.eval_batch)
+    trainer = _trainer(
+        case,
+        output_dir,
+        args=args,
+        eval_dataset=ListDataset(rows),
+        compute_metrics=compute_metrics if case.with_metrics else None,
+    )
+    metrics = trainer.evaluate()
+    return {"metrics": metrics, "metric_shapes": seen.get("shapes")}
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one thread: these tiny models then run several times faster on a busy
+    machine than with two threads fighting for its cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _set_accelerate_environment() -> None:
+    """What ``accelerate`` reads for a CPU run, from the initialized gloo group.
+
+    ``accelerate``'s ``PartialState(cpu=True)`` takes a run with ``WORLD_SIZE > 1`` for a
+    multi-CPU one and keeps a process group that is already initialized; OMP_NUM_THREADS set
+    stops it from resizing torch's thread pool.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+
+
+Job = tuple[str, Case]
+"""A runner's name (``"trainer_step"`` or ``"trainer_eval"``) and its case."""
+
+
+def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> list[dict]:
+    results = []
+    with one_thread():
+        for index, (runner_name, case) in enumerate(jobs):
+            runner: Callable[[Case, str], dict[str, Any]] = globals()[runner_name]
+            results.append(runner(case, os.path.join(output_dir, str(index))))
+    if result_path is not None and dist.get_rank() == 0:
+        torch.save(results, result_path)
+    return results
+
+
+def _distributed_body(jobs: Sequence[Job], output_dir: str, path: str) -> None:
+    _set_accelerate_environment()
+    _run_all(jobs, output_dir, path)
+
+
+def run_jobs(jobs: Sequence[Job], processes: int = 1) -> list[dict[str, Any]]:
+    """Each job's result, from this process or from ``processes`` spawned gloo processes.
+
+    With ``processes > 1``, all jobs run in one pair of processes, one after the other (the
+    imports are paid once); rank 0's results come back.
+    """
+    from tests.helpers.dist_utils import run_distributed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if processes == 1:
+            return _run_all(jobs, tmp, None)
+        path = os.path.join(tmp, "results.pt")
+        run_distributed(_distributed_body, processes, list(jobs), tmp, path, megatron=False)
+        return torch.load(path, weights_only=False)
+
+
+def run_cases(runner_name: str, cases: Sequence[Case], processes: int = 1) -> list[dict[str, Any]]:
+    """:func:`run_jobs` of one runner over several cases."""
+    return run_jobs([(runner_name, case) for case in cases], processes)
+
+
+def relative(value: float, reference: float) -> float:
+    return abs(value - reference) / abs(reference) if reference else math.inf

@@ -1,0 +1,337 @@
+"""ExactMLMTrainer in one process: real ``transformers.Trainer`` runs against the unsplit batch.
+
+Every run is one optimizer step with lr 0 (or one ``evaluate()``) of a tiny fp64 ESM or BERT
+masked LM; the gradient is read at ``on_pre_optimizer_step``. The references
+(``tests/helpers/hf_trainer.py``) run ``F.cross_entropy`` over the whole global batch in one
+process. Each test also runs the plain ``Trainer`` where it gets the value wrong, so that the
+error this class removes is measured beside it. Two processes: tests/integration.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+from transformers import DataCollatorWithFlattening, Trainer
+
+from bert_reduce.hf import ExactMLMTrainer
+from tests.helpers import hf_trainer as H
+from tests.helpers.mode_reference import reference_mode_loss
+
+EXACT = 1e-9  # relative, fp64
+LOGGED = 1e-6  # Trainer accumulates the logged loss in fp32
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with H.one_thread():
+        yield
+
+
+def _refs(kind: str) -> dict:
+    return H.reference_step(kind, H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
+
+
+@pytest.mark.parametrize("kind", ["esm", "bert"])
+@pytest.mark.parametrize("accumulation", [1, 2, 4])
+@pytest.mark.parametrize("average_tokens", [True, False])
+def test_step_gradient_and_logged_loss_are_the_unsplit_batch(
+    kind: str, accumulation: int, average_tokens: bool
+) -> None:
+    # Heavily masked samples first; with accumulation 4 the last micro-batch scores nothing.
+    reference = _refs(kind)
+    case = H.Case(kind, exact=True, accumulation=accumulation, average_tokens=average_tokens)
+    (result,) = H.run_cases("trainer_step", [case])
+    assert H.relative_error(result["grads"], reference["grads"]) <= EXACT
+    assert H.relative(result["loss"], reference["loss"]) <= LOGGED
+
+
+@pytest.mark.parametrize(
+    ("kind", "accumulation", "smallest_error"),
+    # ESM: a mean of micro-batch means; BERT: `forward(**kwargs)` makes Trainer skip the
+    # division by the accumulation steps, but its loss is still a plain mean.
+    [("esm", 2, 0.3), ("esm", 4, 0.3), ("bert", 2, 1.0), ("bert", 4, 1.0)],
+)
+def test_plain_trainer_step_is_off(kind: str, accumulation: int, smallest_error: float) -> None:
+    reference = _refs(kind)
+    (plain,) = H.run_cases("trainer_step", [H.Case(kind, exact=False, accumulation=accumulation)])
+    assert H.relative_error(plain["grads"], reference["grads"]) > smallest_error
+
+
+def test_random_sampler_steps_are_exact_where_plain_trainer_is_not() -> None:
+    reference = _refs("esm")
+    cases = [
+        H.Case("esm", exact, accumulation=4, sampling="random", seed=seed)
+        for seed in (0, 1)
+        for exact in (False, True)
+    ]
+    results = H.run_cases("trainer_step", cases)
+    for case, result in zip(cases, results, strict=True):
+        error = H.relative_error(result["grads"], reference["grads"])
+        assert (error <= EXACT) if case.exact else (error > 0.01), (case, error)
+
+
+@pytest.mark.parametrize("kind", ["esm", "bert"])
+def test_empty_micro_batch_adds_zero_not_nan(kind: str) -> None:
+    # Accumulation 4 over the sequential sampler: the last micro-batch (samples 6 and 7)
+    # scores nothing.
+    reference = _refs(kind)
+    plain, exact = H.run_cases(
+        "trainer_step", [H.Case(kind, e, accumulation=4) for e in (False, True)]
+    )
+    assert math.isnan(plain["micro_batch_losses"][-1])
+    shares = exact["micro_batch_losses"]
+    assert shares[-1] == 0.0 and all(math.isfinite(value) for value in shares)
+    assert math.isclose(sum(shares), reference["loss"], rel_tol=EXACT)
+    assert H.relative_error(exact["grads"], reference["grads"]) <= EXACT
+
+
+@pytest.mark.parametrize("kind", ["esm", "bert"])
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_evaluate_is_the_exact_mean_over_the_eval_set(kind: str, fused_head: bool) -> None:
+    # 13 samples, eval batch 3: a partial last batch; compute_metrics still gets every logit.
+    reference = H.reference_eval(kind, H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1))
+    cases = [
+        H.Case(kind, exact=True, fused_head=fused_head, with_metrics=with_metrics)
+        for with_metrics in (False, True)
+    ]
+    for case, result in zip(cases, H.run_cases("trainer_eval", cases), strict=True):
+        metrics = result["metrics"]
+        assert H.relative(metrics["eval_loss"], reference) <= EXACT
+        assert H.relative(metrics["eval_perplexity"], math.exp(reference)) <= EXACT
+        if case.with_metrics:
+            vocab = H.tiny_model(kind).config.vocab_size
+            assert result["metric_shapes"] == ((13, H.SEQ_LEN, vocab), (13, H.SEQ_LEN))
+            assert 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("kind", ["esm", "bert"])
+def test_plain_trainer_evaluate_is_a_mean_of_batch_means(kind: str) -> None:
+    rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
+    reference = H.reference_eval(kind, rows)
+    (plain,) = H.run_cases("trainer_eval", [H.Case(kind, exact=False)])
+    # The mean of the 5 batch means, weighted by their number of samples (the last has 1).
+    model = H.tiny_model(kind).eval()
+    with torch.no_grad():
+        means = [
+            H.cross_entropy_mean(
+                model(
+                    **{k: v for k, v in H.stack(rows[i : i + 3]).items() if k != "labels"}
+                ).logits,
+                H.stack(rows[i : i + 3])["labels"],
+            ).item()
+            for i in range(0, 13, 3)
+        ]
+    sizes = [3, 3, 3, 3, 1]
+    mean_of_means = sum(m * n for m, n in zip(means, sizes, strict=True)) / 13
+    assert math.isclose(plain["metrics"]["eval_loss"], mean_of_means, rel_tol=1e-12)
+    assert H.relative(plain["metrics"]["eval_loss"], reference) > 1e-4
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    return model.lm_head.decoder if hasattr(model, "lm_head") else model.cls.predictions.decoder
+
+
+@pytest.mark.parametrize("kind", ["esm", "bert"])
+def test_fused_head_forms_no_logits_in_training(kind: str) -> None:
+    reference = _refs(kind)
+    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
+    eval_rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
+    model = H.tiny_model(kind)
+    decoder_calls = []
+    _decoder(model).register_forward_pre_hook(lambda m, a: decoder_calls.append(model.training))
+    with tempfile.TemporaryDirectory() as tmp:
+        args = H.training_arguments(
+            tmp, per_device_train_batch_size=4, gradient_accumulation_steps=2
+        )
+        trainer = ExactMLMTrainer(
+            model=model,
+            args=args,
+            train_dataset=H.ListDataset(rows),
+            eval_dataset=H.ListDataset(eval_rows),
+            fused_head=True,
+        )
+        capture = H.GradientAtStep()
+        trainer.add_callback(capture)
+        trainer.train()
+        assert decoder_calls == []  # no [b, s, v] logits in training
+        assert H.relative_error(capture.grads, reference["grads"]) <= EXACT
+        trainer.evaluate()  # no compute_metrics: the loss alone, fused
+        assert decoder_calls == []
+        trainer.compute_metrics = lambda prediction: {}
+        trainer.evaluate()  # compute_metrics needs the logits
+        assert decoder_calls and not any(decoder_calls)
+
+
+@pytest.mark.parametrize("mode", ["per_sequence", "constant"])
+def test_normalization_modes(mode: str) -> None:
+    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
+    constant = H.SEQ_LEN
+    model = H.tiny_model("esm")
+    batch = H.stack(rows)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"]
+    loss = reference_mode_loss(
+        logits.transpose(0, 1), labels, labels != -100, mode, constant_per_sequence=constant
+    )
+    loss.backward()
+    reference = H._grads(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = H.training_arguments(
+            tmp, per_device_train_batch_size=2, gradient_accumulation_steps=4
+        )
+        trainer = ExactMLMTrainer(
+            model=H.tiny_model("esm"),
+            args=args,
+            train_dataset=H.ListDataset(rows),
+            normalization=mode,
+            constant_per_sequence=constant if mode == "constant" else None,
+        )
+        capture = H.GradientAtStep()
+        trainer.add_callback(capture)
+        trainer.train()
+    assert H.relative_error(capture.grads, reference) <= EXACT
+    assert H.relative(H.logged_losses(trainer)[0], loss.item()) <= LOGGED
+
+
+def _packable_rows() -> list[dict[str, list[int]]]:
+    """Unpadded samples behind a ``<cls>`` token (never masked: the flattening collator
+    replaces the first label of every sequence by its separator)."""
+    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
+    packable = []
+    for row, length in zip(rows, H.TRAIN_LENGTHS, strict=True):
+        packable.append(
+            {
+                "input_ids": [0, *row["input_ids"][:length].tolist()],
+                "labels": [-100, *row["labels"][:length].tolist()],
+            }
+        )
+    return packable
+
+
+@pytest.mark.parametrize("mode", ["per_token", "per_sequence"])
+@pytest.mark.parametrize("flash_attn_kwargs", [False, True])
+def test_packed_batches_count_each_sequence(mode: str, flash_attn_kwargs: bool) -> None:
+    # Hugging Face's DataCollatorWithFlattening: one [1, T] row per micro-batch, sequences
+    # marked by position_ids restarting at 0 (and cu_seq_lens_q with flash_attn_kwargs).
+    rows = _packable_rows()
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_attn_kwargs)
+    model = H.tiny_model("esm")
+    per_token, labels_all, sequence_ids, offset = [], [], [], 0
+    for start in (0, 4):  # the two micro-batches, as the trainer sees them
+        packed = collator(rows[start : start + 4])
+        assert packed["input_ids"].shape[0] == 1
+        inputs = {k: v for k, v in packed.items() if k != "labels"}
+        logits = model(**inputs).logits[0]
+        labels = packed["labels"][0]
+        per_token.append(F.cross_entropy(logits, labels.clamp(min=0), reduction="none"))
+        labels_all.append(labels)
+        starts = packed["position_ids"][0] == 0
+        sequence_ids.append(starts.cumsum(0) - 1 + offset)
+        offset += int(starts.sum())
+    per_token_loss, labels, ids = map(torch.cat, (per_token, labels_all, sequence_ids))
+    scored = labels != -100
+    if mode == "per_token":
+        loss = per_token_loss[scored].mean()
+    else:
+        means = [per_token_loss[scored & (ids == i)].mean() for i in range(offset)]
+        means = [m for i, m in enumerate(means) if (scored & (ids == i)).any()]
+        loss = torch.stack(means).mean()
+    loss.backward()
+    reference = H._grads(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = H.training_arguments(
+            tmp,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            train_sampling_strategy="sequential",
+        )
+        trainer = ExactMLMTrainer(
+            model=H.tiny_model("esm"),
+            args=args,
+            train_dataset=H.ListDataset(rows),
+            data_collator=collator,
+            normalization=mode,
+        )
+        capture = H.GradientAtStep()
+        trainer.add_callback(capture)
+        trainer.train()
+    assert H.relative_error(capture.grads, reference) <= EXACT
+    assert H.relative(H.logged_losses(trainer)[0], loss.item()) <= LOGGED
+
+
+def test_float_loss_mask_column_weights_the_tokens() -> None:
+    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
+    gen = torch.Generator().manual_seed(3)
+    for row in rows:
+        row["loss_mask"] = torch.rand(H.SEQ_LEN, generator=gen, dtype=torch.float64) + 0.5
+    model = H.tiny_model("bert")
+    batch = H.stack(rows)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    scored = batch["labels"] != -100
+    weights = batch["loss_mask"][scored]
+    losses = F.cross_entropy(logits[scored], batch["labels"][scored], reduction="none")
+    loss = (weights * losses).sum() / weights.sum()
+    loss.backward()
+    reference = H._grads(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        # The dataset's loss_mask column survives only with remove_unused_columns=False.
+        args = H.training_arguments(
+            tmp,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+            remove_unused_columns=False,
+        )
+        trainer = ExactMLMTrainer(
+            model=H.tiny_model("bert"), args=args, train_dataset=H.ListDataset(rows)
+        )
+        capture = H.GradientAtStep()
+        trainer.add_callback(capture)
+        trainer.train()
+    assert H.relative_error(capture.grads, reference) <= EXACT
+
+
+def test_predict_without_labels_keeps_trainers_metrics() -> None:
+    rows = [
+        {k: v for k, v in row.items() if k != "labels"}
+        for row in H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        args = H.training_arguments(tmp, per_device_eval_batch_size=3)
+        trainer = ExactMLMTrainer(model=H.tiny_model("esm"), args=args)
+        output = trainer.predict(H.ListDataset(rows))
+    assert output.predictions.shape == (13, H.SEQ_LEN, 33)
+    assert "test_loss" not in output.metrics and "test_perplexity" not in output.metrics
+
+
+def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        args = H.training_arguments(tmp)
+        model = H.tiny_model("esm")
+        with pytest.raises(ValueError, match="compute_loss_func"):
+            ExactMLMTrainer(model=model, args=args, compute_loss_func=lambda *a, **k: 0)
+        with pytest.raises(ValueError, match="constant_per_sequence"):
+            ExactMLMTrainer(model=model, args=args, normalization="constant")
+        with pytest.raises(ValueError, match="per_batch"):
+            ExactMLMTrainer(model=model, args=args, normalization="per_batch")
+        with pytest.raises(TypeError, match="fused_head=True supports"):
+            ExactMLMTrainer(model=torch.nn.Linear(2, 2), args=args, fused_head=True)
+        with pytest.raises(ValueError, match="label_smoothing_factor"):
+            ExactMLMTrainer(model=model, args=H.training_arguments(tmp, label_smoothing_factor=0.1))
+        rows = [
+            {k: v for k, v in row.items() if k != "labels"}
+            for row in H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
+        ]
+        trainer = ExactMLMTrainer(model=model, args=args, train_dataset=H.ListDataset(rows))
+        with pytest.raises(KeyError, match="labels"):
+            trainer.train()
+        monkeypatch.delattr(Trainer, "loss_is_scaled_for_ga")
+        with pytest.raises(RuntimeError, match=r"tested with transformers 5\.24"):
+            ExactMLMTrainer(model=model, args=args)

@@ -1,0 +1,101 @@
+"""bert_reduce.hf.token_losses: per-token losses of HF batches, batch and per-sample terms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from bert_reduce.hf.token_losses import (
+    batch_loss_terms,
+    masked_lm_token_losses,
+    sample_loss_terms,
+    scored_weights,
+    split_model_inputs,
+)
+from bert_reduce.normalization import Normalization
+from tests.helpers import hf_trainer as H
+
+MODES = [Normalization.PER_TOKEN, Normalization.PER_SEQUENCE, Normalization.CONSTANT]
+CONSTANT = 7
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    return H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
+
+
+def test_scored_weights_and_model_inputs() -> None:
+    batch = _batch()
+    assert torch.equal(scored_weights(batch), batch["labels"] != -100)
+    batch["loss_mask"] = torch.full(batch["labels"].shape, 0.5, dtype=torch.float64)
+    weights = scored_weights(batch)
+    assert torch.equal(weights, torch.where(batch["labels"] != -100, 0.5, 0.0).double())
+    batch["num_scored"] = 36
+    assert sorted(split_model_inputs(batch)) == ["attention_mask", "input_ids"]
+    with pytest.raises(KeyError, match="labels"):
+        scored_weights({"input_ids": batch["input_ids"]})
+
+
+@pytest.mark.parametrize("kind", ["esm", "bert"])
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_token_losses_are_cross_entropy_on_scored_tokens(kind: str, fused_head: bool) -> None:
+    batch = _batch()
+    model = H.tiny_model(kind)
+    weights = scored_weights(batch)
+    losses, outputs = masked_lm_token_losses(
+        model, batch, weights, fused_head=fused_head, num_scored=int(weights.sum())
+    )
+    logits = model(**split_model_inputs(batch)).logits
+    scored = batch["labels"] != -100
+    expected = F.cross_entropy(logits[scored], batch["labels"][scored], reduction="none")
+    torch.testing.assert_close(losses[scored], expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(losses[~scored], torch.zeros_like(losses[~scored]))
+    assert (outputs is None) == fused_head
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sample_terms_of_rows(mode: Normalization) -> None:
+    batch = _batch()
+    weights = scored_weights(batch)
+    losses = torch.rand(weights.shape, dtype=torch.float64)
+    samples = sample_loss_terms(batch, weights, losses, mode, CONSTANT)
+    assert samples.shape == (8, 2)
+    numerator, denominator = batch_loss_terms(batch, weights, losses, mode, CONSTANT)
+    torch.testing.assert_close(samples.sum(0), torch.stack([numerator, denominator.double()]))
+    for row in range(8):
+        alone = {key: value[row : row + 1] for key, value in batch.items()}
+        pair = batch_loss_terms(
+            alone, weights[row : row + 1], losses[row : row + 1], mode, CONSTANT
+        )
+        torch.testing.assert_close(samples[row], torch.stack([pair[0], pair[1].double()]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("boundaries", ["position_ids", "cu_seq_lens_q"])
+def test_sample_terms_of_packed_sequences(mode: Normalization, boundaries: str) -> None:
+    # DataCollatorWithFlattening's [1, T] row: each packed sequence is one sample, with the
+    # terms it has as a row of its own.
+    from transformers import DataCollatorWithFlattening
+
+    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
+    features = [
+        {"input_ids": row["input_ids"][:n].tolist(), "labels": [-100, *row["labels"][1:n].tolist()]}
+        for row, n in zip(rows, H.TRAIN_LENGTHS, strict=True)
+    ]
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=boundaries == "cu_seq_lens_q")
+    packed = collator(features)
+    if boundaries == "cu_seq_lens_q":
+        del packed["position_ids"]
+    weights = scored_weights(packed)
+    losses = torch.rand(weights.shape, dtype=torch.float64)
+    samples = sample_loss_terms(packed, weights, losses, mode, CONSTANT)
+    assert samples.shape == (8, 2)
+    start = 0
+    for index, length in enumerate(H.TRAIN_LENGTHS):
+        part = slice(start, start + length)
+        alone = {"labels": packed["labels"][:, part]}
+        pair = batch_loss_terms(alone, weights[:, part], losses[:, part], mode, CONSTANT)
+        torch.testing.assert_close(samples[index], torch.stack([pair[0], pair[1].double()]))
+        start += length

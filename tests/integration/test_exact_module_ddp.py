@@ -1,0 +1,114 @@
+"""ExactMLMModule under Lightning DDP on 1 and 2 gloo processes.
+
+After every step the parameters and logged losses equal those of one process training on the
+whole global batch (tests/helpers/exact_training.py's reference) whatever the micro-batch size:
+SGD and AdamW, clipping of the exact global gradient, per-token and per-sequence. Each step
+reduces each gradient bucket once and all-reduces the sums once; an uneven validation set's
+reports sum to the loss of the whole set; Lightning's own accumulation (a mean of means)
+visibly differs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import exact_training as et
+from tests.helpers.dist_utils import run_distributed
+
+pytestmark = pytest.mark.slow
+
+VAL_SIZE = 7  # split 3 + 4 over two ranks, in batches of 2: ranks run 2 and 2 uneven batches
+
+
+def _ddp_body(world_size: int) -> None:
+    """Every rank trains with Lightning DDP and checks itself against the reference."""
+    expected, expected_losses = et.reference_train(et.sgd(), clip=None)
+    for micro_batch_size in sorted({8 // world_size, 2, 1}):
+        run = et.lightning_train(
+            micro_batch_size=micro_batch_size,
+            optimizer=et.sgd(),
+            clip=None,
+            strategy=et.existing_group_ddp(),
+            devices=world_size,
+        )
+        et.assert_params_close(run.params, expected)
+        torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
+
+    expected_adam, _ = et.reference_train(et.adamw(), clip=None)
+    run = et.lightning_train(
+        micro_batch_size=2,
+        optimizer=et.adamw(),
+        clip=None,
+        strategy=et.existing_group_ddp(),
+        devices=world_size,
+    )
+    et.assert_params_close(run.params, expected_adam)
+
+    # Clipping of the exact global gradient; counted collectives and no host sync in the step
+    # (SGD: Adam's own step reads its step count on the host); an uneven validation set whose
+    # reports sum to the loss of the whole set.
+    # The loader counts each sample's scored positions; every micro-batch's loss gets its
+    # own count as an int through DDP's batch transfer and the split.
+    expected_clipped, _ = et.reference_train(et.sgd(), clip=0.05)
+    et.GRADIENT_BUCKETS_REDUCED.clear()
+    et.InstrumentedModule.collectives_per_step = []
+    run = et.lightning_train(
+        micro_batch_size=1,
+        optimizer=et.sgd(),
+        clip=0.05,
+        strategy=et.existing_group_ddp(),
+        devices=world_size,
+        module_cls=et.InstrumentedModule,
+        val_size=VAL_SIZE,
+        count_scored=True,
+    )
+    et.assert_each_loss_got_its_micro_batch_count()
+    et.assert_params_close(run.params, expected_clipped)
+    assert et.max_param_difference(expected_clipped, expected) > 1e-3  # the clip is active
+    num_buckets = len(et.GRADIENT_BUCKETS_REDUCED) // et.STEPS
+    # One DDP gradient reduction per step (each bucket once) although each rank ran
+    # 8 / world_size micro-batches, ...
+    assert num_buckets >= 1
+    assert et.GRADIENT_BUCKETS_REDUCED == list(range(num_buckets)) * et.STEPS
+    # ... and one all-reduce of the sums (none needed on one rank); the hook's all-reduces of
+    # the gradient buckets go through torch.distributed.all_reduce too.
+    expected_all_reduces = num_buckets + (1 if world_size > 1 else 0)
+    assert (
+        et.InstrumentedModule.collectives_per_step
+        == [{"all_reduce": expected_all_reduces}] * et.STEPS
+    ), et.InstrumentedModule.collectives_per_step
+    val_totals = run.val_totals.clone()
+    torch.distributed.all_reduce(val_totals)
+    torch.testing.assert_close(
+        val_totals, et.reference_val_totals(expected_clipped, VAL_SIZE), rtol=1e-10, atol=0
+    )
+
+    expected_per_sequence, expected_losses = et.reference_train(et.sgd(), None, "per_sequence")
+    run = et.lightning_train(
+        micro_batch_size=1,
+        optimizer=et.sgd(),
+        clip=None,
+        strategy=et.existing_group_ddp(),
+        devices=world_size,
+        mode="per_sequence",
+    )
+    et.assert_params_close(run.params, expected_per_sequence)
+    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
+
+    if world_size > 1:
+        stock = et.lightning_train(
+            micro_batch_size=2,
+            optimizer=et.sgd(),
+            clip=None,
+            strategy=et.existing_group_ddp(),
+            devices=world_size,
+            stock=True,
+        )
+        # Lightning's own accumulation + DDP averaging: a mean of means, visibly different.
+        assert et.max_param_difference(stock.params, expected) > 1e-3
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ddp_training_equals_one_process_on_the_global_batch(world_size: int) -> None:
+    run_distributed(_ddp_body, world_size, world_size, megatron=False)

@@ -1,0 +1,188 @@
+"""The fused head in a PyTorch loop: ``lm_head_inputs`` + ``GlobalBatchLoss`` under DDP and FSDP2.
+
+Hugging Face ``EsmForMaskedLM`` and ``BertForMaskedLM`` (fp64) on 2 gloo ranks with uneven
+masked counts (35 and 5) and two micro-batches per rank, each carrying its host count. The
+step's loss and every parameter gradient equal one process back-propagating
+``F.cross_entropy`` over every masked token of the whole global batch (and the logits path).
+And under FSDP2, ranks given different numbers of micro-batches get a clear error from
+``begin()`` instead of a silent hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from bert_reduce import GlobalBatchLoss
+from bert_reduce.num_scored import count_scored
+from tests.helpers.dist_utils import HANG_GUARD_S, run_distributed
+from tests.helpers.hf_bert import tiny_bert_config
+from tests.helpers.hf_esm import esm_batch, tiny_esm_config
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SEQ_LEN = 24
+# Per rank: two micro-batches of two rows; masked tokens per row (rank 0: 35, rank 1: 5).
+ROWS = {0: ([20, 24, 18, 24], [9, 10, 8, 8]), 1: ([24, 12, 20, 16], [2, 0, 3, 0])}
+
+
+def _model(kind: str) -> torch.nn.Module:
+    from transformers import BertForMaskedLM, EsmForMaskedLM
+
+    torch.manual_seed(0)
+    if kind == "esm":
+        model = EsmForMaskedLM(tiny_esm_config()).double()
+        model.esm.contact_head.requires_grad_(False)  # not on the masked-LM path
+    else:
+        model = BertForMaskedLM(tiny_bert_config()).double()
+    with torch.no_grad():  # a non-zero output bias, so that a lost bias gradient would show
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+    return model
+
+
+def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    grads = {}
+    for name, param in module.named_parameters():
+        grad = param.grad
+        grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    return grads
+
+
+def _wrap(model: torch.nn.Module, kind: str, wrapper: str, mesh: DeviceMesh | None):
+    if wrapper == "ddp":
+        return DistributedDataParallel(model)
+    if wrapper == "ddp_find_unused":  # Hugging Face Trainer's default
+        return DistributedDataParallel(model, find_unused_parameters=True)
+    layers = model.esm.encoder.layer if kind == "esm" else model.bert.encoder.layer
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _step(model, micro_batches, head: str, **loss_kwargs) -> torch.Tensor:
+    """One training step of ``micro_batches`` through the loss; returns the step's loss."""
+    from bert_reduce.hf import lm_head_inputs
+
+    loss_fn = GlobalBatchLoss(**loss_kwargs)
+    loss_fn.begin(micro_batches)
+    for index, mb in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        if isinstance(model, DistributedDataParallel):
+            sync = model.no_sync() if not last else contextlib.nullcontext()
+        else:
+            model.set_requires_gradient_sync(last)
+            sync = contextlib.nullcontext()
+        inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
+        with sync:
+            output = lm_head_inputs(model, **inputs) if head == "fused" else model(**inputs).logits
+            loss_fn(output, mb).backward()
+    return loss_fn.end()
+
+
+def _body(out_path: str) -> None:
+    torch.set_default_dtype(torch.float64)
+    rank = dist.get_rank()
+    batches = {r: esm_batch(ROWS[r][0], SEQ_LEN, ROWS[r][1], seed=r) for r in ROWS}
+    whole = {k: torch.cat([batches[r][k] for r in ROWS]) for k in batches[0]}
+    mine = batches[rank]
+    micro_batches = [{k: v[rows] for k, v in mine.items()} for rows in (slice(0, 2), slice(2, 4))]
+    for mb in micro_batches:
+        mb["num_scored"] = count_scored(mb)  # what NumScoredCollator adds, on the host
+    errors = {}
+    for kind in ("esm", "bert"):
+        reference = _model(kind)
+        logits = reference(
+            input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]
+        ).logits
+        scored = whole["labels"] != -100
+        ref_loss = F.cross_entropy(logits[scored], whole["labels"][scored])
+        ref_loss.backward()
+        ref_grads = _full_grads(reference)
+        for wrapper in ("ddp", "ddp_find_unused", "fsdp2"):
+            for head in ("fused", "logits"):
+                model = _wrap(_model(kind), kind, wrapper, None)
+                loss = _step(model, micro_batches, head)
+                torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
+                worst = 0.0
+                for name, grad in _full_grads(model).items():
+                    ref = ref_grads[name]
+                    if ref is None:
+                        assert grad is None, name
+                        continue
+                    # Attention's key bias has a zero gradient (softmax ignores a shift of a
+                    # whole row): ~1e-22 of round-off on both sides, measured against 1e-6.
+                    scale = max(float(ref.abs().max()), 1e-6)
+                    worst = max(worst, float((grad - ref).abs().max()) / scale)
+                errors[f"{kind} {wrapper} {head}"] = worst
+    _refused_wrappings(micro_batches[0])
+    dist.barrier()
+    if rank == 0:
+        torch.save(errors, out_path)
+
+
+def _refused_wrappings(mb: dict) -> None:
+    """Wrappings under which the loss could not read the output layer: named, not crashed."""
+    from transformers import EsmForMaskedLM
+
+    from bert_reduce.hf import lm_head_inputs
+
+    inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
+    # An untied head in a unit of its own: FSDP2 would free its weight before the loss.
+    untied = EsmForMaskedLM(tiny_esm_config(tie_word_embeddings=False))
+    fully_shard(untied.lm_head)
+    fully_shard(untied)
+    with pytest.raises(ValueError, match=r"unit 'lm_head'.*Leave the prediction head in the root"):
+        lm_head_inputs(untied, **inputs)
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_fused_head_under_ddp_and_fsdp2_equals_one_process(tmp_path) -> None:
+    out_path = str(tmp_path / "errors.pt")
+    run_distributed(_body, 2, out_path, megatron=False)
+    errors = torch.load(out_path)
+    assert len(errors) == 12
+    for case, error in errors.items():
+        assert error < 1e-10, (case, error)
+
+
+def _unequal_counts_body(out_path: str) -> None:
+    # A group whose collectives time out after a minute: without the check this run would hang
+    # in FSDP2's all-gathers; with it, begin() raises on both ranks before any forward.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.set_default_dtype(torch.float64)
+    rank = dist.get_rank()
+    batch = esm_batch(ROWS[rank][0], SEQ_LEN, ROWS[rank][1], seed=rank)
+    splits = (slice(0, 2), slice(2, 4)) if rank == 0 else (slice(0, 4),)
+    micro_batches = [{k: v[rows] for k, v in batch.items()} for rows in splits]
+    model = _wrap(_model("esm"), "esm", "fsdp2", mesh)
+    try:
+        _step(model, micro_batches, "fused", group=group, equal_micro_batch_counts=True)
+    except ValueError as error:
+        message = str(error)
+    else:
+        message = "no error"
+    torch.save(message, f"{out_path}.{rank}")
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_fsdp2_ranks_with_different_micro_batch_counts_get_an_error_not_a_hang(tmp_path) -> None:
+    out_path = str(tmp_path / "message")
+    run_distributed(_unequal_counts_body, 2, out_path, megatron=False)
+    for rank, mine in ((0, 2), (1, 1)):
+        message = torch.load(f"{out_path}.{rank}")
+        assert "different numbers of micro-batches ({0: 2, 1: 1} by rank" in message, message
+        assert f"this rank, {rank}, holds {mine}" in message

@@ -1,0 +1,97 @@
+"""num_scored_data_step: NeMo's and BioNeMo-style data steps hand the loss this rank's count.
+
+NeMo's own ``bert_data_step`` (``nemo/collections/llm/bert/model/base.py:57``) keeps only the
+keys it knows, as BioNeMo's ``biobert_data_step`` does, and under context parallelism calls
+Megatron's ``get_batch_on_this_cp_rank``, which slices every value along the sequence. The
+wrapper counts on the host, this CP rank's shard, and adds the count back as an ``int``.
+
+Runs only where NeMo 2 is installed (``.venv-nemo``, see the ``nemo`` extra).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("nemo.lightning.megatron_parallel")
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from nemo.collections.llm.bert.model.base import bert_data_step
+from nemo.lightning.megatron_parallel import default_data_step
+from torch.utils.data import default_collate
+
+from bert_reduce.context_parallel import context_parallel_indices
+from bert_reduce.nemo import num_scored_data_step
+from bert_reduce.num_scored import NumScoredCollator
+from tests.helpers.dist_utils import HANG_GUARD_S, run_distributed
+from tests.helpers.megatron_cpu import single_process_megatron
+from tests.nemo.cpu_stand_ins import megatron_on_cpu
+
+
+def nemo_bert_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A collated batch with the keys NeMo's BERT data step reads (``padding_mask`` ...)."""
+    gen = torch.Generator().manual_seed(seed)
+    loss_mask = torch.rand(3, 8, generator=gen) < 0.4
+    labels = torch.randint(0, 30, (3, 8), generator=gen)
+    return {
+        "text": torch.where(loss_mask, 31, labels),
+        "types": torch.zeros(3, 8, dtype=torch.long),
+        "padding_mask": torch.ones(3, 8, dtype=torch.long),
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "is_random": torch.zeros(3, 8, dtype=torch.long),
+    }
+
+
+def with_count(batch: dict[str, torch.Tensor]) -> dict:
+    """The batch as NumScoredCollator makes it."""
+    samples = [{k: v[i] for k, v in batch.items()} for i in range(3)]
+    return NumScoredCollator(default_collate)(samples)
+
+
+def test_nemo_bert_data_step_drops_the_count_and_the_wrapper_keeps_it() -> None:
+    batch = with_count(nemo_bert_batch())
+    total = int(batch["loss_mask"].sum())
+    with single_process_megatron(), megatron_on_cpu():
+        # NeMo's own step: every key it does not know becomes None.
+        assert bert_data_step(iter([dict(batch)]))["num_scored"] is None
+        uncounted = {k: v for k, v in batch.items() if k != "num_scored"}
+        for step in (bert_data_step, default_data_step):
+            for item in (batch, (batch, 0, 0), uncounted):
+                out = num_scored_data_step(step)(iter([item]))
+                assert type(out["num_scored"]) is int and out["num_scored"] == total
+                assert torch.equal(out["loss_mask"], batch["loss_mask"])
+
+
+def test_errors_name_what_is_wrong() -> None:
+    with pytest.raises(TypeError, match="batches that are dicts, got list"):
+        num_scored_data_step(default_data_step)(iter([[torch.zeros(2)]]))
+    with pytest.raises(TypeError, match="returned Tensor, not a dict"):
+        num_scored_data_step(lambda it: next(it)["loss_mask"])(iter([nemo_bert_batch()]))
+
+
+def _context_parallel_body(out_path: str) -> None:
+    batch = with_count(nemo_bert_batch(seed=1))
+    cp_rank = parallel_state.get_context_parallel_rank()
+    with megatron_on_cpu():
+        out = num_scored_data_step(bert_data_step)(iter([batch]))
+    # Megatron's slicer made the shard on the device side; the count is that shard's.
+    index = context_parallel_indices(8, 2, cp_rank)
+    assert torch.equal(out["loss_mask"], batch["loss_mask"][:, index])
+    assert type(out["num_scored"]) is int and out["num_scored"] == int(out["loss_mask"].sum())
+    counts = torch.zeros(2, dtype=torch.long)
+    counts[cp_rank] = out["num_scored"]
+    dist.all_reduce(counts)
+    if dist.get_rank() == 0:
+        torch.save(counts, out_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_context_parallel_ranks_each_get_their_shards_count(tmp_path) -> None:
+    out_path = str(tmp_path / "counts.pt")
+    run_distributed(_context_parallel_body, 2, out_path, cp=2)
+    counts = torch.load(out_path)
+    assert int(counts.sum()) == with_count(nemo_bert_batch(seed=1))["num_scored"]
+    assert counts.min() > 0
