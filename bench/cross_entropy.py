@@ -11,7 +11,7 @@ masked tokens (15% by default) and its gradient w.r.t. the logits:
 * ``F.cross_entropy``: ``F.cross_entropy(reduction="none")`` in fp32, then the mask.
 * ``floor: zero gradient``: no loss at all, a backward that returns ``torch.zeros`` of the
   logits' shape: what merely materializing a fresh gradient costs (on CPU mostly page faults).
-* ``bert_reduce[...]``: :func:`bert_reduce.cross_entropy.masked_cross_entropy` with
+* ``bert_reduce[...]``: :func:`bert_reduce.cross_entropy.cross_entropy_loss_sum` with
   ``capacity="all"`` (the default: exact for any mask, sync-free), ``capacity=0.2`` (static:
   exact up to 20% masked, sync-free), ``capacity="nonzero"`` (exact, one host sync on a GPU),
   and ``capacity=0.2, in_place=True``.
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert_reduce.cross_entropy import masked_cross_entropy
+from bert_reduce.cross_entropy import cross_entropy_loss_sum
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "megatron": None,
@@ -132,7 +132,7 @@ def loss_fn(variant: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     assert options is not None
 
     def ours(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
-        return masked_cross_entropy(logits, labels, mask, **options)[0]
+        return cross_entropy_loss_sum(logits, labels, mask, **options)[0]
 
     return ours
 

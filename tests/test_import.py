@@ -22,7 +22,7 @@ def test_core_needs_torch_alone() -> None:
     # torchmetrics, Hydra or transformers.
     code = (
         "import sys, torch; "
-        "from bert_reduce import BERTMLMLossWithReduction, masked_cross_entropy, pack_batch; "
+        "from bert_reduce import BERTMLMLossWithReduction, cross_entropy_loss_sum, pack_batch; "
         "import bert_reduce.context_parallel, bert_reduce.reports, bert_reduce.normalization; "
         "import bert_reduce.num_scored; "
         "from bert_reduce import GlobalBatchLoss; "

@@ -13,7 +13,7 @@ import torch
 from torchmetrics.text import Perplexity
 
 from bert_reduce import BERTMLMLossWithReduction, TokenPerplexity
-from bert_reduce.metrics import perplexity_from_sums, token_loss_sums
+from bert_reduce.metrics import perplexity_from_sums
 from bert_reduce.reports import sum_reports
 from tests.helpers.reference import UNEVEN_MICRO_BATCHES, reference_loss, uneven_mlm_batch
 from tests.helpers.sync_guard import forbid_host_syncs
@@ -124,6 +124,6 @@ def test_errors_name_keys_and_shapes() -> None:
         metric.update_from_reports(torch.zeros(2))  # type: ignore[arg-type]
     logits, labels, mask = uneven_mlm_batch()
     with pytest.raises(ValueError, match=r"labels of shape \(7, 10\) and loss_mask of shape"):
-        token_loss_sums(logits, labels, mask[:, :5])
+        metric.update_from_logits(logits, labels, mask[:, :5])
     with pytest.raises(ValueError, match=r"Expected labels of shape \[b, s\]"):
-        token_loss_sums(logits, labels[0], mask[0])
+        metric.update_from_logits(logits, labels[0], mask[0])

@@ -129,7 +129,7 @@ def test_plain_torch_distributed_dp_matches_single_process() -> None:
 def _megatron_cross_entropy_body() -> None:
     import torch.nn.functional as F
 
-    from bert_reduce.functional import unreduced_token_loss_fn
+    from bert_reduce import unreduced_token_loss_fn
 
     _, _, tp_rank, tp_size, _, _ = _ranks()
     logits, labels, _ = make_mlm_batch(3, 8, VOCAB, mask_prob=1.0, dtype=torch.float32)
