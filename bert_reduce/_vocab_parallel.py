@@ -182,7 +182,7 @@ def vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
 
     Megatron-Core's rule (``VocabUtility.vocab_range_from_per_partition_vocab_size``):
     ``[rank * shard, (rank + 1) * shard)``; written out so that an explicit ``tp_group`` needs
-    no Megatron. ``tests/test_vocab_parallel.py`` checks it against Megatron's own.
+    no Megatron. ``tests/test_cross_entropy.py`` checks it against Megatron's own.
     """
     return tp_rank * shard if tp_size > 1 else 0
 

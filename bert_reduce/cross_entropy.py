@@ -44,29 +44,17 @@ The row selection and the shard statistics are shared with the fused head
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from bert_reduce import _vocab_parallel as vp
 from bert_reduce import distributed
 from bert_reduce._deprecation import deprecated_names
-from bert_reduce._vocab_parallel import (
-    Capacity,
-    RowSelection,
-    combine_shard_stats,
-    flat_rows,
-    logsumexp_,
-    row_coefficients,
-    row_losses,
-    scatter_losses,
-    shard_stats,
-    shard_targets,
-    softmax_minus_onehot_,
-    tensor_parallel_placement,
-)
+from bert_reduce._vocab_parallel import Capacity
 from bert_reduce.functional import (
     accumulation_dtype,
     check_logits_and_labels,
@@ -74,7 +62,9 @@ from bert_reduce.functional import (
     check_same_shape,
 )
 from bert_reduce.normalization import Normalization, token_loss_sum
-from bert_reduce.num_scored import NumScored
+
+if TYPE_CHECKING:
+    from bert_reduce.num_scored import NumScored
 
 __all__ = [
     "Capacity",
@@ -154,12 +144,20 @@ class _Rows:
             return flat[start:end]
         return flat.index_select(0, self.index[start:end])
 
-    def read_as(self, tensor: Tensor, start: int, end: int, dtype: torch.dtype) -> Tensor:
-        """Rows ``[start, end)`` in ``dtype``: a private copy unless :meth:`is_view` says so."""
-        return self.read(tensor, start, end).to(dtype)
+    def scratch(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A ``[chunk, v]`` buffer for one call's chunks: allocated once, not once per chunk.
+
+        One chunk-sized allocation per call keeps the allocator (and, on the CPU, the kernel's
+        page faults on fresh memory) out of the loop.
+        """
+        return torch.empty(min(self.chunk, self.count), self.vocab, dtype=dtype, device=device)
+
+    def read_into(self, tensor: Tensor, start: int, end: int, scratch: Tensor) -> Tensor:
+        """Rows ``[start, end)`` copied into ``scratch``'s first rows (converted to its dtype)."""
+        return scratch[: end - start].copy_(self.read(tensor, start, end))
 
     def is_view(self, tensor: Tensor, dtype: torch.dtype) -> bool:
-        """Whether :meth:`read_as` returns a view of ``tensor`` (else a copy it may overwrite)."""
+        """Whether rows of ``tensor`` are views of it in ``dtype`` (else they need a copy)."""
         return self.index is None and tensor.is_contiguous() and tensor.dtype == dtype
 
     def write(self, tensor: Tensor, start: int, end: int, values: Tensor) -> None:
@@ -181,18 +179,14 @@ class _Rows:
             tensor.index_put_(where, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
 
 
-def _softmax(x: Tensor, out: Tensor | None) -> Tensor:
-    """``softmax(x, dim=-1)`` written into ``out`` (which may be ``x`` itself), or a new buffer."""
-    if out is None:
-        return torch.softmax(x, dim=-1)
+def _softmax(x: Tensor, out: Tensor) -> Tensor:
+    """``softmax(x, dim=-1)`` written into ``out`` (which may be ``x`` itself)."""
     return torch.ops.aten._softmax.out(x, -1, False, out=out)
 
 
-def _log_softmax(x: Tensor, in_place: bool) -> Tensor:
-    """``log_softmax(x, dim=-1)``, written over ``x`` when ``in_place`` (a private copy)."""
-    if in_place:
-        return torch.ops.aten._log_softmax.out(x, -1, False, out=x)
-    return torch.log_softmax(x, dim=-1)
+def _log_softmax(x: Tensor, out: Tensor) -> Tensor:
+    """``log_softmax(x, dim=-1)`` written into ``out`` (which may be ``x`` itself)."""
+    return torch.ops.aten._log_softmax.out(x, -1, False, out=out)
 
 
 class _CrossEntropyTokenLosses(torch.autograd.Function):
@@ -215,32 +209,38 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
         true on every scored row when more rows are scored than selected, else all false.
         """
-        _, tp_size, tp_rank = tensor_parallel_placement(tp_group)
+        _, tp_size, tp_rank = vp.tensor_parallel_placement(tp_group)
         acc = accumulation_dtype(logits.dtype)
         seq_len, batch_size, shard = logits.shape
-        sharded = shard_targets(targets, shard, tp_group)
-        private = not rows.is_view(logits, acc)
+        sharded = vp.shard_targets(targets, shard, tp_group)
+        view = rows.is_view(logits, acc)
+        scratch = rows.scratch(acc, logits.device)
         shard_share = None
         if tp_size == 1:
             # One shard: loss = -log_softmax(x)[target], with PyTorch's fused kernel.
             loss = torch.empty(rows.count, dtype=acc, device=logits.device)
             for start, end in rows.chunks():
-                log_probs = _log_softmax(rows.read_as(logits, start, end, acc), private)
+                if view:
+                    x = rows.read(logits, start, end)
+                    log_probs = _log_softmax(x, scratch[: end - start])
+                else:
+                    x = rows.read_into(logits, start, end, scratch)
+                    log_probs = _log_softmax(x, x)
                 loss[start:end] = log_probs.gather(1, sharded.local[start:end]).squeeze(1).neg_()
             loss = torch.where(sharded.in_vocab, loss, torch.nan)
         else:
-            stats = shard_stats(rows.count, acc, logits.device, tp_group)
+            stats = vp.shard_stats(rows.count, acc, logits.device, tp_group)
             for start, end in rows.chunks():
-                x = rows.read_as(logits, start, end, acc)
+                x = rows.read_into(logits, start, end, scratch)
                 stats[tp_rank, 1, start:end] = x.gather(1, sharded.local[start:end]).squeeze(1)
-                stats[tp_rank, 0, start:end] = logsumexp_(x) if private else x.logsumexp(dim=-1)
+                stats[tp_rank, 0, start:end] = vp.logsumexp_(x)
             shard_lse = stats[tp_rank, 0].clone()
-            lse, target_logit = combine_shard_stats(stats, sharded, tp_group)
-            loss = row_losses(lse, target_logit, sharded.in_vocab)
+            lse, target_logit = vp.combine_shard_stats(stats, sharded, tp_group)
+            loss = vp.row_losses(lse, target_logit, sharded.in_vocab)
             # softmax over the vocabulary = this shard's softmax * exp(lse_shard - lse).
             shard_share = torch.exp(shard_lse - lse)
-        selection = RowSelection(rows.index, unselected, overflow)
-        losses, scored = scatter_losses(loss, scored, selection, seq_len * batch_size)
+        selection = vp.RowSelection(rows.index, unselected, overflow)
+        losses, scored = vp.scatter_losses(loss, scored, selection, seq_len * batch_size)
         ctx.rows, ctx.in_place = rows, in_place
         ctx.save_for_backward(
             logits, sharded.local, sharded.in_shard, scored, unselected, overflow, shard_share
@@ -253,7 +253,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         logits, local, in_shard, scored, unselected, overflow, shard_share = ctx.saved_tensors
         rows: _Rows = ctx.rows
         acc = accumulation_dtype(logits.dtype)
-        coef = row_coefficients(grad_losses.t().reshape(-1), acc, rows.index, scored, overflow)
+        coef = vp.row_coefficients(grad_losses.t().reshape(-1), acc, rows.index, scored, overflow)
         scale = coef if shard_share is None else coef * shard_share
         target_weight = torch.where(in_shard, coef, 0)
         grad = (
@@ -262,14 +262,19 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
             else torch.empty_like(logits, memory_format=torch.contiguous_format)
         )
         # Compute straight into the gradient's own rows when they are a view of the right
-        # dtype, else into the chunk's private copy of the logits, else into a new buffer.
+        # dtype, else into the chunk's copy of the logits (which then exists: the rows are
+        # selected, or of another dtype), written into the gradient afterwards.
         direct = rows.is_view(grad, acc)
-        private = not rows.is_view(logits, acc)
+        view = direct and rows.is_view(logits, acc)
+        scratch = None if view else rows.scratch(acc, logits.device)
         for start, end in rows.chunks():
-            x = rows.read_as(logits, start, end, acc)
-            out = rows.read(grad, start, end) if direct else x if private else None
+            if view:
+                x = rows.read(logits, start, end)
+            else:
+                x = rows.read_into(logits, start, end, scratch)
+            out = rows.read(grad, start, end) if direct else x
             p = _softmax(x, out)
-            softmax_minus_onehot_(
+            vp.softmax_minus_onehot_(
                 p, local[start:end], scale[start:end], target_weight[start:end]
             )
             if not direct:
@@ -348,7 +353,7 @@ def cross_entropy_token_losses(
             "non-leaf logits of the model instead."
         )
     # Flat row r = i_s * b + i_b follows the [s, b, v] memory order of the logits.
-    targets, scored, selection = flat_rows(labels, loss_mask, True, capacity, num_scored)
+    targets, scored, selection = vp.flat_rows(labels, loss_mask, True, capacity, num_scored)
     rows = _Rows(logits.shape, selection.index, chunk_elements)
     return _CrossEntropyTokenLosses.apply(
         logits, targets, scored != 0, rows, selection.unselected, selection.overflow,
@@ -465,8 +470,9 @@ def unreduced_token_loss_fn(
     if not distributed.megatron_is_initialized():
         if cross_entropy_loss_fusion:
             raise ValueError(
-                "cross_entropy_loss_fusion=True needs Megatron-Core's parallel state "
-                "(megatron.core.parallel_state.initialize_model_parallel)."
+                "Megatron-Core's fused cross-entropy (cross_entropy_loss_fusion=True, or "
+                "BERTMLMLossWithReduction(cross_entropy='megatron_fused')) needs Megatron-Core's "
+                "parallel state (megatron.core.parallel_state.initialize_model_parallel)."
             )
         every_position = torch.ones(labels.shape, dtype=torch.bool, device=labels.device)
         return cross_entropy_token_losses(logits, labels, every_position)

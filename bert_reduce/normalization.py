@@ -203,10 +203,10 @@ def token_loss_sum(
 
 
 masked_token_loss = token_loss_sum
-"""NeMo 2's and BioNeMo's name: ``masked_token_loss(per_token_loss, loss_mask)`` ->
-``(loss_sum, denominator)``, for code ported from them (``docs/bionemo.md``); the same
-function as :func:`token_loss_sum` (unlike NeMo's, it returns the sum and its denominator,
-not their quotient)."""
+"""NeMo 2's name (``nemo.lightning.megatron_parallel.masked_token_loss``, which BioNeMo uses):
+``masked_token_loss(per_token_loss, loss_mask)`` -> ``(loss_sum, denominator)``, for code
+ported from them (``docs/bionemo.md``). The same function as :func:`token_loss_sum`: NeMo's
+contract, with an exact int64 count and no NaN from unscored positions."""
 
 
 def normalization_weights(

@@ -354,9 +354,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         """
         hidden = _require(forward_out, HIDDEN_STATES_KEY, "forward_out")
         weight = _require(forward_out, OUTPUT_WEIGHT_KEY, "forward_out")
-        if self.check_labels:
-            vocab_size = weight.size(0) * distributed.tensor_parallel_world_size()
-            validate_masked_labels(labels, loss_mask, vocab_size)
+        self._validate_labels(labels, loss_mask, vocab_shard=weight.size(0))
         return linear_cross_entropy_loss_sum(
             hidden,
             weight,
@@ -389,9 +387,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         else:
             logits = _require(forward_out, key, "forward_out")
             vocab_shard = logits.size(-1)
-        if self.check_labels:
-            vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
-            validate_masked_labels(labels, loss_mask, vocab_size)
+        self._validate_labels(labels, loss_mask, vocab_shard)
         if self.cross_entropy == "masked":
             options = {
                 "capacity": "all" if self.mask_capacity is None else self.mask_capacity,
@@ -411,6 +407,12 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         return unreduced_token_loss_fn(
             logits, labels, cross_entropy_loss_fusion=self.cross_entropy == "megatron_fused"
         )
+
+    def _validate_labels(self, labels: Tensor, loss_mask: Tensor, vocab_shard: int) -> None:
+        """With ``check_labels``, raise on a scored label outside the (whole) vocabulary."""
+        if self.check_labels:
+            vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
+            validate_masked_labels(labels, loss_mask, vocab_size)
 
     def _sequence_normalizers(
         self, batch: Mapping[str, Any], loss_mask: Tensor
