@@ -154,7 +154,12 @@ class _Rows:
 
     def read_into(self, tensor: Tensor, start: int, end: int, scratch: Tensor) -> Tensor:
         """Rows ``[start, end)`` copied into ``scratch``'s first rows (converted to its dtype)."""
-        return scratch[: end - start].copy_(self.read(tensor, start, end))
+        out = scratch[: end - start]
+        if self.index is not None and tensor.is_contiguous() and tensor.dtype == out.dtype:
+            # Gathered straight into the buffer: one copy, not a gather and then a copy.
+            flat = tensor.view(-1, self.vocab)
+            return torch.index_select(flat, 0, self.index[start:end], out=out)
+        return out.copy_(self.read(tensor, start, end))
 
     def is_view(self, tensor: Tensor, dtype: torch.dtype) -> bool:
         """Whether rows of ``tensor`` are views of it in ``dtype`` (else they need a copy)."""
