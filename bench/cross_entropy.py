@@ -17,6 +17,8 @@ masked tokens (15% by default) and its gradient w.r.t. the logits:
 * ``loss class``: ``BERTMLMLossWithReduction()`` on ``token_logits`` (its default masked
   cross-entropy, ``capacity="all"``), forward and backward of its ``loss_sum``: the path NeMo
   and BioNeMo models that return logits run.
+* ``loss class + num_scored``: the same with ``batch["num_scored"]``, the count the recipe's
+  collators hand over on the host: only the masked rows are computed, without a sync.
 * ``F.cross_entropy``: ``F.cross_entropy(reduction="none")`` in fp32, then the mask.
 * ``floor: zero gradient``: no loss at all, a backward that returns ``torch.zeros`` of the
   logits' shape: what merely materializing a fresh gradient costs (on CPU mostly page faults).
@@ -65,6 +67,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "megatron": None,
     "megatron (copy)": None,
     "loss class": None,
+    "loss class + num_scored": None,
     "F.cross_entropy": None,
     "floor: zero gradient": None,
     "bert_reduce[all]": {"capacity": "all"},
@@ -135,11 +138,14 @@ def loss_fn(variant: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
             return (loss * mask.t()).sum()
 
         return megatron
-    if variant == "loss class":
+    if variant in ("loss class", "loss class + num_scored"):
         reduction = BERTMLMLossWithReduction()
+        counted = variant == "loss class + num_scored"
 
         def loss_class(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
             batch = {"labels": labels, "loss_mask": mask}
+            if counted:  # the recipe's collators count on the host, before the transfer
+                batch["num_scored"] = int(mask.count_nonzero())
             return reduction.forward(batch, {"token_logits": logits})[0]
 
         return loss_class
@@ -265,7 +271,7 @@ def measure(
     print("time: median (min) ms of interleaved repeats; ratios of medians (of minima); cpu:")
     print("ratio of median CPU times (user + system)")
     header = (
-        f"{'shape':<13} {'dtype':<5} {'variant':<26} {'ms':>15} {'vs Megatron':>15} "
+        f"{'shape':<13} {'dtype':<5} {'variant':<27} {'ms':>15} {'vs Megatron':>15} "
         f"{'vs Meg.(copy)':>15} {'vs F.ce':>15} {'cpu/Meg.(copy)':>14} "
         f"{'peak extra/logits':>18} {'loss rel.err':>12}"
     )
@@ -287,7 +293,7 @@ def measure(
                 for anchor in ANCHORS
             ]
             print(
-                f"{'x'.join(map(str, shape)):<13} {dtype:<5} {variant:<26} "
+                f"{'x'.join(map(str, shape)):<13} {dtype:<5} {variant:<27} "
                 f"{f'{med[variant] * 1e3:.3g} ({low[variant] * 1e3:.3g})':>15} "
                 f"{ratios[0]:>15} {ratios[1]:>15} {ratios[2]:>15} "
                 f"{med_cpu[variant] / med_cpu['megatron (copy)']:>13.2f}x "
@@ -303,6 +309,8 @@ def measure(
                 "cpu": {a: med_cpu["loss class"] / med_cpu[a] for a in ANCHORS[:2]},
                 "memory": peaks["loss class"][i] / logits_bytes,
                 "megatron_copy_memory": peaks["megatron (copy)"][i] / logits_bytes,
+                "counted_wall": med["loss class + num_scored"] / med["megatron"],
+                "counted_memory": peaks["loss class + num_scored"][i] / logits_bytes,
             }
         )
     return rows
@@ -345,7 +353,8 @@ def main() -> None:
             f"Megatron (copy), {row['wall']['megatron']:.3f}x Megatron in place; "
             f"cpu {row['cpu']['megatron (copy)']:.3f}x / {row['cpu']['megatron']:.3f}x; "
             f"peak extra {row['memory']:.3f}x the logits (Megatron copy "
-            f"{row['megatron_copy_memory']:.3f}x); load {row['load']}"
+            f"{row['megatron_copy_memory']:.3f}x); with num_scored {row['counted_wall']:.3f}x "
+            f"Megatron in place, peak extra {row['counted_memory']:.3f}x; load {row['load']}"
         )
 
 
