@@ -16,13 +16,13 @@ cross-entropy over the masked positions (15% by default) and the gradients w.r.t
   data pipeline's CPU count), then ``F.linear`` and ``F.cross_entropy`` on them alone:
   MosaicBERT's and NVIDIA BERT's ``masked_lm_positions``, unchunked.
 * ``bert_reduce CE on logits``: full logits, then
-  :func:`bert_reduce.masked_cross_entropy` with the pipeline's count (``num_scored``).
-* ``head: plain call``: ``linear_masked_token_losses(hidden, weight, labels, mask)`` as its
+  :func:`bert_reduce.cross_entropy_loss_sum` with the pipeline's count (``num_scored``).
+* ``head: plain call``: ``linear_cross_entropy_token_losses(hidden, weight, labels, mask)`` as its
   docstring shows it, no count (it counts the scored rows: one host sync on a GPU, free
   here); ``head[num_scored]``: with the pipeline's count; ``head[0.2]``: a static capacity
   of 20% of the positions. All three return per-token losses, so their backward recomputes
   the logits (four products).
-* ``weighted sum[num_scored]``: :func:`bert_reduce.linear_cross_entropy.linear_weighted_loss_sum`
+* ``weighted sum[num_scored]``: :func:`bert_reduce.linear_cross_entropy_weighted_sum`
   with the count: gradients accumulated in the forward (three products).
 * ``loss class, no count``: ``BERTMLMLossWithReduction()`` fed ``hidden_states`` and
   ``output_weight``, its batch ``labels`` and ``loss_mask`` only (what a NeMo or BioNeMo
@@ -76,8 +76,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bert_reduce import linear_masked_token_losses, masked_cross_entropy
-from bert_reduce.linear_cross_entropy import linear_weighted_loss_sum
+from bert_reduce import cross_entropy_loss_sum, linear_cross_entropy_token_losses
+from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cross_entropy import _init_megatron, _rss_kib
@@ -182,7 +182,7 @@ def loss_fn(variant: str) -> LossFn:
 
         def on_logits(hidden, weight, labels, mask, num_scored):
             logits = F.linear(hidden, weight)
-            return masked_cross_entropy(logits, labels, mask, num_scored=num_scored)[0]
+            return cross_entropy_loss_sum(logits, labels, mask, num_scored=num_scored)[0]
 
         return on_logits
     if variant.startswith("head"):
@@ -194,14 +194,16 @@ def loss_fn(variant: str) -> LossFn:
 
         def head(hidden, weight, labels, mask, num_scored):
             kwargs = {k: num_scored if v is None else v for k, v in rows.items()}
-            return linear_masked_token_losses(hidden, weight, labels, mask, **kwargs).sum()
+            return linear_cross_entropy_token_losses(hidden, weight, labels, mask, **kwargs).sum()
 
         return head
     if variant == "weighted sum[num_scored]":
 
         def weighted(hidden, weight, labels, mask, num_scored):
             weights = mask.to(torch.float32)
-            return linear_weighted_loss_sum(hidden, weight, labels, weights, num_scored=num_scored)
+            return linear_cross_entropy_weighted_sum(
+                hidden, weight, labels, weights, num_scored=num_scored
+            )
 
         return weighted
     if variant.startswith("loss class"):

@@ -5,11 +5,26 @@ The names here are the handful a user needs; helpers live in their modules
 :mod:`bert_reduce.context_parallel`, :mod:`bert_reduce.packing`, :mod:`bert_reduce.lightning`).
 They are imported on first use, so ``import bert_reduce`` stays quick and loads neither NeMo nor
 Megatron-Core nor Lightning until something needs them.
+
+The loss functions are named by what they take, then what they return:
+
+* ``token_`` (``[b, s]`` per-token losses and mask), ``cross_entropy_`` (``[s, b, v]`` logits),
+  ``linear_cross_entropy_`` (the output layer's hidden states and weight, fused: the logits
+  of the scored positions only);
+* ``_token_losses`` (``[b, s]`` per-token losses, 0 where unscored), ``_loss_sum``
+  (``(loss_sum, denominator)`` of a normalization mode, per token by default), and
+  ``_weighted_sum`` (a 0-dim ``sum(w * loss)`` for caller-given weights).
+
+NeMo's and BioNeMo's names for two of them, ``masked_token_loss`` (:func:`token_loss_sum`) and
+``unreduced_token_loss_fn`` (per-token cross-entropy of every position, Megatron-Core's kernel
+under its parallel state), stay exported for code ported from them (``docs/bionemo.md``); the
+documentation teaches the names above.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -25,18 +40,29 @@ _EXPORTS: dict[str, str] = {
     "GlobalBatchLoss": "bert_reduce.torch_loop",
     # Perplexity (torchmetrics).
     "TokenPerplexity": "bert_reduce.metrics",
-    # The maths: masked cross-entropy, per-token losses, normalization modes.
-    "masked_cross_entropy": "bert_reduce.cross_entropy",
-    "masked_token_losses": "bert_reduce.cross_entropy",
-    "linear_masked_token_losses": "bert_reduce.linear_cross_entropy",
-    "linear_weighted_loss_sum": "bert_reduce.linear_cross_entropy",
-    "masked_token_loss": "bert_reduce.functional",
-    "unreduced_token_loss_fn": "bert_reduce.functional",
+    # The maths, named <what goes in>_<what comes out> (see the module docstring).
+    "token_loss_sum": "bert_reduce.normalization",
+    "cross_entropy_token_losses": "bert_reduce.cross_entropy",
+    "cross_entropy_loss_sum": "bert_reduce.cross_entropy",
+    "linear_cross_entropy_token_losses": "bert_reduce.linear_cross_entropy",
+    "linear_cross_entropy_loss_sum": "bert_reduce.linear_cross_entropy",
+    "linear_cross_entropy_weighted_sum": "bert_reduce.linear_cross_entropy",
     "Normalization": "bert_reduce.normalization",
     # Batches: context-parallel slicing and sequence packing.
     "get_batch_on_this_cp_rank": "bert_reduce.context_parallel",
     "pack_batch": "bert_reduce.packing",
+    # NeMo 2 / BioNeMo names, for ported code (docs/bionemo.md).
+    "masked_token_loss": "bert_reduce.normalization",
+    "unreduced_token_loss_fn": "bert_reduce.cross_entropy",
 }
+
+_DEPRECATED: dict[str, str] = {
+    "masked_cross_entropy": "cross_entropy_loss_sum",
+    "masked_token_losses": "cross_entropy_token_losses",
+    "linear_masked_token_losses": "linear_cross_entropy_token_losses",
+    "linear_weighted_loss_sum": "linear_cross_entropy_weighted_sum",
+}
+"""Old top-level names, served with a ``DeprecationWarning`` until ``_deprecation.REMOVED_IN``."""
 
 __all__ = [
     "BERTMLMLossWithReduction",
@@ -47,26 +73,32 @@ __all__ = [
     "PerTokenLossDict",
     "SameSizeLossDict",
     "TokenPerplexity",
+    "cross_entropy_loss_sum",
+    "cross_entropy_token_losses",
     "get_batch_on_this_cp_rank",
-    "linear_masked_token_losses",
-    "linear_weighted_loss_sum",
-    "masked_cross_entropy",
-    "masked_token_loss",
-    "masked_token_losses",
+    "linear_cross_entropy_loss_sum",
+    "linear_cross_entropy_token_losses",
+    "linear_cross_entropy_weighted_sum",
+    "masked_token_loss",  # NeMo 2 / BioNeMo name, for ported code (docs/bionemo.md)
     "pack_batch",
-    "unreduced_token_loss_fn",
+    "token_loss_sum",
+    "unreduced_token_loss_fn",  # BioNeMo name, for ported code (docs/bionemo.md)
 ]
 
 if TYPE_CHECKING:
     from bert_reduce.context_parallel import get_batch_on_this_cp_rank
-    from bert_reduce.cross_entropy import masked_cross_entropy, masked_token_losses
-    from bert_reduce.functional import masked_token_loss, unreduced_token_loss_fn
+    from bert_reduce.cross_entropy import (
+        cross_entropy_loss_sum,
+        cross_entropy_token_losses,
+        unreduced_token_loss_fn,
+    )
     from bert_reduce.linear_cross_entropy import (
-        linear_masked_token_losses,
-        linear_weighted_loss_sum,
+        linear_cross_entropy_loss_sum,
+        linear_cross_entropy_token_losses,
+        linear_cross_entropy_weighted_sum,
     )
     from bert_reduce.metrics import TokenPerplexity
-    from bert_reduce.normalization import Normalization
+    from bert_reduce.normalization import Normalization, masked_token_loss, token_loss_sum
     from bert_reduce.packing import pack_batch
     from bert_reduce.reduction import BERTMLMLossWithReduction, MegatronLossReduction
     from bert_reduce.reports import (
@@ -78,6 +110,17 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        from bert_reduce._deprecation import REMOVED_IN
+
+        new = _DEPRECATED[name]
+        warnings.warn(
+            f"bert_reduce.{name} is deprecated and will be removed in bert_reduce {REMOVED_IN}; "
+            f"use bert_reduce.{new} instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return __getattr__(new)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'bert_reduce' has no attribute {name!r}")

@@ -142,7 +142,9 @@ def get_batch_on_this_cp_rank(
     cp_rank: int | None = None,
     seq_dims: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Slice a ``[b, s, ...]`` batch for one context-parallel rank, as Megatron expects.
+    """``[b, s, ...]`` batch -> this context-parallel rank's ``[b, s / cp, ...]`` slice of it.
+
+    The slice Megatron expects (the module docstring says which chunks).
 
     Returns a new dict and leaves ``batch`` untouched. Tensors are sliced along dim 1 (a
     4-dim ``[b, 1, s, s]`` ``attention_mask``: dim 2, as in Megatron) unless ``seq_dims``

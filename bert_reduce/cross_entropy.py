@@ -1,16 +1,18 @@
-"""Masked cross-entropy that computes only what the loss mask needs.
+"""Cross-entropy on ``[s, b, v]`` logits that computes only what the loss mask needs.
 
 An MLM loss scores ~15% of the positions, yet a dense cross-entropy (``F.cross_entropy``,
 Megatron-Core's ``vocab_parallel_cross_entropy``) normalizes every row of the ``[s, b, v]``
 logits, keeps full-size fp32 softmax buffers alive for backward, and masks afterwards.
-:func:`masked_cross_entropy` instead
+:func:`cross_entropy_token_losses` (``[b, s]`` losses) and :func:`cross_entropy_loss_sum`
+(their ``(loss_sum, denominator)``) instead
 
-* reads only the rows it has to score, in chunks (by default 1/32 of the logits' bytes once
-  in fp32, at least 2**20 values: few large kernels, little extra memory), in fp32
-  (fp64 for fp64 logits), and keeps no more than one ``[rows]`` log-sum-exp for backward;
-* writes the gradient of the selected rows only: every other row of the gradient is zero, so the
-  only full-size allocation is the gradient itself (or nothing, with ``in_place=True``);
-* under tensor parallelism (vocab-sharded logits) runs exactly one collective: each rank's
+* read only the rows they have to score, in chunks (by default 1/32 of the logits' bytes
+  once in fp32, at least 2**20 values: few large kernels, little extra memory), in fp32
+  (fp64 for fp64 logits), with PyTorch's fused ``log_softmax`` and ``softmax`` kernels, and
+  keep no more than a ``[rows]`` vector for backward;
+* write the gradient of the selected rows only: every other row of the gradient is zero, so
+  the only full-size allocation is the gradient itself (or nothing, with ``in_place=True``);
+* under tensor parallelism (vocab-sharded logits) run exactly one collective: each rank's
   per-row ``(log-sum-exp, target logit)`` goes into its slot of a ``[tp, 2, rows]`` buffer that
   one all-reduce completes; the global log-sum-exp is the log-sum-exp of the shards'.
 
@@ -29,48 +31,74 @@ data-dependent number of rows needs a device-to-host sync:
 * ``"nonzero"``: exactly the rows where the mask is non-zero: exact for any mask and minimal
   work, at the price of one host sync per call on an accelerator (their number is read back,
   as ``nonzero`` would).
+* ``num_scored``: the data pipeline's count (:mod:`bert_reduce.num_scored`), exactly that
+  many rows with no sync when it is on the host.
 
-This module is pure torch; Megatron-Core is only consulted (through
-:mod:`bert_reduce.distributed`) when its parallel state is initialized.
+The row selection and the shard statistics are shared with the fused head
+(:mod:`bert_reduce.linear_cross_entropy`) in :mod:`bert_reduce._vocab_parallel`.
+:func:`unreduced_token_loss_fn` is BioNeMo's name for the per-token loss on every position
+(Megatron-Core's kernel when its parallel state is initialized), for code ported from it
+(see ``docs/bionemo.md``). This module is pure torch; Megatron-Core is only consulted
+(through :mod:`bert_reduce.distributed`) when its parallel state is initialized.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from bert_reduce import _vocab_parallel as vp
 from bert_reduce import distributed
+from bert_reduce._deprecation import deprecated_names
+from bert_reduce._vocab_parallel import Capacity
 from bert_reduce.functional import (
     accumulation_dtype,
     check_logits_and_labels,
     check_same_device,
     check_same_shape,
-    masked_loss_sum,
 )
+from bert_reduce.normalization import Normalization, token_loss_sum
+
+if TYPE_CHECKING:
+    from bert_reduce.num_scored import NumScored
 
 __all__ = [
     "Capacity",
-    "NumScored",
-    "RowSelection",
-    "ShardedTargets",
-    "combine_shard_stats",
-    "masked_cross_entropy",
-    "masked_token_losses",
-    "resolve_capacity",
-    "scatter_row_losses",
-    "scored_count",
-    "select_rows",
-    "shard_stats",
-    "shard_targets",
+    "cross_entropy_loss_sum",
+    "cross_entropy_token_losses",
+    "unreduced_token_loss_fn",
 ]
 
-Capacity = int | float | Literal["all", "nonzero"]
-"""How many rows :func:`masked_cross_entropy` computes; see the module docstring."""
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "masked_token_losses": "bert_reduce.cross_entropy.cross_entropy_token_losses",
+        "masked_cross_entropy": "bert_reduce.cross_entropy.cross_entropy_loss_sum",
+        "NumScored": "bert_reduce.num_scored.NumScored",
+        "scored_count": "bert_reduce.num_scored.scored_count",
+        # Internals shared with the fused head, now in their own private module.
+        **{
+            name: f"bert_reduce._vocab_parallel.{name}"
+            for name in (
+                "RowSelection",
+                "ShardedTargets",
+                "combine_shard_stats",
+                "logsumexp_",
+                "resolve_capacity",
+                "scatter_row_losses",
+                "select_rows",
+                "shard_stats",
+                "shard_targets",
+                "tensor_parallel_placement",
+                "vocab_start",
+            )
+        },
+    },
+)
 
 _MIN_CHUNK_ELEMENTS = 1 << 20
 _CHUNKS_PER_LOGITS = 32
@@ -80,262 +108,6 @@ def _default_chunk_elements(logits: Tensor, acc: torch.dtype) -> int:
     """Chunks whose fp32 copy is 1/32 of the logits' bytes, and never tiny."""
     per_chunk = logits.numel() * logits.element_size() // (_CHUNKS_PER_LOGITS * acc.itemsize)
     return max(_MIN_CHUNK_ELEMENTS, per_chunk)
-
-
-def resolve_capacity(capacity: Capacity, num_positions: int) -> int | None:
-    """The static number of rows a ``capacity`` stands for, or ``None`` for ``"nonzero"``.
-
-    Args:
-        capacity: ``"all"``, ``"nonzero"``, a row count, or a fraction of the positions.
-        num_positions: ``b * s``, the number of positions in the micro-batch.
-
-    Returns:
-        The row count, clipped to ``[0, num_positions]``, or ``None`` for ``"nonzero"``.
-
-    Raises:
-        ValueError: On an unknown string, a negative count or a fraction outside ``(0, 1]``.
-    """
-    if capacity == "all":
-        return num_positions
-    if capacity == "nonzero":
-        return None
-    if isinstance(capacity, bool) or not isinstance(capacity, int | float):
-        raise ValueError(
-            f"capacity must be 'all', 'nonzero', a row count or a fraction in (0, 1]; "
-            f"got {capacity!r}."
-        )
-    if isinstance(capacity, float):
-        if not 0.0 < capacity <= 1.0:
-            raise ValueError(f"A fractional capacity must lie in (0, 1], got {capacity}.")
-        return min(num_positions, math.ceil(capacity * num_positions))
-    if capacity < 0:
-        raise ValueError(f"capacity must be non-negative, got {capacity}.")
-    return min(num_positions, capacity)
-
-
-class RowSelection(NamedTuple):
-    """Which flat rows a masked loss computes.
-
-    Attributes:
-        index: int64 ``[rows]`` flat row numbers, scored rows first (each group in memory
-            order), or ``None`` for every row in order.
-        unselected: int64 flat rows left out (their gradient is zero), or ``None``.
-        overflow: ``[positions]`` bool, true on every scored row when more rows are scored
-            than selected (else all false), or ``None`` when no overflow is possible.
-    """
-
-    index: Tensor | None
-    unselected: Tensor | None
-    overflow: Tensor | None
-
-
-NumScored = int | tuple[int, ...] | list[int] | Tensor
-"""The data pipeline's count of scored positions: a Python ``int``, a tuple (or list) of
-per-sample ints to sum, or an integer tensor of counts to sum (e.g. a ``[b]`` per-sample
-tensor). Ints and CPU tensors are host data, read with no device sync; a tensor on an
-accelerator is read once (one sync). See :mod:`bert_reduce.num_scored`."""
-
-
-def scored_count(num_scored: NumScored) -> int:
-    """The number of scored positions ``num_scored`` stands for, as a Python ``int``.
-
-    Raises:
-        TypeError: If ``num_scored`` is neither an ``int``, a tuple of ints nor an integer
-            tensor.
-        ValueError: If it counts fewer than zero positions.
-    """
-    if isinstance(num_scored, Tensor) and not num_scored.dtype.is_floating_point:
-        if num_scored.device.type == "cpu":
-            # Host memory, read through numpy: no device involved.
-            count = int(num_scored.numpy().sum())
-        else:
-            # The price of a count left on the accelerator: one device-to-host sync.
-            count = int(num_scored.sum())
-    elif isinstance(num_scored, int) and not isinstance(num_scored, bool):
-        count = num_scored
-    elif isinstance(num_scored, tuple | list) and all(
-        isinstance(n, int) and not isinstance(n, bool) for n in num_scored
-    ):
-        count = sum(num_scored)
-    else:
-        raise TypeError(
-            "num_scored must be a Python int, a tuple of ints or an integer tensor of counts, got "
-            f"{num_scored.dtype if isinstance(num_scored, Tensor) else type(num_scored).__name__}."
-        )
-    if count < 0:
-        raise ValueError(f"num_scored must be non-negative, got a sum of {count}.")
-    return count
-
-
-def select_rows(
-    scored: Tensor, capacity: Capacity = "all", num_scored: NumScored | None = None
-) -> RowSelection:
-    """Choose the rows to compute from the flat ``[positions]`` bool ``scored``, without a sync.
-
-    Args:
-        scored: ``[positions]`` bool, true where the loss mask is non-zero.
-        capacity: See :func:`resolve_capacity`; ignored when ``num_scored`` is given.
-        num_scored: The number of scored positions as the data pipeline counted them
-            (:data:`NumScored`: an ``int``, or an integer tensor whose sum is the count; on
-            the host it costs no device sync). Used as an exact static capacity: more scored
-            rows than it says make the loss NaN (checked on the device), fewer only cost
-            unscored rows of work.
-
-    Returns:
-        The selection; ``index`` is ``None`` when every row is computed.
-
-    Raises:
-        TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
-        ValueError: On a bad ``capacity``, or a ``num_scored`` that sums to a negative count.
-    """
-    if num_scored is not None:
-        limit: int | None = min(scored_count(num_scored), scored.numel())
-    else:
-        limit = resolve_capacity(capacity, scored.numel())
-    if limit is not None and limit == scored.numel():
-        return RowSelection(None, None, None)
-    # A stable sort puts the scored rows first, each group in memory order. Static shapes
-    # and no host sync, unless the split point is read back ("nonzero").
-    order = torch.sort(scored.to(torch.uint8), descending=True, stable=True).indices
-    count = scored.sum(dtype=torch.int64)
-    overflow = None
-    if limit is None:
-        limit = int(count)
-    else:
-        overflow = scored & (count > limit)
-    return RowSelection(order[:limit], order[limit:], overflow)
-
-
-class ShardedTargets(NamedTuple):
-    """Where each row's target falls in this rank's vocab shard.
-
-    Attributes:
-        local: int64 ``[rows, 1]`` target id within the shard (0 where not in it).
-        in_shard: ``[rows]`` bool, whether the target lies in this rank's shard.
-        in_vocab: ``[rows]`` bool, whether the target lies in the whole vocabulary.
-    """
-
-    local: Tensor
-    in_shard: Tensor
-    in_vocab: Tensor
-
-
-def shard_targets(
-    targets: Tensor, shard: int, tp_group: dist.ProcessGroup | None = None
-) -> ShardedTargets:
-    """Locate ``[rows]`` target ids in this rank's vocab shard of size ``shard``.
-
-    ``tp_group``: the vocab-sharding group; see :func:`masked_token_losses`.
-    """
-    _, tp_size, tp_rank = tensor_parallel_placement(tp_group)
-    local = targets - vocab_start(shard, tp_rank, tp_size)
-    in_shard = (local >= 0) & (local < shard)
-    in_vocab = (targets >= 0) & (targets < shard * tp_size)
-    return ShardedTargets(torch.where(in_shard, local, 0).unsqueeze(1), in_shard, in_vocab)
-
-
-def shard_stats(
-    rows: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    tp_group: dist.ProcessGroup | None = None,
-) -> Tensor:
-    """The zeroed ``[tp, 2, rows]`` buffer :func:`combine_shard_stats` reduces.
-
-    This rank fills its slot, ``stats[tp_rank]``, with its shard's per-row (log-sum-exp,
-    target logit) and leaves the other slots at zero.
-    """
-    _, tp_size, _ = tensor_parallel_placement(tp_group)
-    return torch.zeros(tp_size, 2, rows, dtype=dtype, device=device)
-
-
-def combine_shard_stats(
-    stats: Tensor, targets: ShardedTargets, tp_group: dist.ProcessGroup | None = None
-) -> tuple[Tensor, Tensor]:
-    """The global per-row log-sum-exp and target logit, in ONE collective under TP.
-
-    Args:
-        stats: ``[tp, 2, rows]`` from :func:`shard_stats`, this rank's slot filled in.
-        targets: This rank's :func:`shard_targets`.
-        tp_group: The vocab-sharding group (see :func:`masked_token_losses`).
-
-    Returns:
-        ``(lse, target_logit)``, each ``[rows]``: the log-sum-exp over the whole vocabulary
-        (the log-sum-exp of the shards') and the target's logit (from the shard holding it).
-    """
-    group, _, tp_rank = tensor_parallel_placement(tp_group)
-    # Only the shard holding the target contributes its logit; every other slot stays 0 so
-    # that a single SUM all-reduce fills in every shard's.
-    stats[tp_rank, 1] = torch.where(targets.in_shard, stats[tp_rank, 1], 0)
-    if group is not None:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-    return torch.logsumexp(stats[:, 0], dim=0), stats[:, 1].sum(dim=0)
-
-
-def scatter_row_losses(
-    lse: Tensor,
-    target_logit: Tensor,
-    targets: ShardedTargets,
-    scored: Tensor,
-    selection: RowSelection,
-    positions: int,
-) -> tuple[Tensor, Tensor]:
-    """Per-position losses from the selected rows' statistics.
-
-    Args:
-        lse: ``[rows]`` global log-sum-exp of the selected rows.
-        target_logit: ``[rows]`` their target logits.
-        targets: Their :class:`ShardedTargets`.
-        scored: ``[rows]`` bool, whether each selected row is scored.
-        selection: The :class:`RowSelection` the rows come from.
-        positions: Number of flat positions (``b * s``).
-
-    Returns:
-        ``(losses, scored)``: ``[positions]`` losses (``lse - target_logit`` on scored rows,
-        NaN for a target outside the vocabulary, 0 elsewhere, NaN on every scored row after a
-        capacity overflow), and the ``[rows]`` rows whose gradient is not zero (none after
-        an overflow, whose gradient is NaN instead).
-    """
-    loss = torch.where(targets.in_vocab, lse - target_logit, torch.nan)
-    # `where`, not a product: whatever an unscored row holds must not reach the output.
-    loss = torch.where(scored, loss, 0)
-    if selection.index is None:
-        losses = loss
-    else:
-        losses = loss.new_zeros(positions).index_copy_(0, selection.index, loss)
-    if selection.overflow is not None:
-        # Scored rows past the capacity have no loss: poison every scored row instead.
-        losses = torch.where(selection.overflow, torch.nan, losses)
-        scored = scored & ~selection.overflow.any()
-    return losses, scored
-
-
-def tensor_parallel_placement(
-    group: dist.ProcessGroup | None = None,
-) -> tuple[dist.ProcessGroup | None, int, int]:
-    """``(group, world_size, rank)`` of the vocab-sharding group (``(None, 1, 0)`` without).
-
-    ``group`` when given, else Megatron-Core's tensor-parallel group when its parallel state is
-    initialized, else none.
-    """
-    if group is None:
-        if distributed.tensor_parallel_world_size() == 1:
-            return None, 1, 0
-        group = distributed.tensor_parallel_group()
-    world_size = dist.get_world_size(group)
-    if world_size == 1:
-        return None, 1, 0
-    return group, world_size, dist.get_rank(group)
-
-
-def vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
-    """First vocab id of this rank's contiguous shard.
-
-    Megatron-Core's rule (``VocabUtility.vocab_range_from_per_partition_vocab_size``):
-    ``[rank * shard, (rank + 1) * shard)``; written out so that an explicit ``tp_group`` needs
-    no Megatron. ``tests/test_cross_entropy.py`` checks it against Megatron's own.
-    """
-    return tp_rank * shard if tp_size > 1 else 0
 
 
 class _Rows:
@@ -372,12 +144,25 @@ class _Rows:
             return flat[start:end]
         return flat.index_select(0, self.index[start:end])
 
-    def read_as(self, tensor: Tensor, start: int, end: int, dtype: torch.dtype) -> Tensor:
-        """Rows ``[start, end)`` in ``dtype``: a private copy unless :meth:`is_view` says so."""
-        return self.read(tensor, start, end).to(dtype)
+    def scratch(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A ``[chunk, v]`` buffer for one call's chunks: allocated once, not once per chunk.
+
+        One chunk-sized allocation per call keeps the allocator (and, on the CPU, the kernel's
+        page faults on fresh memory) out of the loop.
+        """
+        return torch.empty(min(self.chunk, self.count), self.vocab, dtype=dtype, device=device)
+
+    def read_into(self, tensor: Tensor, start: int, end: int, scratch: Tensor) -> Tensor:
+        """Rows ``[start, end)`` copied into ``scratch``'s first rows (converted to its dtype)."""
+        out = scratch[: end - start]
+        if self.index is not None and tensor.is_contiguous() and tensor.dtype == out.dtype:
+            # Gathered straight into the buffer: one copy, not a gather and then a copy.
+            flat = tensor.view(-1, self.vocab)
+            return torch.index_select(flat, 0, self.index[start:end], out=out)
+        return out.copy_(self.read(tensor, start, end))
 
     def is_view(self, tensor: Tensor, dtype: torch.dtype) -> bool:
-        """Whether :meth:`read_as` returns a view of ``tensor`` (else a copy it may overwrite)."""
+        """Whether rows of ``tensor`` are views of it in ``dtype`` (else they need a copy)."""
         return self.index is None and tensor.is_contiguous() and tensor.dtype == dtype
 
     def write(self, tensor: Tensor, start: int, end: int, values: Tensor) -> None:
@@ -399,15 +184,17 @@ class _Rows:
             tensor.index_put_(where, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
 
 
-def logsumexp_(x: Tensor) -> Tensor:
-    """``x.logsumexp(dim=-1)`` for a ``[c, v]`` buffer it may overwrite: no temporary."""
-    shift = x.amax(dim=-1, keepdim=True)
-    # A row of -inf (or +inf) keeps logsumexp's answer instead of inf - inf = NaN.
-    shift = torch.where(shift.isfinite(), shift, 0)
-    return x.sub_(shift).exp_().sum(dim=-1).log_().add_(shift.squeeze(-1))
+def _softmax(x: Tensor, out: Tensor) -> Tensor:
+    """``softmax(x, dim=-1)`` written into ``out`` (which may be ``x`` itself)."""
+    return torch.ops.aten._softmax.out(x, -1, False, out=out)
 
 
-class _MaskedTokenLosses(torch.autograd.Function):
+def _log_softmax(x: Tensor, out: Tensor) -> Tensor:
+    """``log_softmax(x, dim=-1)`` written into ``out`` (which may be ``x`` itself)."""
+    return torch.ops.aten._log_softmax.out(x, -1, False, out=out)
+
+
+class _CrossEntropyTokenLosses(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
@@ -420,63 +207,81 @@ class _MaskedTokenLosses(torch.autograd.Function):
         in_place: bool,
         tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
-        """``[b, s]`` losses of the selected rows, 0 elsewhere (see :func:`masked_token_losses`).
+        """``[b, s]`` losses of the selected rows, 0 elsewhere (:func:`cross_entropy_token_losses`).
 
         ``targets`` and ``scored`` are ``[rows]``, aligned with ``rows``; a selected row that is
         not scored gets loss 0 and no gradient. ``unselected`` (int64) lists the flat rows
         whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
         true on every scored row when more rows are scored than selected, else all false.
         """
-        _, _, tp_rank = tensor_parallel_placement(tp_group)
+        _, tp_size, tp_rank = vp.tensor_parallel_placement(tp_group)
         acc = accumulation_dtype(logits.dtype)
         seq_len, batch_size, shard = logits.shape
-        sharded = shard_targets(targets, shard, tp_group)
-        stats = shard_stats(rows.count, acc, logits.device, tp_group)
-        private = not rows.is_view(logits, acc)
-        for start, end in rows.chunks():
-            x = rows.read_as(logits, start, end, acc)
-            stats[tp_rank, 1, start:end] = x.gather(1, sharded.local[start:end]).squeeze(1)
-            stats[tp_rank, 0, start:end] = logsumexp_(x) if private else x.logsumexp(dim=-1)
-        lse, target_logit = combine_shard_stats(stats, sharded, tp_group)
-        selection = RowSelection(rows.index, unselected, overflow)
-        losses, scored = scatter_row_losses(
-            lse, target_logit, sharded, scored, selection, seq_len * batch_size
-        )
-        local, in_shard = sharded.local, sharded.in_shard
+        sharded = vp.shard_targets(targets, shard, tp_group)
+        view = rows.is_view(logits, acc)
+        scratch = rows.scratch(acc, logits.device)
+        shard_share = None
+        if tp_size == 1:
+            # One shard: loss = -log_softmax(x)[target], with PyTorch's fused kernel.
+            loss = torch.empty(rows.count, dtype=acc, device=logits.device)
+            for start, end in rows.chunks():
+                if view:
+                    x = rows.read(logits, start, end)
+                    log_probs = _log_softmax(x, scratch[: end - start])
+                else:
+                    x = rows.read_into(logits, start, end, scratch)
+                    log_probs = _log_softmax(x, x)
+                loss[start:end] = log_probs.gather(1, sharded.local[start:end]).squeeze(1).neg_()
+            loss = torch.where(sharded.in_vocab, loss, torch.nan)
+        else:
+            stats = vp.shard_stats(rows.count, acc, logits.device, tp_group)
+            for start, end in rows.chunks():
+                x = rows.read_into(logits, start, end, scratch)
+                stats[tp_rank, 1, start:end] = x.gather(1, sharded.local[start:end]).squeeze(1)
+                stats[tp_rank, 0, start:end] = vp.logsumexp_(x)
+            shard_lse = stats[tp_rank, 0].clone()
+            lse, target_logit = vp.combine_shard_stats(stats, sharded, tp_group)
+            loss = vp.row_losses(lse, target_logit, sharded.in_vocab)
+            # softmax over the vocabulary = this shard's softmax * exp(lse_shard - lse).
+            shard_share = torch.exp(shard_lse - lse)
+        selection = vp.RowSelection(rows.index, unselected, overflow)
+        losses, scored = vp.scatter_losses(loss, scored, selection, seq_len * batch_size)
         ctx.rows, ctx.in_place = rows, in_place
-        ctx.save_for_backward(logits, lse, local, in_shard, scored, unselected, overflow)
+        ctx.save_for_backward(
+            logits, sharded.local, sharded.in_shard, scored, unselected, overflow, shard_share
+        )
         return losses.view(seq_len, batch_size).t().contiguous()
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
-        logits, lse, local, in_shard, scored, unselected, overflow = ctx.saved_tensors
+        logits, local, in_shard, scored, unselected, overflow, shard_share = ctx.saved_tensors
         rows: _Rows = ctx.rows
-        acc = lse.dtype
-        coef = grad_losses.t().reshape(-1).to(acc)
-        if rows.index is not None:
-            coef = coef[rows.index]
-        coef = torch.where(scored, coef, 0)
-        if overflow is not None:
-            coef = torch.where(overflow.any(), torch.nan, coef)
-        coef = coef.unsqueeze(1)
-        hit = -in_shard.to(acc).unsqueeze(1)
+        acc = accumulation_dtype(logits.dtype)
+        coef = vp.row_coefficients(grad_losses.t().reshape(-1), acc, rows.index, scored, overflow)
+        scale = coef if shard_share is None else coef * shard_share
+        target_weight = torch.where(in_shard, coef, 0)
         grad = (
             logits
             if ctx.in_place
             else torch.empty_like(logits, memory_format=torch.contiguous_format)
         )
         # Compute straight into the gradient's own rows when they are a view of the right
-        # dtype, else into the chunk's private copy of the logits, else into a new buffer.
+        # dtype, else into the chunk's copy of the logits (which then exists: the rows are
+        # selected, or of another dtype), written into the gradient afterwards.
         direct = rows.is_view(grad, acc)
-        private = not rows.is_view(logits, acc)
+        view = direct and rows.is_view(logits, acc)
+        scratch = None if view else rows.scratch(acc, logits.device)
         for start, end in rows.chunks():
-            x = rows.read_as(logits, start, end, acc)
-            out = rows.read(grad, start, end) if direct else x if private else None
-            p = torch.sub(x, lse[start:end].unsqueeze(1), out=out)
-            p.exp_()
-            p.scatter_add_(1, local[start:end], hit[start:end])
-            p.mul_(coef[start:end])
+            if view:
+                x = rows.read(logits, start, end)
+            else:
+                x = rows.read_into(logits, start, end, scratch)
+            out = rows.read(grad, start, end) if direct else x
+            p = _softmax(x, out)
+            vp.softmax_minus_onehot_(
+                p, local[start:end], scale[start:end], target_weight[start:end]
+            )
             if not direct:
                 rows.write(grad, start, end, p)
         if unselected is not None:
@@ -484,18 +289,18 @@ class _MaskedTokenLosses(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
-def masked_token_losses(
+def cross_entropy_token_losses(
     logits: Tensor,
     labels: Tensor,
     loss_mask: Tensor,
     *,
     capacity: Capacity = "all",
+    num_scored: NumScored | None = None,
     in_place: bool = False,
     chunk_elements: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
-    num_scored: NumScored | None = None,
 ) -> Tensor:
-    """Per-token cross-entropy on the scored positions, computing only what the mask needs.
+    """``[s, b, v]`` logits, ``[b, s]`` labels and mask -> ``[b, s]`` cross-entropy, 0 unscored.
 
     Where ``loss_mask`` is non-zero this equals (up to rounding)
     ``F.cross_entropy(logits, labels, reduction="none")`` and so does its gradient; elsewhere
@@ -517,6 +322,11 @@ def masked_token_losses(
         labels: ``[b, s]`` integer token ids; unscored positions may hold anything (``-100``).
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
         capacity: ``"all"`` (default), ``"nonzero"``, a row count or a fraction of ``b * s``.
+        num_scored: The data pipeline's count of scored positions
+            (:data:`~bert_reduce.num_scored.NumScored`: an ``int``, or e.g. the collator's
+            per-sample ``[b]`` counts): computes exactly that many rows, with no host sync when
+            it is on the host; overrides ``capacity``. More scored positions than it says make
+            the loss NaN (checked on the device).
         in_place: Write the gradient into ``logits`` (see above).
         chunk_elements: About how many logits one chunk reads at a time: trades the extra
             memory (a few fp32 chunks) against per-chunk overhead (kernel launches, thread
@@ -524,10 +334,6 @@ def masked_token_losses(
         tp_group: The group the vocabulary is sharded over (its one all-reduce runs there);
             ``None``: Megatron-Core's tensor-parallel group when its parallel state is
             initialized, else no sharding.
-        num_scored: The data pipeline's count of scored positions (:data:`NumScored`: an
-            ``int``, or e.g. the collator's per-sample ``[b]`` counts): computes exactly that
-            many rows, with no host sync when it is on the host; overrides ``capacity``. See
-            :func:`select_rows`.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
@@ -537,6 +343,7 @@ def masked_token_losses(
     Raises:
         ValueError: On mismatched shapes, a bad ``capacity`` or ``chunk_elements``, or
             ``in_place`` on a leaf tensor that requires grad.
+        TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
     """
     check_logits_and_labels(logits, labels)
     check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
@@ -551,64 +358,145 @@ def masked_token_losses(
             "non-leaf logits of the model instead."
         )
     # Flat row r = i_s * b + i_b follows the [s, b, v] memory order of the logits.
-    scored = (loss_mask != 0).transpose(0, 1).reshape(-1)
-    targets = labels.transpose(0, 1).reshape(-1).to(torch.int64)  # gather takes int64
-
-    selection = select_rows(scored, capacity, num_scored)
-    index, unselected, overflow = selection.index, selection.unselected, selection.overflow
-    if index is not None:
-        targets, scored = targets[index], scored[index]
-    rows = _Rows(logits.shape, index, chunk_elements)
-    return _MaskedTokenLosses.apply(
-        logits, targets, scored, rows, unselected, overflow, in_place, tp_group
-    )
+    targets, scored, selection = vp.flat_rows(labels, loss_mask, True, capacity, num_scored)
+    rows = _Rows(logits.shape, selection.index, chunk_elements)
+    return _CrossEntropyTokenLosses.apply(
+        logits, targets, scored != 0, rows, selection.unselected, selection.overflow,
+        in_place, tp_group,
+    )  # fmt: skip
 
 
-def masked_cross_entropy(
+def cross_entropy_loss_sum(
     logits: Tensor,
     labels: Tensor,
     loss_mask: Tensor,
+    normalization: Normalization | str = Normalization.PER_TOKEN,
     *,
     capacity: Capacity = "all",
+    num_scored: NumScored | None = None,
     in_place: bool = False,
     chunk_elements: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
-    num_scored: NumScored | None = None,
+    sequence_weight: Tensor | None = None,
+    sequence_start: Tensor | None = None,
+    constant_per_sequence: int | None = None,
+    weight_resolution: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Cross-entropy summed over the scored tokens, and its denominator.
+    """``[s, b, v]`` logits, ``[b, s]`` labels and mask -> ``(loss_sum, denominator)``.
 
-    :func:`masked_token_losses` followed by :func:`bert_reduce.functional.masked_loss_sum`:
-    equal (up to rounding) to ``sum(w * F.cross_entropy(logits[mask], labels[mask],
-    reduction="none"))`` with its gradient, for a bool, integer or float (weighting)
-    ``loss_mask``, and the mask's :func:`bert_reduce.functional.token_denominator`.
+    :func:`cross_entropy_token_losses` followed by
+    :func:`bert_reduce.normalization.token_loss_sum`. In the default ``per_token`` mode:
+    ``sum(w * F.cross_entropy(logits[mask], labels[mask], reduction="none"))`` (up to
+    rounding) with its gradient, for a bool, integer or float (weighting) ``loss_mask``, and
+    the mask's :func:`bert_reduce.functional.token_denominator`; the other modes divide by
+    what :mod:`bert_reduce.normalization` says.
 
     Args:
         logits: ``[s, b, v]`` logits, vocab-sharded under tensor parallelism.
         labels: ``[b, s]`` integer token ids.
         loss_mask: ``[b, s]``; non-zero where scored, float entries weight the loss.
-        capacity: Which rows are computed; see :func:`masked_token_losses`.
-        in_place: Write the gradient into ``logits``; see :func:`masked_token_losses`.
-        chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
-        tp_group: The vocab-sharding group; see :func:`masked_token_losses`.
+        normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``.
+        capacity: Which rows are computed; see :func:`cross_entropy_token_losses`.
         num_scored: The data pipeline's count of scored positions; see
-            :func:`masked_token_losses`.
+            :func:`cross_entropy_token_losses`.
+        in_place: Write the gradient into ``logits``; see :func:`cross_entropy_token_losses`.
+        chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
+        tp_group: The vocab-sharding group; see :func:`cross_entropy_token_losses`.
+        sequence_weight: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        sequence_start: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        constant_per_sequence: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
 
     Returns:
-        ``(loss_sum, denominator)``: a 0-dim ``sum(w * loss)`` in fp32 (fp64 for fp64 logits)
-        carrying the gradient, NaN on an out-of-vocabulary scored label or a capacity
-        overflow; and the 0-dim denominator (int64 token count, or fp64 sum of float weights).
+        ``(loss_sum, denominator)``: the mode's 0-dim numerator in fp32 (fp64 for fp64
+        logits) carrying the gradient, NaN on an out-of-vocabulary scored label or a capacity
+        overflow; and its 0-dim denominator (per token: the int64 token count, or the fp64
+        sum of float weights).
 
     Raises:
-        ValueError: As :func:`masked_token_losses`.
+        ValueError: As :func:`cross_entropy_token_losses` and
+            :func:`bert_reduce.normalization.token_loss_sum`.
     """
-    losses = masked_token_losses(
+    losses = cross_entropy_token_losses(
         logits,
         labels,
         loss_mask,
         capacity=capacity,
+        num_scored=num_scored,
         in_place=in_place,
         chunk_elements=chunk_elements,
         tp_group=tp_group,
-        num_scored=num_scored,
     )
-    return masked_loss_sum(losses, loss_mask)
+    return token_loss_sum(
+        losses,
+        loss_mask,
+        normalization,
+        sequence_weight=sequence_weight,
+        sequence_start=sequence_start,
+        constant_per_sequence=constant_per_sequence,
+        weight_resolution=weight_resolution,
+    )
+
+
+def unreduced_token_loss_fn(
+    logits: Tensor, labels: Tensor, cross_entropy_loss_fusion: bool = False
+) -> Tensor:
+    """``[s, b, v]`` logits and ``[b, s]`` labels -> ``[b, s]`` cross-entropy of every position.
+
+    BioNeMo's name and signature, for code ported from it (``docs/bionemo.md``). With
+    Megatron-Core's parallel state initialized this is Megatron's vocab-parallel
+    cross-entropy (what ``BERTMLMLossWithReduction(cross_entropy="megatron")`` runs); without
+    it, :func:`cross_entropy_token_losses` with every position scored. Unlike BioNeMo's
+    function, the caller's ``logits`` are never modified: Megatron-Core's kernels subtract
+    the max and exponentiate in place, so they work on a private fp32 copy.
+
+    A label outside ``[0, vocab)`` (``vocab`` being the full, unsharded vocabulary) gives a NaN
+    loss at its position: padding labels such as ``-100`` are harmless once a mask drops
+    those positions without arithmetic (:func:`bert_reduce.normalization.token_loss_sum`),
+    while an invalid label on a masked position makes the loss NaN instead of silently wrong.
+
+    Args:
+        logits: ``[s, b, v]`` logits; under tensor parallelism ``v`` is this rank's vocab shard.
+            Any float dtype; the maths runs in fp32 (fp64 when ``logits`` are fp64 and no
+            Megatron parallel state is initialized).
+        labels: ``[b, s]`` integer token ids.
+        cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy (one
+            all-reduce instead of two for the sums under TP). Its gradient is computed in bf16,
+            whatever the logits' dtype. Needs Megatron's parallel state.
+
+    Returns:
+        ``[b, s]`` per-token losses in the accumulation dtype (fp32, or fp64).
+
+    Raises:
+        ValueError: On mismatched shapes, or when the fused kernel is asked for without an
+            initialized Megatron parallel state.
+    """
+    check_logits_and_labels(logits, labels)
+    if not distributed.megatron_is_initialized():
+        if cross_entropy_loss_fusion:
+            raise ValueError(
+                "Megatron-Core's fused cross-entropy (cross_entropy_loss_fusion=True, or "
+                "BERTMLMLossWithReduction(cross_entropy='megatron_fused')) needs Megatron-Core's "
+                "parallel state (megatron.core.parallel_state.initialize_model_parallel)."
+            )
+        every_position = torch.ones(labels.shape, dtype=torch.bool, device=labels.device)
+        return cross_entropy_token_losses(logits, labels, every_position)
+
+    labels_sb = labels.transpose(0, 1).to(torch.int64)  # gather takes int64 indices
+    vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
+    # Megatron works in fp32 in place: hand it a private fp32 copy.
+    work = logits.to(torch.float32, copy=True)
+    target = labels_sb.contiguous()
+    if cross_entropy_loss_fusion:
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+        loss_sb = fused_vocab_parallel_cross_entropy(
+            work, target, distributed.tensor_parallel_group()
+        )
+    else:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        loss_sb = vocab_parallel_cross_entropy(work, target)
+    in_vocab = (labels_sb >= 0) & (labels_sb < vocab_size)
+    loss_sb = torch.where(in_vocab, loss_sb, torch.nan)
+    return loss_sb.transpose(0, 1).contiguous()

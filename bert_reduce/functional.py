@@ -1,8 +1,9 @@
 """The maths of masked-token losses, in plain torch.
 
-Nothing here knows about Lightning, NeMo or Hydra. Megatron-Core is imported lazily, and only
-when its parallel state is initialized, so this module stays importable (and fast to import)
-everywhere.
+Nothing here knows about Lightning, NeMo, Megatron-Core or Hydra. The losses themselves come
+from :mod:`bert_reduce.cross_entropy` (logits) and :mod:`bert_reduce.linear_cross_entropy`
+(hidden states and the output weight); their ``(loss_sum, denominator)`` in every
+normalization mode from :mod:`bert_reduce.normalization`.
 
 Layouts follow Megatron: logits are ``[s, b, v]`` (sequence first, vocab possibly sharded over
 tensor-parallel ranks), while labels, masks and per-token losses are ``[b, s]``.
@@ -14,7 +15,7 @@ micro-batches and ranks; dividing once by the global denominator gives the exact
 
 The per-token denominator has one definition, :func:`token_denominator`: the sum of the loss
 mask's weights (the number of scored tokens for a 0/1 mask). Every path of the library (the
-loss reductions, the masked cross-entropy, perplexity, the Lightning module) divides by it, so
+loss reductions, the cross-entropies, perplexity, the Lightning module) divides by it, so
 with a float mask the loss and ``log(perplexity)`` agree everywhere.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bert_reduce import distributed
+from bert_reduce._deprecation import deprecated_names
 
 __all__ = [
     "accumulation_dtype",
@@ -31,14 +32,21 @@ __all__ = [
     "check_same_device",
     "check_same_shape",
     "mask_weights",
-    "masked_loss_sum",
-    "masked_token_loss",
-    "masked_weighted_sum",
     "safe_divide",
     "token_denominator",
-    "unreduced_token_loss_fn",
+    "token_weighted_sum",
     "validate_masked_labels",
 ]
+
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "masked_weighted_sum": "bert_reduce.functional.token_weighted_sum",
+        "masked_loss_sum": "bert_reduce.normalization.token_loss_sum",
+        "masked_token_loss": "bert_reduce.masked_token_loss",
+        "unreduced_token_loss_fn": "bert_reduce.cross_entropy.unreduced_token_loss_fn",
+    },
+)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,73 +128,6 @@ def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
     check_same_device(logits, labels, ("token_logits", "labels"))
 
 
-def unreduced_token_loss_fn(
-    logits: Tensor, labels: Tensor, cross_entropy_loss_fusion: bool = False
-) -> Tensor:
-    """Per-token cross-entropy, without any mask applied.
-
-    Unlike BioNeMo's function of the same name, the caller's ``logits`` are never modified:
-    Megatron-Core's kernels subtract the max and exponentiate in place, so they work on a copy.
-
-    A label outside ``[0, vocab)`` (``vocab`` being the full, unsharded vocabulary) gives a NaN
-    loss at its position. Unmasked positions are dropped by :func:`masked_token_loss` without
-    arithmetic, so padding labels such as ``-100`` are harmless there, while an invalid label
-    on a masked position makes the loss NaN instead of silently wrong.
-
-    Args:
-        logits: ``[s, b, v]`` logits; under tensor parallelism ``v`` is this rank's vocab shard.
-            Any float dtype; the maths runs in fp32 (fp64 when ``logits`` are fp64 and no
-            Megatron parallel state is initialized).
-        labels: ``[b, s]`` integer token ids.
-        cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy (one
-            all-reduce instead of two for the sums under TP). Its gradient is computed in bf16,
-            whatever the logits' dtype. Needs Megatron's parallel state.
-
-    Returns:
-        ``[b, s]`` per-token losses in the accumulation dtype (fp32, or fp64).
-
-    Raises:
-        ValueError: On mismatched shapes, or when the fused kernel is asked for without an
-            initialized Megatron parallel state.
-    """
-    check_logits_and_labels(logits, labels)
-    labels_sb = labels.transpose(0, 1).to(torch.int64)  # gather takes int64 indices
-    tp_size = distributed.tensor_parallel_world_size()
-    vocab_size = logits.size(-1) * tp_size
-
-    if distributed.megatron_is_initialized():
-        # Megatron works in fp32 in place: hand it a private fp32 copy.
-        work = logits.to(torch.float32, copy=True)
-        target = labels_sb.contiguous()
-        if cross_entropy_loss_fusion:
-            from megatron.core.fusions.fused_cross_entropy import (
-                fused_vocab_parallel_cross_entropy,
-            )
-
-            loss_sb = fused_vocab_parallel_cross_entropy(
-                work, target, distributed.tensor_parallel_group()
-            )
-        else:
-            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-            loss_sb = vocab_parallel_cross_entropy(work, target)
-    else:
-        if cross_entropy_loss_fusion:
-            raise ValueError(
-                "cross_entropy_loss_fusion=True needs Megatron-Core's parallel state "
-                "(megatron.core.parallel_state.initialize_model_parallel)."
-            )
-        # Without Megatron's parallel state there is no vocab sharding (TP = 1), and the
-        # vocab-parallel cross-entropy reduces to a log-softmax over the whole vocabulary.
-        log_probs = torch.log_softmax(logits.to(accumulation_dtype(logits.dtype)), dim=-1)
-        safe_target = labels_sb.clamp(0, vocab_size - 1).unsqueeze(-1)
-        loss_sb = -log_probs.gather(-1, safe_target).squeeze(-1)
-
-    in_vocab = (labels_sb >= 0) & (labels_sb < vocab_size)
-    loss_sb = torch.where(in_vocab, loss_sb, torch.nan)
-    return loss_sb.transpose(0, 1).contiguous()
-
-
 def mask_weights(loss_mask: Tensor) -> Tensor:
     """The loss mask as exact weights: int64 for bool/integer masks, fp64 for float ones.
 
@@ -214,38 +155,8 @@ def token_denominator(loss_mask: Tensor) -> Tensor:
     return mask_weights(loss_mask).sum()
 
 
-def masked_loss_sum(per_token_loss: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Weighted sum of the per-token losses over the scored positions, and its denominator.
-
-    ``loss_sum = sum(mask * loss)`` over the positions where ``loss_mask != 0`` (a NaN loss on an
-    unscored position never leaks in), and ``denominator = token_denominator(loss_mask)``, so
-    ``loss_sum / denominator`` is the (weighted) mean loss of the scored tokens.
-
-    Args:
-        per_token_loss: ``[b, s]`` per-token losses (any float dtype).
-        loss_mask: ``[b, s]``; non-zero where the token is scored; float entries weight it.
-
-    Returns:
-        ``(loss_sum, denominator)``: a 0-dim sum in fp32 (fp64 for fp64 input) that carries
-        gradients, and the 0-dim :func:`token_denominator` (int64, or fp64 for a float mask).
-        With an empty mask both are 0 and so is the gradient.
-
-    Raises:
-        ValueError: When the two shapes differ.
-    """
-    check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
-    check_same_device(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"))
-    weights = loss_mask.to(accumulation_dtype(per_token_loss.dtype))
-    loss_sum = masked_weighted_sum(per_token_loss, weights, loss_mask != 0)
-    return loss_sum, token_denominator(loss_mask)
-
-
-masked_token_loss = masked_loss_sum
-"""The name NeMo 2 and BioNeMo users import: the same as :func:`masked_loss_sum`."""
-
-
-def masked_weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor) -> Tensor:
-    """``sum(weights * per_token_loss)`` over the ``scored`` positions, in ``weights``' dtype.
+def token_weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor) -> Tensor:
+    """``[b, s]`` losses, weights and ``scored`` -> 0-dim ``sum(weights * loss)`` over ``scored``.
 
     A negative weight makes the sum NaN, as an out-of-vocabulary label does: a weight is a
     count of how often a token is scored, and checking its sign on the host would cost a

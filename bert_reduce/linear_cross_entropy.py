@@ -3,18 +3,24 @@
 An MLM loss scores ~15% of the positions, yet ``F.linear(hidden, weight)`` followed by any
 cross-entropy computes, stores and back-propagates ``[s, b, v]`` logits for all of them.
 This module computes the logits of the *selected* rows only, a chunk at a time, and never
-holds more than a few chunks. Two entry points:
+holds more than a few chunks. The entry points, named like :mod:`bert_reduce.cross_entropy`'s
+(``linear_cross_entropy_`` + what they return):
 
-* :func:`linear_weighted_loss_sum`: ``sum(w * loss)`` with per-token weights known in the
-  forward (what every normalization mode needs). For each chunk of rows the logits over the
-  whole vocabulary ``x = h_rows @ w^T + b`` give the losses and at once
+* :func:`linear_cross_entropy_loss_sum`: ``(loss_sum, denominator)`` in a normalization mode
+  (per token by default), what every integration of the library calls: the mode's weights
+  (:func:`bert_reduce.normalization.normalization_weights`) are known in the forward, so it
+  runs :func:`linear_cross_entropy_weighted_sum`.
+* :func:`linear_cross_entropy_weighted_sum`: ``sum(w * loss)`` with per-token weights known in
+  the forward. For each chunk of rows the logits over the whole vocabulary
+  ``x = h_rows @ w^T + b`` give the losses and at once
   ``dL/dx = w * (softmax - onehot)``, multiplied into ``dL/dh_rows = dx @ w``,
   ``dL/dw += dx^T @ h_rows`` and ``dL/db += sum(dx)``; the backward only scales these by
   the upstream gradient. Three products: ``6 * rows * v * h`` multiply-adds against
   ``6 * b * s * v * h`` for the dense head, so ~0.15x of its arithmetic at 15% masked.
-* :func:`linear_masked_token_losses`: the ``[b, s]`` per-token losses, for a caller that
-  weights them later. The forward keeps an online log-sum-exp and the target logit per row
-  over ``[rows, vocab]`` chunks; the backward recomputes each chunk into
+* :func:`linear_cross_entropy_token_losses`: the ``[b, s]`` per-token losses, for a caller
+  that weights them later (or needs each token's loss, as per-sample evaluation does). The
+  forward keeps an online log-sum-exp and the target logit per row over ``[rows, vocab]``
+  chunks; the backward recomputes each chunk into
   ``dL/dx = coef * (softmax - onehot)``. Four products (``8 * rows * v * h``).
 
 **Which rows, and when it syncs.** Called with only ``(hidden, weight, labels, mask)``,
@@ -23,22 +29,24 @@ back (``capacity="nonzero"``, the default), which is **one host sync per call** 
 accelerator (free on the CPU). Pass ``num_scored``, the data pipeline's count as a Python
 ``int`` (or per-sample ints, or a tensor of counts on the CPU), and no sync happens: that
 many rows are computed, a larger count only costs unscored rows of work, a smaller one makes
-the result NaN (checked on the device). Under ``torch.compile`` give the count as an ``int``: the
-number of row chunks then follows the count's bucket of ``b * s / 16`` rows
+the result NaN (checked on the device). Under ``torch.compile`` give the count as an ``int``:
+the number of row chunks then follows the count's bucket of ``b * s / 16`` rows
 (:func:`compile_bucket`, :func:`row_chunks`), not the count, so that one graph with a
 dynamic row count serves a whole bucket, with no graph break and exactly the count's rows
 computed. A static ``capacity`` (a row count, or a fraction of ``b * s``) keeps
 every shape static for CUDA graphs, exact up to that many scored rows and NaN beyond;
 ``capacity="all"`` computes every row (static, exact for any mask, no sync: the dense
-head's arithmetic in :func:`linear_weighted_loss_sum`, 4/3 of it in
-:func:`linear_masked_token_losses`). See :mod:`bert_reduce.cross_entropy` for the selection
-itself.
+head's arithmetic in :func:`linear_cross_entropy_weighted_sum`, 4/3 of it in
+:func:`linear_cross_entropy_token_losses`). The row selection, the shard statistics and the
+softmax-minus-one-hot gradient are shared with :mod:`bert_reduce.cross_entropy`
+(:mod:`bert_reduce._vocab_parallel`).
 
 Accumulation is in fp32 for bf16/fp16 inputs (fp64 for fp64): each chunk's logits are
 computed in the input dtype, as ``F.linear`` would, then read in the accumulation dtype; the
 gradients are summed over chunks in it and cast once. Under tensor parallelism ``weight``
 (and ``bias``) are this rank's vocab shard and the per-row (log-sum-exp, target logit) of
-every shard are combined in ONE all-reduce, as in :func:`bert_reduce.masked_token_losses`.
+every shard are combined in ONE all-reduce, as in
+:func:`bert_reduce.cross_entropy_token_losses`.
 """
 
 from __future__ import annotations
@@ -52,20 +60,25 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from bert_reduce.cross_entropy import (
+from bert_reduce._deprecation import deprecated_names
+from bert_reduce._vocab_parallel import (
     Capacity,
-    NumScored,
     RowSelection,
     ShardedTargets,
     combine_shard_stats,
+    flat_rows,
     logsumexp_,
+    row_coefficients,
+    row_losses,
     scatter_row_losses,
-    select_rows,
     shard_stats,
     shard_targets,
+    softmax_minus_onehot_,
     tensor_parallel_placement,
 )
 from bert_reduce.functional import accumulation_dtype, check_same_device
+from bert_reduce.normalization import Normalization, normalization_weights
+from bert_reduce.num_scored import NumScored
 
 __all__ = [
     "HIDDEN_LAYOUT_KEY",
@@ -75,10 +88,23 @@ __all__ = [
     "HiddenLayout",
     "compile_bucket",
     "head_logits",
-    "linear_masked_token_losses",
-    "linear_weighted_loss_sum",
+    "linear_cross_entropy_loss_sum",
+    "linear_cross_entropy_token_losses",
+    "linear_cross_entropy_weighted_sum",
     "row_chunks",
 ]
+
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "linear_masked_token_losses": (
+            "bert_reduce.linear_cross_entropy.linear_cross_entropy_token_losses"
+        ),
+        "linear_weighted_loss_sum": (
+            "bert_reduce.linear_cross_entropy.linear_cross_entropy_weighted_sum"
+        ),
+    },
+)
 
 HIDDEN_STATES_KEY = "hidden_states"
 """``forward_out`` key of the hidden states that enter the output layer."""
@@ -270,7 +296,6 @@ def _softmax_gradients(
         torch.empty_like(weight, memory_format=torch.contiguous_format) if needs[1] else None
     )
     grad_bias = torch.empty_like(bias) if needs[2] and bias is not None else None
-    coef = coef.unsqueeze(1)
     for vocab in plan.vocab:
         w = weight[vocab[0] : vocab[1]]
         grad_w = None
@@ -281,10 +306,11 @@ def _softmax_gradients(
         for rows in plan.rows:
             part = rows_hidden[rows[0] : rows[1]]
             x = _chunk_logits(part, weight, bias, vocab, acc)
+            # exp(x - lse), lse the global log-sum-exp: the softmax over the whole vocabulary.
             x.sub_(lse[rows[0] : rows[1]].unsqueeze(1)).exp_()
             column, inside = _hit_in_chunk(local, in_shard, rows, vocab)
-            x.scatter_add_(1, column, -inside.to(acc))
-            x.mul_(coef[rows[0] : rows[1]])
+            c = coef[rows[0] : rows[1]]
+            softmax_minus_onehot_(x, column, c, torch.where(inside.squeeze(1), c, 0))
             grad_part = None if grad_rows is None else grad_rows[rows[0] : rows[1]]
             _add_chunk_gradients(x, part, w, grad_part, grad_w, grad_b)
         if grad_weight is not None and dtype != acc:
@@ -379,7 +405,7 @@ def _single_pass(
     return loss_sum, _Gradients(grad_rows, grad_weight, grad_bias)
 
 
-class _LinearMaskedTokenLosses(torch.autograd.Function):
+class _LinearCrossEntropyTokenLosses(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
@@ -425,13 +451,8 @@ class _LinearMaskedTokenLosses(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
         rows_hidden, weight, bias, lse, local, in_shard, scored, index, overflow = ctx.saved_tensors
-        coef = grad_losses.to(lse.dtype)
-        if index is not None:
-            coef = coef[index]
         # dL/dx_r = coef_r * (softmax(x_r) - onehot(target_r)), on scored rows only.
-        coef = torch.where(scored, coef, 0)
-        if overflow is not None:
-            coef = torch.where(overflow.any(), torch.nan, coef)
+        coef = row_coefficients(grad_losses, lse.dtype, index, scored, overflow)
         plan = _Chunks(rows_hidden.size(0), weight.size(0), *ctx.chunks, ctx.positions)
         needs = ctx.needs_input_grad[:3]
         grads = _softmax_gradients(
@@ -469,7 +490,7 @@ def _input_gradients(
     return grad_rows, grad_weight, grad_bias
 
 
-class _LinearWeightedLossSum(torch.autograd.Function):
+class _LinearCrossEntropyWeightedSum(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
@@ -507,7 +528,7 @@ class _LinearWeightedLossSum(torch.autograd.Function):
             lse, target_logit = _shard_logsumexp(
                 rows_hidden, weight, bias, sharded, plan, acc, tp_group
             )
-            loss = torch.where(sharded.in_vocab, lse - target_logit, torch.nan)
+            loss = row_losses(lse, target_logit, sharded.in_vocab)
             loss_sum = torch.where(coef != 0, coef * loss, 0).sum()
             grads = _Gradients(None, None, None)
             if any(needs):
@@ -613,7 +634,7 @@ class _HeadRows(NamedTuple):
             parallelism).
         targets: int64 ``[rows]`` target ids of the selected rows.
         per_row: ``[rows]`` values of the per-position tensor given (mask or weights).
-        selection: The :class:`~bert_reduce.cross_entropy.RowSelection`.
+        selection: The :class:`~bert_reduce._vocab_parallel.RowSelection`.
         chunks: ``(chunk_rows, chunk_vocab)``.
     """
 
@@ -658,19 +679,14 @@ def _head_rows(
             f"chunk_rows and chunk_vocab must be positive, got {chunk_rows} and {chunk_vocab}."
         )
     # Flat row r follows hidden's memory order: r = i_s * b + i_b ("sbh"), i_b * s + i_s ("bsh").
-    targets = labels
-    if layout == "sbh":
-        per_position, targets = per_position.transpose(0, 1), targets.transpose(0, 1)
-    # Any integer label dtype; gather takes int64.
-    per_position, targets = per_position.reshape(-1), targets.reshape(-1).to(torch.int64)
-    selection = select_rows(per_position != 0, capacity, num_scored)
-    if selection.index is not None:
-        targets, per_position = targets[selection.index], per_position[selection.index]
+    targets, per_row, selection = flat_rows(
+        labels, per_position, layout == "sbh", capacity, num_scored
+    )
     flat_hidden = hidden.reshape(-1, hidden.size(-1))
-    return _HeadRows(flat_hidden, targets, per_position, selection, (chunk_rows, chunk_vocab))
+    return _HeadRows(flat_hidden, targets, per_row, selection, (chunk_rows, chunk_vocab))
 
 
-def linear_masked_token_losses(
+def linear_cross_entropy_token_losses(
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
@@ -685,9 +701,12 @@ def linear_masked_token_losses(
     chunk_vocab: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """Per-token cross-entropy of ``F.linear(hidden, weight, bias)``, on the scored rows only.
+    """Hidden states, output weight, ``[b, s]`` labels and mask -> ``[b, s]`` cross-entropy.
 
-    Equal (up to rounding) to ``masked_token_losses(F.linear(hidden, weight, bias), labels,
+    The per-token cross-entropy of ``F.linear(hidden, weight, bias)``, on the scored rows
+    only; 0 on the others.
+
+    Equal (up to rounding) to ``cross_entropy_token_losses(F.linear(hidden, weight, bias), labels,
     loss_mask)`` with the same gradients w.r.t. ``hidden``, ``weight`` and ``bias``, while
     computing only the selected rows' logits, a chunk at a time: the ``[s, b, v]`` logits and
     their gradient never exist. Unscored positions get loss 0 and no gradient.
@@ -695,7 +714,8 @@ def linear_masked_token_losses(
     The per-token losses may be weighted by the caller in any way, so the backward
     recomputes each chunk's logits (four products per row). When the losses are only summed
     with weights known in the forward (every normalization mode),
-    :func:`linear_weighted_loss_sum` does three and is faster.
+    :func:`linear_cross_entropy_loss_sum` (or :func:`linear_cross_entropy_weighted_sum`) does
+    three and is faster: this function is for a caller that needs each token's loss.
 
     Which rows are computed, and when that costs a host sync: see the module docstring. With
     ``capacity="all"`` every row's logits are computed twice (4/3 of the dense head's
@@ -720,7 +740,7 @@ def linear_masked_token_losses(
         capacity: Which rows are computed: ``"nonzero"`` (default; counted, one host sync),
             ``"all"``, a row count or a fraction of ``b * s``; see above.
         num_scored: The data pipeline's count of scored positions
-            (:data:`~bert_reduce.cross_entropy.NumScored`): an ``int`` (the micro-batch's
+            (:data:`~bert_reduce.num_scored.NumScored`): an ``int`` (the micro-batch's
             total, which no device transfer touches), a tuple of per-sample ints, or an
             integer tensor of counts. Exactly that many rows are computed, with no host sync
             when it is on the host (a tensor on the accelerator is read once). Overrides
@@ -749,7 +769,7 @@ def linear_masked_token_losses(
         hidden, weight, labels, loss_mask, bias, capacity, num_scored, layout,
         sequence_parallel, (chunk_rows, chunk_vocab), tp_group, "loss_mask",
     )  # fmt: skip
-    losses = _LinearMaskedTokenLosses.apply(
+    losses = _LinearCrossEntropyTokenLosses.apply(
         rows.hidden, weight, bias, rows.targets, rows.per_row != 0, rows.selection, rows.chunks,
         tp_group,
     )  # fmt: skip
@@ -759,7 +779,7 @@ def linear_masked_token_losses(
     return losses.view(batch_size, seq_len)
 
 
-def linear_weighted_loss_sum(
+def linear_cross_entropy_weighted_sum(
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
@@ -774,17 +794,19 @@ def linear_weighted_loss_sum(
     chunk_vocab: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """``sum(token_weights * cross_entropy(F.linear(hidden, weight, bias), labels))``, fused.
+    """Hidden states, output weight, labels and ``[b, s]`` weights -> 0-dim weighted loss sum.
 
-    Equal (up to rounding) to ``(token_weights * linear_masked_token_losses(hidden, weight,
+    ``sum(token_weights * cross_entropy(F.linear(hidden, weight, bias), labels))``, fused.
+
+    Equal (up to rounding) to ``(token_weights * linear_cross_entropy_token_losses(hidden, weight,
     labels, token_weights != 0, ...)).sum()``, gradients included, but faster: the weights are
     known in the forward, so the gradients w.r.t. ``hidden``, ``weight`` and ``bias`` are
     accumulated during the forward, chunk by chunk, and the backward only scales them by the
     upstream gradient (Liger's fused linear cross-entropy does the same for a scalar loss):
     three products per row, no logits recomputed, extra memory a chunk of ``[rows, v]`` logits.
     :func:`bert_reduce.normalization.normalization_weights` gives the weights and denominator
-    of every normalization mode, which is how :class:`bert_reduce.BERTMLMLossWithReduction`
-    uses it.
+    of every normalization mode, which is what :func:`linear_cross_entropy_loss_sum` (every
+    integration's call) does.
 
     Which rows are computed, and when that costs a host sync: see the module docstring. With
     ``capacity="all"`` this does the dense head's three products for every row, without its
@@ -796,10 +818,10 @@ def linear_weighted_loss_sum(
     row's softmax needs the log-sum-exp of every vocab shard before any gradient term, so the
     rows are passed over twice: once for the per-row (log-sum-exp, target logit), combined in
     ONE all-reduce, then again for the gradients (four products per row instead of three, as
-    :func:`linear_masked_token_losses`, but all in the forward). A ``chunk_vocab`` smaller
+    :func:`linear_cross_entropy_token_losses`, but all in the forward). A ``chunk_vocab`` smaller
     than ``v`` also takes the two passes, in ``[chunk_rows, chunk_vocab]`` chunks (less
     memory for a very large vocabulary). Tensor and sequence parallelism as in
-    :func:`linear_masked_token_losses`.
+    :func:`linear_cross_entropy_token_losses`.
 
     Memory: the gradients are computed in the forward and held until the backward: ``[rows,
     h]`` for the selected rows and ``[v, h]`` for the weight, in fp32 for bf16/fp16 inputs
@@ -816,17 +838,17 @@ def linear_weighted_loss_sum(
         token_weights: ``[b, s]`` float coefficient of each token's loss; 0 where unscored.
             A NaN weight makes the sum and the gradients NaN.
         bias: ``[v]`` output-layer bias, or ``None``.
-        capacity: Which rows are computed, as in :func:`linear_masked_token_losses`; scored
+        capacity: Which rows are computed, as in :func:`linear_cross_entropy_token_losses`; scored
             means a non-zero weight.
         num_scored: The data pipeline's count of scored positions (at least the number of
-            non-zero weights), as in :func:`linear_masked_token_losses`.
+            non-zero weights), as in :func:`linear_cross_entropy_token_losses`.
         layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
         sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
         chunk_rows: Rows per chunk (``None``: about 2**22 logits per chunk in one pass, 2**21
             in two).
         chunk_vocab: ``None`` (default): the whole vocabulary (shard) per chunk on one process
             (one pass), ``min(v, 4096)`` under tensor parallelism; smaller: two passes.
-        tp_group: As in :func:`linear_masked_token_losses`.
+        tp_group: As in :func:`linear_cross_entropy_token_losses`.
 
     Returns:
         The 0-dim weighted sum in fp32 (fp64 for fp64 inputs), carrying the gradients: NaN
@@ -834,7 +856,7 @@ def linear_weighted_loss_sum(
         positions are scored than the capacity (or ``num_scored``) allows.
 
     Raises:
-        ValueError: As :func:`linear_masked_token_losses`, or on ``token_weights`` that are
+        ValueError: As :func:`linear_cross_entropy_token_losses`, or on ``token_weights`` that are
             not floating point.
         TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
     """
@@ -856,10 +878,99 @@ def linear_weighted_loss_sum(
         sequence_parallel, (chunk_rows, chunk_vocab), tp_group, "token_weights",
     )  # fmt: skip
     coef = rows.per_row.to(accumulation_dtype(hidden.dtype))
-    return _LinearWeightedLossSum.apply(
+    return _LinearCrossEntropyWeightedSum.apply(
         rows.hidden, weight, bias, rows.targets, coef, rows.selection.index,
         rows.selection.overflow, rows.chunks, single_pass, tp_group,
     )  # fmt: skip
+
+
+def linear_cross_entropy_loss_sum(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    loss_mask: Tensor,
+    normalization: Normalization | str = Normalization.PER_TOKEN,
+    *,
+    bias: Tensor | None = None,
+    capacity: Capacity = "nonzero",
+    num_scored: NumScored | None = None,
+    layout: HiddenLayout = "sbh",
+    sequence_weight: Tensor | None = None,
+    sequence_start: Tensor | None = None,
+    constant_per_sequence: int | None = None,
+    weight_resolution: int | None = None,
+    chunk_rows: int | None = None,
+    chunk_vocab: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Hidden states, output weight, ``[b, s]`` labels and mask -> ``(loss_sum, denominator)``.
+
+    The fused head's counterpart of :func:`bert_reduce.cross_entropy_loss_sum`: equal (up to
+    rounding, gradients included) to ``cross_entropy_loss_sum(F.linear(hidden, weight, bias),
+    labels, loss_mask, normalization, ...)``, without the ``[s, b, v]`` logits. The mode's
+    per-token weights and denominator come from
+    :func:`bert_reduce.normalization.normalization_weights` before any loss, so
+    :func:`linear_cross_entropy_weighted_sum` accumulates the gradients in the forward (three
+    products per scored row, none recomputed). The call
+    :class:`bert_reduce.BERTMLMLossWithReduction`, :class:`bert_reduce.GlobalBatchLoss` and
+    :class:`bert_reduce.hf.ExactMLMTrainer` make on hidden states.
+
+    Args:
+        hidden: ``[s, b, h]`` hidden states (``layout="sbh"``) or ``[b, s, h]`` (``"bsh"``).
+        weight: ``[v, h]`` output-layer weight (this rank's vocab shard under TP).
+        labels: ``[b, s]`` integer token ids; unscored positions may hold anything.
+        loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored, float
+            entries weight them.
+        normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``; see
+            :func:`bert_reduce.normalization.token_loss_sum`.
+        bias: ``[v]`` output-layer bias, or ``None``.
+        capacity: Which rows are computed (default ``"nonzero"``: the scored rows, counted with
+            one host sync on an accelerator); see :func:`linear_cross_entropy_token_losses`.
+        num_scored: The data pipeline's count of scored positions: exactly that many rows, no
+            sync; see :func:`linear_cross_entropy_token_losses`.
+        layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
+        sequence_weight: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        sequence_start: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        constant_per_sequence: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        chunk_rows: As in :func:`linear_cross_entropy_weighted_sum`.
+        chunk_vocab: As in :func:`linear_cross_entropy_weighted_sum`.
+        tp_group: As in :func:`linear_cross_entropy_token_losses`.
+
+    Returns:
+        ``(loss_sum, denominator)``: the mode's 0-dim numerator in fp32 (fp64 for fp64
+        inputs) carrying the gradients (NaN on an out-of-vocabulary scored label or a capacity
+        overflow), and its 0-dim denominator, as :func:`bert_reduce.normalization.token_loss_sum`
+        returns it.
+
+    Raises:
+        ValueError: As :func:`linear_cross_entropy_weighted_sum` and
+            :func:`bert_reduce.normalization.token_loss_sum`.
+        TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
+    """
+    token_weights, denominator = normalization_weights(
+        loss_mask,
+        normalization,
+        dtype=accumulation_dtype(hidden.dtype),
+        sequence_weight=sequence_weight,
+        sequence_start=sequence_start,
+        constant_per_sequence=constant_per_sequence,
+        weight_resolution=weight_resolution,
+    )
+    loss_sum = linear_cross_entropy_weighted_sum(
+        hidden,
+        weight,
+        labels,
+        token_weights,
+        bias=bias,
+        capacity=capacity,
+        num_scored=num_scored,
+        layout=layout,
+        chunk_rows=chunk_rows,
+        chunk_vocab=chunk_vocab,
+        tp_group=tp_group,
+    )
+    return loss_sum, denominator
 
 
 def head_logits(forward_out: Mapping[str, Any]) -> Tensor:

@@ -4,8 +4,11 @@ Perplexity is ``exp(mean NLL over every scored token)``. Like the loss, it is ex
 sums and counts are added up first and divided once: averaging per-batch perplexities (or
 per-batch mean losses) weights small batches as much as large ones. The functions here work
 on the same ``(loss_sum, denominator)`` the loss reduction produces, so the metric needs
-neither the logits nor a second forward pass, and it works with vocab-sharded logits (tensor
-parallelism) because the per-token loss comes from Megatron's vocab-parallel cross-entropy.
+neither the logits nor a second forward pass. Given logits instead
+(:meth:`TokenPerplexity.update_from_logits`), it runs the library's one cross-entropy on
+logits (:func:`bert_reduce.cross_entropy_loss_sum`, without a graph): a few fp32 chunks of
+extra memory whatever the logits' dtype, and vocab-sharded logits (tensor parallelism) give
+the loss of the full vocabulary with one all-reduce.
 
 An empty set of tokens has a mean loss of 0 by the library's convention (see
 :func:`bert_reduce.functional.safe_divide`), hence a perplexity of ``exp(0) = 1.0``: never NaN.
@@ -13,6 +16,7 @@ An empty set of tokens has a mean loss of 0 by the library's convention (see
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,19 +26,12 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from bert_reduce import distributed
-from bert_reduce.functional import (
-    check_same_shape,
-    masked_loss_sum,
-    safe_divide,
-    unreduced_token_loss_fn,
-)
+from bert_reduce._deprecation import REMOVED_IN
+from bert_reduce.cross_entropy import cross_entropy_loss_sum
+from bert_reduce.functional import check_same_shape, safe_divide
 from bert_reduce.reports import sum_reports
 
-__all__ = [
-    "TokenPerplexity",
-    "perplexity_from_sums",
-    "token_loss_sums",
-]
+__all__ = ["TokenPerplexity", "perplexity_from_sums"]
 
 
 def perplexity_from_sums(loss_sum: Tensor, denominator: Tensor) -> Tensor:
@@ -55,31 +52,28 @@ def perplexity_from_sums(loss_sum: Tensor, denominator: Tensor) -> Tensor:
     return torch.exp(safe_divide(loss_sum.to(torch.float64), denominator))
 
 
-def token_loss_sums(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Detached ``(loss_sum, denominator)`` of one micro-batch on this rank.
-
-    The per-token loss is :func:`bert_reduce.functional.unreduced_token_loss_fn`, so logits
-    sharded over the vocabulary (tensor parallelism, Megatron's parallel state initialized)
-    give the loss of the full vocabulary, identical on every tensor-parallel rank. No graph is
-    built, and ``logits`` are neither kept nor modified.
-
-    Args:
-        logits: ``[s, b, v]`` logits (``v`` this rank's shard under tensor parallelism).
-        labels: ``[b, s]`` integer token ids; unscored positions may hold anything (e.g. -100).
-        loss_mask: ``[b, s]``; non-zero where the token is scored, float entries weight it.
-
-    Returns:
-        A 0-dim fp64 loss sum (computed in fp32, or fp64 for fp64 logits without Megatron) and
-        the 0-dim fp64 :func:`bert_reduce.functional.token_denominator`.
-
-    Raises:
-        ValueError: On mismatched shapes (the message names them).
-    """
+def _logits_loss_sums(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Detached fp64 ``(loss_sum, denominator)`` of ``[s, b, v]`` logits, without a graph."""
     check_same_shape(labels, loss_mask, ("labels", "loss_mask"), "[b, s]")
     with torch.no_grad():
-        per_token_loss = unreduced_token_loss_fn(logits, labels)
-        loss_sum, denominator = masked_loss_sum(per_token_loss, loss_mask)
+        loss_sum, denominator = cross_entropy_loss_sum(logits, labels, loss_mask)
     return loss_sum.to(torch.float64), denominator.to(torch.float64)
+
+
+def token_loss_sums(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Deprecated: ``[s, b, v]`` logits, labels and mask -> detached fp64 (sum, denominator).
+
+    Use :meth:`TokenPerplexity.update_from_logits`, or
+    :func:`bert_reduce.cross_entropy_loss_sum` under ``torch.no_grad()``.
+    """
+    warnings.warn(
+        "bert_reduce.metrics.token_loss_sums is deprecated and will be removed in bert_reduce "
+        f"{REMOVED_IN}; use TokenPerplexity.update_from_logits, or "
+        "bert_reduce.cross_entropy_loss_sum under torch.no_grad().",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _logits_loss_sums(logits, labels, loss_mask)
 
 
 class TokenPerplexity(Metric):
@@ -151,15 +145,22 @@ class TokenPerplexity(Metric):
     def update_from_logits(self, logits: Tensor, labels: Tensor, loss_mask: Tensor) -> None:
         """Add one micro-batch from its logits, without keeping them; works under TP.
 
+        The losses come from :func:`bert_reduce.cross_entropy_loss_sum` without a graph:
+        chunks of rows in fp32, so the extra memory is a few percent of the logits' bytes
+        whatever their dtype, and the logits are neither copied whole nor modified. Under
+        tensor parallelism (Megatron's parallel state initialized) the sums are those of the
+        full vocabulary, identical on every tensor-parallel rank (one all-reduce). No host
+        sync.
+
         Args:
             logits: ``[s, b, v]`` logits (``v`` this rank's vocab shard under TP).
-            labels: ``[b, s]`` integer token ids.
+            labels: ``[b, s]`` integer token ids; unscored positions may hold anything.
             loss_mask: ``[b, s]``; non-zero where the token is scored, float entries weight it.
 
         Raises:
-            ValueError: On mismatched shapes (see :func:`token_loss_sums`).
+            ValueError: On mismatched shapes (the message names them).
         """
-        self.update(*token_loss_sums(logits, labels, loss_mask))
+        self.update(*_logits_loss_sums(logits, labels, loss_mask))
 
     def update_from_reports(self, reports: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Add loss-reduction reports; see :func:`bert_reduce.reports.sum_reports`.

@@ -23,6 +23,11 @@ two per-token ``[b, s]`` tensors computed once on the unsliced batch
 * ``sequence_weight``: each token's sequence total weight (its token count for 0/1 masks);
 * ``sequence_start``: ``True`` on exactly one token of each sequence (its first), so that
   counting these markers counts every sequence once, whichever shard holds it.
+
+:func:`token_loss_sum` turns per-token losses into a mode's ``(numerator, denominator)``;
+:func:`normalization_weights` gives each token's coefficient before any loss exists, for the
+fused head (:func:`bert_reduce.linear_cross_entropy_loss_sum`). ``masked_token_loss`` is
+NeMo's and BioNeMo's name for :func:`token_loss_sum`, kept for code ported from them.
 """
 
 from __future__ import annotations
@@ -32,22 +37,27 @@ from enum import Enum
 import torch
 from torch import Tensor
 
+from bert_reduce._deprecation import deprecated_names
 from bert_reduce.functional import (
     accumulation_dtype,
     check_same_device,
     check_same_shape,
     mask_weights,
-    masked_weighted_sum,
     token_denominator,
+    token_weighted_sum,
 )
 
 __all__ = [
     "Normalization",
     "checked_normalization",
     "normalization_weights",
-    "normalized_loss_terms",
     "sequence_normalizers",
+    "token_loss_sum",
 ]
+
+__getattr__ = deprecated_names(
+    __name__, {"normalized_loss_terms": "bert_reduce.normalization.token_loss_sum"}
+)
 
 
 class Normalization(str, Enum):
@@ -129,7 +139,7 @@ def sequence_normalizers(
     return totals[seq_id].unsqueeze(0), sequence_start.unsqueeze(0)
 
 
-def normalized_loss_terms(
+def token_loss_sum(
     per_token_loss: Tensor,
     loss_mask: Tensor,
     normalization: Normalization | str = Normalization.PER_TOKEN,
@@ -139,9 +149,12 @@ def normalized_loss_terms(
     constant_per_sequence: int | None = None,
     weight_resolution: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(numerator, denominator)`` of one micro-batch (or one shard of it) in a given mode.
+    """``[b, s]`` per-token losses and mask -> ``(loss_sum, denominator)`` in a mode.
 
-    Sums of these over every micro-batch and rank, divided once, give the global value. The
+    The numerator and denominator of one micro-batch (or one shard of it): sums of these over
+    every micro-batch and rank, divided once, give the global value. In the default
+    ``per_token`` mode, ``loss_sum = sum(mask * loss)`` over the scored positions and
+    ``denominator`` is :func:`bert_reduce.functional.token_denominator` (the token count). The
     numerator carries the gradient; unscored positions (mask 0) never reach it, even when
     their loss is NaN or inf. No host sync, no collective.
 
@@ -186,7 +199,14 @@ def normalized_loss_terms(
         constant_per_sequence,
         weight_resolution,
     )
-    return masked_weighted_sum(per_token_loss, coefficients, scored), denominator
+    return token_weighted_sum(per_token_loss, coefficients, scored), denominator
+
+
+masked_token_loss = token_loss_sum
+"""NeMo 2's name (``nemo.lightning.megatron_parallel.masked_token_loss``, which BioNeMo uses):
+``masked_token_loss(per_token_loss, loss_mask)`` -> ``(loss_sum, denominator)``, for code
+ported from them (``docs/bionemo.md``). The same function as :func:`token_loss_sum`: NeMo's
+contract, with an exact int64 count and no NaN from unscored positions."""
 
 
 def normalization_weights(
@@ -202,28 +222,28 @@ def normalization_weights(
     """Each token's coefficient in a mode's numerator, and its denominator, before any loss.
 
     ``sum(token_weights * per_token_loss)`` over ``token_weights != 0`` is
-    :func:`normalized_loss_terms`'s numerator: a weighted sum whose weights the mask and the
+    :func:`token_loss_sum`'s numerator: a weighted sum whose weights the mask and the
     sequence boundaries fix in the forward, which is what lets
-    :func:`bert_reduce.linear_cross_entropy.linear_weighted_loss_sum` accumulate the
+    :func:`bert_reduce.linear_cross_entropy_weighted_sum` accumulate the
     gradients during the forward. No host sync, no collective.
 
     Args:
         loss_mask: ``[b, s]`` bool/integer (0/1) or float weights; non-zero where scored.
         normalization: The mode (a :class:`Normalization` or its string value).
         dtype: The coefficients' dtype: the loss's accumulation dtype (fp32, fp64 for fp64).
-        sequence_weight: As in :func:`normalized_loss_terms`.
-        sequence_start: As in :func:`normalized_loss_terms`.
-        constant_per_sequence: As in :func:`normalized_loss_terms`.
-        weight_resolution: As in :func:`normalized_loss_terms`.
+        sequence_weight: As in :func:`token_loss_sum`.
+        sequence_start: As in :func:`token_loss_sum`.
+        constant_per_sequence: As in :func:`token_loss_sum`.
+        weight_resolution: As in :func:`token_loss_sum`.
 
     Returns:
         ``(token_weights, denominator)``: ``[b, s]`` coefficients in ``dtype``, exactly 0
         where a token does not reach the numerator and NaN on a negative weight (which makes
-        the sum NaN, as in :func:`bert_reduce.functional.masked_weighted_sum`); and the 0-dim
-        denominator of :func:`normalized_loss_terms`.
+        the sum NaN, as in :func:`bert_reduce.functional.token_weighted_sum`); and the 0-dim
+        denominator of :func:`token_loss_sum`.
 
     Raises:
-        ValueError: As :func:`normalized_loss_terms`.
+        ValueError: As :func:`token_loss_sum`.
     """
     coefficients, scored, denominator = _coefficients(
         loss_mask,
@@ -249,7 +269,7 @@ def _coefficients(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(coefficients, scored, denominator)``: numerator = sum of coefficients * loss on scored.
 
-    The one definition of every mode's weights, shared by :func:`normalized_loss_terms` and
+    The one definition of every mode's weights, shared by :func:`token_loss_sum` and
     :func:`normalization_weights`. ``coefficients`` are ``[b, s]`` in ``acc`` (any value off
     ``scored``), ``scored`` the ``[b, s]`` bool of the tokens that reach the numerator.
     """

@@ -1,9 +1,9 @@
 """The count of scored positions, made on the host where the batch is built.
 
-Given ``num_scored``, the masked-only kernels (:func:`bert_reduce.masked_token_losses`,
-:func:`bert_reduce.linear_masked_token_losses`) compute exactly that many rows with no device
-sync (:func:`bert_reduce.cross_entropy.select_rows`); without it they must read the mask back
-from the device to learn how many rows it selects. So the count is made where the mask is
+Given ``num_scored``, the masked-only kernels (:func:`bert_reduce.cross_entropy_token_losses`,
+:func:`bert_reduce.linear_cross_entropy_loss_sum` and their siblings) compute exactly that many
+rows with no device sync; without it they must read the mask back from the device to learn how
+many rows it selects. So the count is made where the mask is
 still on the host (the collator, or a data step before it moves the batch) and carried as
 host data that no device transfer touches:
 
@@ -27,10 +27,47 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["NUM_SCORED_KEY", "NumScoredCollator", "count_scored"]
+__all__ = ["NUM_SCORED_KEY", "NumScored", "NumScoredCollator", "count_scored", "scored_count"]
 
 NUM_SCORED_KEY = "num_scored"
 """The batch key of the count."""
+
+NumScored = int | tuple[int, ...] | list[int] | Tensor
+"""The data pipeline's count of scored positions, as a kernel takes it: a Python ``int``, a
+tuple (or list) of per-sample ints to sum, or an integer tensor of counts to sum (e.g. a
+``[b]`` per-sample tensor). Ints and CPU tensors are host data, read with no device sync; a
+tensor on an accelerator is read once (one sync)."""
+
+
+def scored_count(num_scored: NumScored) -> int:
+    """The number of scored positions a :data:`NumScored` stands for, as a Python ``int``.
+
+    Raises:
+        TypeError: If ``num_scored`` is neither an ``int``, a tuple of ints nor an integer
+            tensor.
+        ValueError: If it counts fewer than zero positions.
+    """
+    if isinstance(num_scored, Tensor) and not num_scored.dtype.is_floating_point:
+        if num_scored.device.type == "cpu":
+            # Host memory, read through numpy: no device involved.
+            count = int(num_scored.numpy().sum())
+        else:
+            # The price of a count left on the accelerator: one device-to-host sync.
+            count = int(num_scored.sum())
+    elif isinstance(num_scored, int) and not isinstance(num_scored, bool):
+        count = num_scored
+    elif isinstance(num_scored, tuple | list) and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in num_scored
+    ):
+        count = sum(num_scored)
+    else:
+        raise TypeError(
+            "num_scored must be a Python int, a tuple of ints or an integer tensor of counts, got "
+            f"{num_scored.dtype if isinstance(num_scored, Tensor) else type(num_scored).__name__}."
+        )
+    if count < 0:
+        raise ValueError(f"num_scored must be non-negative, got a sum of {count}.")
+    return count
 
 
 def _scored_positions(batch: Mapping[str, Any], ignore_index: int) -> Tensor:

@@ -90,7 +90,7 @@ def pack_batch(
     pad_to_multiple_of: int = 1,
     pad_values: Mapping[str, int | float] | None = None,
 ) -> dict[str, Any]:
-    """Pack a ``[b, s, ...]`` batch into one ``[1, T, ...]`` row.
+    """``[b, s, ...]`` batch -> one packed ``[1, T, ...]`` row, with its ``cu_seqlens``.
 
     Every tensor whose first two dims are ``[b, s]`` is packed (sequence ``i`` keeps its
     first ``lengths[i]`` tokens); other values pass through, except ``attention_mask``, which

@@ -9,6 +9,7 @@ same for the logged value with a single all-reduce.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar
 
@@ -16,27 +17,23 @@ import torch
 from torch import Tensor, nn
 
 from bert_reduce import distributed
-from bert_reduce.cross_entropy import Capacity, masked_token_losses
-from bert_reduce.functional import (
-    accumulation_dtype,
-    check_same_shape,
+from bert_reduce._deprecation import REMOVED_IN
+from bert_reduce.cross_entropy import (
+    Capacity,
+    cross_entropy_token_losses,
     unreduced_token_loss_fn,
-    validate_masked_labels,
 )
+from bert_reduce.functional import check_same_shape, validate_masked_labels
 from bert_reduce.linear_cross_entropy import (
     HIDDEN_LAYOUT_KEY,
     HIDDEN_STATES_KEY,
     OUTPUT_BIAS_KEY,
     OUTPUT_WEIGHT_KEY,
     head_logits,
-    linear_weighted_loss_sum,
+    linear_cross_entropy_loss_sum,
 )
-from bert_reduce.normalization import (
-    Normalization,
-    checked_normalization,
-    normalization_weights,
-    normalized_loss_terms,
-)
+from bert_reduce.normalization import Normalization, checked_normalization, token_loss_sum
+from bert_reduce.num_scored import NUM_SCORED_KEY
 from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.reports import (
     DataParallelGroupLossAndIO,
@@ -57,14 +54,22 @@ __all__ = [
 ]
 
 
-ForwardOutKey = Literal["token_logits", "logits", "lm_loss", "hidden_states"]
 FORWARD_OUT_LAYOUTS: dict[str, str] = {
     "token_logits": "[s, b, v] logits",
     "logits": "[b, s, v] logits",
     "lm_loss": "[b, s] per-token losses",
     HIDDEN_STATES_KEY: "hidden states and output_weight, for the fused masked-only head",
 }
-"""What :meth:`BERTMLMLossWithReduction.forward` reads from the model's outputs, by key."""
+"""What :meth:`BERTMLMLossWithReduction.forward` reads from the model's outputs, by key: the
+one list of the keys (the first three are scored as they are; the last is the fused head's)."""
+
+ForwardOutKey = Literal[tuple(FORWARD_OUT_LAYOUTS)]  # type: ignore[valid-type]
+"""The keys of :data:`FORWARD_OUT_LAYOUTS`, as a type."""
+
+_SCORED_AS_GIVEN = tuple(key for key in FORWARD_OUT_LAYOUTS if key != HIDDEN_STATES_KEY)
+
+CrossEntropy = Literal["masked", "megatron", "megatron_fused"]
+"""Which cross-entropy the loss runs on logits; see :class:`BERTMLMLossWithReduction`."""
 
 DataT = TypeVar("DataT")
 ReductionT = TypeVar("ReductionT")
@@ -156,8 +161,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         forward_out_key: Which entry of ``forward_out`` to score (see ``forward``); by
             default the one of ``token_logits``, ``logits``, ``lm_loss`` present, else
             ``hidden_states``.
-        cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy
-            (implies ``cross_entropy="megatron"``).
+        cross_entropy_loss_fusion: Deprecated (BioNeMo's config field): ``True`` is
+            ``cross_entropy="megatron_fused"``, ``False`` changes nothing; warns either way.
         check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary or a
             ``loss_mask`` weight is negative. This reads them on the host (a device sync):
             meant for debugging. Without it, either makes the loss NaN.
@@ -172,10 +177,15 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             multiples of ``1 / weight_resolution`` so the denominator is an exact integer.
             Needed under Megatron-Core's schedule, whose int32 token counter raises on a
             float denominator; without it the denominator is the fp64 sum of the weights.
-        cross_entropy: ``"masked"`` (default): :func:`bert_reduce.masked_token_losses`, which
-            normalizes only the rows the mask selects, never copies or modifies the logits and
-            runs one collective under TP; ``"megatron"``: Megatron-Core's vocab-parallel
-            cross-entropy on every position (:func:`bert_reduce.unreduced_token_loss_fn`).
+        cross_entropy: ``"masked"`` (default): :func:`bert_reduce.cross_entropy_token_losses`
+            on logits (and :func:`bert_reduce.linear_cross_entropy_loss_sum` on hidden
+            states), which normalize only the rows the mask selects, never copy or modify the
+            logits and run one collective under TP; ``"megatron"``: Megatron-Core's
+            vocab-parallel cross-entropy on every position (on a private fp32 copy of the
+            logits, :func:`bert_reduce.cross_entropy.unreduced_token_loss_fn`);
+            ``"megatron_fused"``: its fused kernel (one all-reduce fewer under TP, gradient in
+            bf16). Both Megatron kernels need ``[s, b, v]`` logits, which they compute from
+            hidden states when given those.
         mask_capacity: Which rows ``"masked"`` computes: ``"all"`` (exact for any mask, no
             host sync), a static row count or fraction of ``b * s`` (faster; exact up to that
             many masked tokens, NaN beyond), or ``"nonzero"`` (exact, one host sync). ``None``
@@ -204,12 +214,12 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         send_val_output: bool = False,
         *,
         forward_out_key: ForwardOutKey | None = None,
-        cross_entropy_loss_fusion: bool = False,
+        cross_entropy_loss_fusion: bool | None = None,
         check_labels: bool = False,
         normalization: Normalization | str = Normalization.PER_TOKEN,
         constant_per_sequence: int | None = None,
         weight_resolution: int | None = None,
-        cross_entropy: Literal["masked", "megatron"] = "masked",
+        cross_entropy: CrossEntropy = "masked",
         mask_capacity: Capacity | None = None,
     ) -> None:
         super().__init__()
@@ -223,16 +233,26 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 f"{forward_out_key!r}."
             )
         self.forward_out_key = forward_out_key
-        self.cross_entropy_loss_fusion = cross_entropy_loss_fusion
         self.check_labels = check_labels
         self.normalization = checked_normalization(normalization, constant_per_sequence)
         self.constant_per_sequence = constant_per_sequence
         self.weight_resolution = weight_resolution
-        if cross_entropy not in ("masked", "megatron"):
+        if cross_entropy not in ("masked", "megatron", "megatron_fused"):
             raise ValueError(
-                f"cross_entropy must be 'masked' or 'megatron', got {cross_entropy!r}."
+                "cross_entropy must be 'masked', 'megatron' or 'megatron_fused', got "
+                f"{cross_entropy!r}."
             )
-        self.cross_entropy = cross_entropy
+        if cross_entropy_loss_fusion is not None:
+            warnings.warn(
+                "BERTMLMLossWithReduction(cross_entropy_loss_fusion=...) is deprecated and will "
+                f"be removed in bert_reduce {REMOVED_IN}; use cross_entropy='megatron_fused' "
+                "(for True) or leave it out (for False).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if cross_entropy_loss_fusion:
+                cross_entropy = "megatron_fused"
+        self.cross_entropy: CrossEntropy = cross_entropy
         self.mask_capacity = mask_capacity
 
     def forward(
@@ -251,12 +271,12 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
                 ``v`` sharded under TP); ``logits`` of shape ``[b, s, v]`` (NeMo's BERT);
                 ``lm_loss``, per-token losses ``[b, s]`` (Megatron's and NeMo's BERT given
                 labels); or, for the fused masked-only head
-                (:func:`bert_reduce.linear_cross_entropy.linear_weighted_loss_sum` with the
+                (:func:`bert_reduce.linear_cross_entropy_loss_sum` with the
                 mode's weights, no ``[s, b, v]`` logits, the gradients accumulated in the
                 forward), ``hidden_states`` (``[s, b, h]``, or ``[b, s, h]`` with
                 ``hidden_layout="bsh"``), ``output_weight`` (``[v, h]``) and optionally
                 ``output_bias`` (``[v]``). A ``batch["num_scored"]`` (the data pipeline's
-                count of scored positions, :data:`bert_reduce.cross_entropy.NumScored`) sets
+                count of scored positions, :data:`bert_reduce.num_scored.NumScored`) sets
                 how many rows either path computes, with no host sync.
 
         Returns:
@@ -277,25 +297,19 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         loss_mask = _require(batch, "loss_mask", "batch")
         check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
         key = self._forward_out_key(forward_out)
-        normalization = {
+        mode_options = {
             "constant_per_sequence": self.constant_per_sequence,
             "weight_resolution": self.weight_resolution,
             **self._sequence_normalizers(batch, loss_mask),
         }
-        if self._fused_head(key):
+        if key == HIDDEN_STATES_KEY and self.cross_entropy == "masked":
             loss_sum, num_tokens = self._fused_head_loss(
-                batch, forward_out, labels, loss_mask, normalization
+                batch, forward_out, labels, loss_mask, mode_options
             )
         else:
-            if key == "lm_loss":
-                per_token_loss = _require(forward_out, key, "forward_out")
-                check_same_shape(
-                    per_token_loss, labels, ("forward_out['lm_loss']", "labels"), "[b, s]"
-                )
-            else:
-                per_token_loss = self._per_token_loss(batch, forward_out, key, labels, loss_mask)
-            loss_sum, num_tokens = normalized_loss_terms(
-                per_token_loss, loss_mask, self.normalization, **normalization
+            per_token_loss = self._per_token_loss(batch, forward_out, key, labels, loss_mask)
+            loss_sum, num_tokens = token_loss_sum(
+                per_token_loss, loss_mask, self.normalization, **mode_options
             )
         report: PerTokenLossDict | DataParallelGroupLossAndIO = {
             "loss_sum_and_microbatch_size": make_report(loss_sum, num_tokens)
@@ -312,22 +326,17 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     def _forward_out_key(self, forward_out: Mapping[str, Any]) -> ForwardOutKey:
         if self.forward_out_key is not None:
             return self.forward_out_key
-        present = [key for key in ("token_logits", "logits", "lm_loss") if key in forward_out]
+        present = [key for key in _SCORED_AS_GIVEN if key in forward_out]
         if len(present) == 1:
-            return present[0]  # type: ignore[return-value]
+            return present[0]
         if not present and HIDDEN_STATES_KEY in forward_out:
-            return HIDDEN_STATES_KEY  # type: ignore[return-value]
+            return HIDDEN_STATES_KEY
         raise KeyError(
-            f"forward_out must hold exactly one of {list(FORWARD_OUT_LAYOUTS)[:3]} "
-            f"({', '.join(list(FORWARD_OUT_LAYOUTS.values())[:3])}), or {HIDDEN_STATES_KEY!r} "
-            f"with {OUTPUT_WEIGHT_KEY!r}; it has {sorted(forward_out)}. Pass forward_out_key= "
-            "to say which one to use."
+            f"forward_out must hold exactly one of {list(_SCORED_AS_GIVEN)} "
+            f"({', '.join(FORWARD_OUT_LAYOUTS[key] for key in _SCORED_AS_GIVEN)}), or "
+            f"{HIDDEN_STATES_KEY!r} with {OUTPUT_WEIGHT_KEY!r}; it has {sorted(forward_out)}. "
+            "Pass forward_out_key= to say which one to use."
         )
-
-    def _fused_head(self, key: ForwardOutKey) -> bool:
-        """Whether ``forward`` runs the fused masked-only head (hidden states, masked CE)."""
-        masked = self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion
-        return key == HIDDEN_STATES_KEY and masked
 
     def _fused_head_loss(
         self,
@@ -335,34 +344,30 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         forward_out: Mapping[str, Any],
         labels: Tensor,
         loss_mask: Tensor,
-        normalization: dict[str, Any],
+        mode_options: dict[str, Any],
     ) -> tuple[Tensor, Tensor]:
         """The mode's ``(numerator, denominator)`` from the output layer's inputs.
 
-        The mode's per-token coefficients are known before any loss, so
-        :func:`~bert_reduce.linear_cross_entropy.linear_weighted_loss_sum` accumulates the
-        gradients in the forward (three products per scored row, none recomputed).
+        :func:`~bert_reduce.linear_cross_entropy.linear_cross_entropy_loss_sum`: the mode's
+        per-token coefficients are known before any loss, so the gradients are accumulated in
+        the forward (three products per scored row, none recomputed).
         """
         hidden = _require(forward_out, HIDDEN_STATES_KEY, "forward_out")
         weight = _require(forward_out, OUTPUT_WEIGHT_KEY, "forward_out")
-        if self.check_labels:
-            vocab_size = weight.size(0) * distributed.tensor_parallel_world_size()
-            validate_masked_labels(labels, loss_mask, vocab_size)
-        token_weights, denominator = normalization_weights(
-            loss_mask, self.normalization, dtype=accumulation_dtype(hidden.dtype), **normalization
-        )
-        numerator = linear_weighted_loss_sum(
+        self._validate_labels(labels, loss_mask, vocab_shard=weight.size(0))
+        return linear_cross_entropy_loss_sum(
             hidden,
             weight,
             labels,
-            token_weights,
+            loss_mask,
+            self.normalization,
             bias=forward_out.get(OUTPUT_BIAS_KEY),
             capacity="nonzero" if self.mask_capacity is None else self.mask_capacity,
             # An int or a tensor of counts; select_rows checks it and names it in its errors.
-            num_scored=batch.get("num_scored"),
+            num_scored=batch.get(NUM_SCORED_KEY),
             layout=forward_out.get(HIDDEN_LAYOUT_KEY, "sbh"),
+            **mode_options,
         )
-        return numerator, denominator
 
     def _per_token_loss(
         self,
@@ -372,33 +377,42 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         labels: Tensor,
         loss_mask: Tensor,
     ) -> Tensor:
-        """``[b, s]`` losses from logits (``key``), or Megatron's on the output layer's inputs."""
-        # An int or a tensor of counts; select_rows checks it and names it in its errors.
-        num_scored = batch.get("num_scored")
-        fused_head = key == HIDDEN_STATES_KEY
-        masked = self.cross_entropy == "masked" and not self.cross_entropy_loss_fusion
-        if fused_head:
-            weight = _require(forward_out, OUTPUT_WEIGHT_KEY, "forward_out")
-            vocab_shard = weight.size(0)
+        """``[b, s]`` losses: given (``lm_loss``), of the logits, or Megatron's on hidden states."""
+        if key == "lm_loss":
+            per_token_loss = _require(forward_out, key, "forward_out")
+            check_same_shape(per_token_loss, labels, ("forward_out['lm_loss']", "labels"), "[b, s]")
+            return per_token_loss
+        if key == HIDDEN_STATES_KEY:
+            vocab_shard = _require(forward_out, OUTPUT_WEIGHT_KEY, "forward_out").size(0)
         else:
             logits = _require(forward_out, key, "forward_out")
-            if key == "logits":
-                # NeMo's BERT layout [b, s, v]; the transposed view is [s, b, v], no copy.
-                logits = logits.transpose(0, 1)
             vocab_shard = logits.size(-1)
+        self._validate_labels(labels, loss_mask, vocab_shard)
+        if self.cross_entropy == "masked":
+            options = {
+                "capacity": "all" if self.mask_capacity is None else self.mask_capacity,
+                # An int or a tensor of counts; select_rows checks it and names it in its errors.
+                "num_scored": batch.get(NUM_SCORED_KEY),
+            }
+            if key == "logits":
+                # NeMo's BERT layout [b, s, v] is the kernel's [s, b, v] with the roles of b
+                # and s swapped: passed as it is (rows read in memory order, the gradient in
+                # the logits' own layout), with transposed labels and mask.
+                return cross_entropy_token_losses(logits, labels.t(), loss_mask.t(), **options).t()
+            return cross_entropy_token_losses(logits, labels, loss_mask, **options)
+        if key == HIDDEN_STATES_KEY:
+            logits = head_logits(forward_out)
+        elif key == "logits":
+            logits = logits.transpose(0, 1)
+        return unreduced_token_loss_fn(
+            logits, labels, cross_entropy_loss_fusion=self.cross_entropy == "megatron_fused"
+        )
+
+    def _validate_labels(self, labels: Tensor, loss_mask: Tensor, vocab_shard: int) -> None:
+        """With ``check_labels``, raise on a scored label outside the (whole) vocabulary."""
         if self.check_labels:
             vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
             validate_masked_labels(labels, loss_mask, vocab_size)
-        if fused_head:
-            logits = head_logits(forward_out)
-        if masked:
-            capacity = "all" if self.mask_capacity is None else self.mask_capacity
-            return masked_token_losses(
-                logits, labels, loss_mask, capacity=capacity, num_scored=num_scored
-            )
-        return unreduced_token_loss_fn(
-            logits, labels, cross_entropy_loss_fusion=self.cross_entropy_loss_fusion
-        )
 
     def _sequence_normalizers(
         self, batch: Mapping[str, Any], loss_mask: Tensor

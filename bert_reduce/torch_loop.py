@@ -34,21 +34,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from bert_reduce import distributed
-from bert_reduce.cross_entropy import Capacity, NumScored, masked_token_losses
+from bert_reduce.cross_entropy import Capacity, cross_entropy_token_losses
 from bert_reduce.functional import check_same_shape, safe_divide
 from bert_reduce.linear_cross_entropy import (
     HIDDEN_LAYOUT_KEY,
     HIDDEN_STATES_KEY,
     OUTPUT_BIAS_KEY,
     OUTPUT_WEIGHT_KEY,
-    linear_masked_token_losses,
+    linear_cross_entropy_loss_sum,
 )
-from bert_reduce.normalization import (
-    Normalization,
-    checked_normalization,
-    normalized_loss_terms,
-)
-from bert_reduce.num_scored import NUM_SCORED_KEY
+from bert_reduce.normalization import Normalization, checked_normalization, token_loss_sum
+from bert_reduce.num_scored import NUM_SCORED_KEY, NumScored
 from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.reports import make_report
 
@@ -74,8 +70,9 @@ class GlobalBatchLoss:
         optimizer.step()
 
     Instead of logits, the loss takes the output layer's inputs and computes the logits of
-    the scored positions only (:func:`bert_reduce.linear_masked_token_losses`), e.g. from a
-    Hugging Face ``EsmForMaskedLM`` or ``BertForMaskedLM``::
+    the scored positions only (:func:`bert_reduce.linear_cross_entropy_loss_sum`, gradients
+    accumulated in the forward), e.g. from a Hugging Face ``EsmForMaskedLM`` or
+    ``BertForMaskedLM``::
 
         loss_fn(lm_head_inputs(model, input_ids=..., attention_mask=...), mb).backward()
 
@@ -118,8 +115,9 @@ class GlobalBatchLoss:
             ``sequence_weight`` and ``sequence_start`` in every micro-batch.
         capacity: Which rows the kernels compute when a micro-batch carries no
             ``num_scored``: ``None`` (default) leaves it to their own default
-            (:func:`bert_reduce.masked_token_losses`,
-            :func:`bert_reduce.linear_masked_token_losses`), else a capacity as they take it.
+            (:func:`bert_reduce.cross_entropy_token_losses`,
+            :func:`bert_reduce.linear_cross_entropy_loss_sum`), else a capacity as they take
+            it.
         equal_micro_batch_counts: Require every rank of ``group`` to run as many micro-batches
             as the others (FSDP2): the all-reduce of :meth:`begin` then also carries each
             rank's count, which it reads on the host (one sync per step) and raises
@@ -195,24 +193,24 @@ class GlobalBatchLoss:
         check_same_shape(mask, labels, ("loss_mask", "labels"), "[b, s]")
         return torch.where(labelled, mask, torch.zeros_like(mask))
 
-    def _terms(
-        self, micro_batch: Mapping[str, Any], mask: Tensor, per_token_loss: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        """``(numerator, denominator)`` of one micro-batch with its ``mask``, in the mode."""
-        if per_token_loss is None:
-            # The denominator as normalized_loss_terms defines it; losses do not enter it.
-            per_token_loss = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    def _mode_options(self, micro_batch: Mapping[str, Any], mask: Tensor) -> dict[str, Any]:
+        """What the mode needs besides the mask: its constant, and where sequences start."""
         sequences = {}
         if self.normalization is not Normalization.PER_TOKEN:
             sequences = batch_sequence_normalizers(
                 micro_batch, mask, context_parallel_size=self.context_parallel_size
             )
-        return normalized_loss_terms(
-            per_token_loss,
-            mask,
-            self.normalization,
-            **sequences,
-            constant_per_sequence=self.constant_per_sequence,
+        return {**sequences, "constant_per_sequence": self.constant_per_sequence}
+
+    def _terms(
+        self, micro_batch: Mapping[str, Any], mask: Tensor, per_token_loss: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """``(numerator, denominator)`` of one micro-batch with its ``mask``, in the mode."""
+        if per_token_loss is None:
+            # The denominator as token_loss_sum defines it; losses do not enter it.
+            per_token_loss = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        return token_loss_sum(
+            per_token_loss, mask, self.normalization, **self._mode_options(micro_batch, mask)
         )
 
     def begin(self, micro_batches: Sequence[Mapping[str, Any]]) -> Tensor:
@@ -324,10 +322,10 @@ class GlobalBatchLoss:
         mask = self.loss_mask(micro_batch)
         labels, num_scored = micro_batch["labels"], micro_batch.get(NUM_SCORED_KEY)
         if isinstance(output, Mapping):
-            per_token_loss = self._fused_head_losses(output, labels, mask, num_scored)
+            numerator, denominator = self._fused_head_terms(output, micro_batch, mask, num_scored)
         else:
             per_token_loss = self._logits_losses(output, labels, mask, num_scored)
-        numerator, denominator = self._terms(micro_batch, mask, per_token_loss)
+            numerator, denominator = self._terms(micro_batch, mask, per_token_loss)
         self._totals = self._totals + make_report(numerator, denominator).to(self._totals)
         self._calls += 1
         return numerator * self._scale.to(device=numerator.device, dtype=numerator.dtype)
@@ -341,7 +339,7 @@ class GlobalBatchLoss:
         """``[b, s]`` per-token losses of the logits."""
         if logits.dim() != 3:
             raise ValueError(f"logits must have 3 dims, got shape {tuple(logits.shape)}.")
-        # masked_token_losses reads [s, b, v]; a [b, s, v] tensor is that layout with the roles
+        # The kernel reads [s, b, v]; a [b, s, v] tensor is that layout with the roles
         # of b and s swapped, so it is passed as is (no copy) with transposed labels and mask.
         if self.logits_layout == "bsv":
             if logits.shape[:2] != mask.shape:
@@ -349,7 +347,7 @@ class GlobalBatchLoss:
                     f"logits of shape {tuple(logits.shape)} must be [b, s, v] for labels of "
                     f"shape {tuple(mask.shape)}."
                 )
-            return masked_token_losses(
+            return cross_entropy_token_losses(
                 logits, labels.t(), mask.t(), num_scored=num_scored, **self._capacity()
             ).t()
         if logits.shape[:2] != mask.t().shape:
@@ -357,18 +355,22 @@ class GlobalBatchLoss:
                 f"logits of shape {tuple(logits.shape)} must be [s, b, v] for labels of "
                 f"shape {tuple(mask.shape)}."
             )
-        return masked_token_losses(
+        return cross_entropy_token_losses(
             logits, labels, mask, num_scored=num_scored, **self._capacity()
         )
 
-    def _fused_head_losses(
+    def _fused_head_terms(
         self,
         output: Mapping[str, Any],
-        labels: Tensor,
+        micro_batch: Mapping[str, Any],
         mask: Tensor,
         num_scored: NumScored | None,
-    ) -> Tensor:
-        """``[b, s]`` per-token losses of the output layer's inputs: the one fused-head call."""
+    ) -> tuple[Tensor, Tensor]:
+        """The mode's ``(numerator, denominator)`` from the output layer's inputs: one call.
+
+        The mode's weights are known before any loss, so the fused head accumulates the
+        gradients in the forward (:func:`bert_reduce.linear_cross_entropy_loss_sum`).
+        """
         missing = [key for key in (HIDDEN_STATES_KEY, OUTPUT_WEIGHT_KEY) if key not in output]
         if missing:
             raise KeyError(
@@ -377,15 +379,17 @@ class GlobalBatchLoss:
                 f"this one lacks {missing} and has {sorted(output)}."
             )
         default_layout = "bsh" if self.logits_layout == "bsv" else "sbh"
-        return linear_masked_token_losses(
+        return linear_cross_entropy_loss_sum(
             output[HIDDEN_STATES_KEY],
             output[OUTPUT_WEIGHT_KEY],
-            labels,
+            micro_batch["labels"],
             mask,
+            self.normalization,
             bias=output.get(OUTPUT_BIAS_KEY),
             num_scored=num_scored,
             **self._capacity(),
             layout=output.get(HIDDEN_LAYOUT_KEY, default_layout),
+            **self._mode_options(micro_batch, mask),
         )
 
     def end(self) -> Tensor:

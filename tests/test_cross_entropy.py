@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from bert_reduce.cross_entropy import masked_cross_entropy, resolve_capacity
+from bert_reduce._vocab_parallel import resolve_capacity
+from bert_reduce.cross_entropy import cross_entropy_loss_sum
 from tests.helpers.reference import make_mlm_batch, weighted_reference
 from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
@@ -16,9 +17,9 @@ CHUNK = 3 * 13
 def run(
     logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss sum, denominator and gradient of masked_cross_entropy on non-leaf logits."""
+    """Loss sum, denominator and gradient of cross_entropy_loss_sum on non-leaf logits."""
     leaf = logits.detach().clone().requires_grad_(True)
-    loss_sum, num_tokens = masked_cross_entropy(leaf * 1, labels, mask, **kwargs)
+    loss_sum, num_tokens = cross_entropy_loss_sum(leaf * 1, labels, mask, **kwargs)
     loss_sum.backward()
     assert leaf.grad is not None
     return loss_sum.detach(), num_tokens, leaf.grad
@@ -54,10 +55,11 @@ def test_gradcheck_with_float_weights(capacity) -> None:
     logits, labels, mask = make_mlm_batch(2, 5, 6, mask_prob=0.4)
     weights = mask * torch.rand(mask.shape, dtype=torch.float64)
     leaf = logits.clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(
-        lambda x: masked_cross_entropy(x, labels, weights, capacity=capacity, chunk_elements=12)[0],
-        (leaf,),
-    )
+
+    def loss_sum(x: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_loss_sum(x, labels, weights, capacity=capacity, chunk_elements=12)[0]
+
+    assert torch.autograd.gradcheck(loss_sum, (leaf,))
 
 
 @pytest.mark.parametrize("capacity", ["all", "nonzero", 0.5])
@@ -68,7 +70,7 @@ def test_non_contiguous_logits_and_caller_logits_untouched(capacity) -> None:
     assert not view.is_contiguous()
     before = logits.clone()
     leaf_view = logits.clone().requires_grad_(True)
-    loss_sum, _ = masked_cross_entropy(
+    loss_sum, _ = cross_entropy_loss_sum(
         leaf_view[:, rows], labels[rows], mask[rows], capacity=capacity, chunk_elements=CHUNK
     )
     loss_sum.backward()
@@ -84,7 +86,7 @@ def test_in_place_writes_the_gradient_into_the_logits() -> None:
     buffer = leaf * 1
     grads: list[torch.Tensor] = []
     buffer.register_hook(grads.append)
-    loss_sum, _ = masked_cross_entropy(buffer, labels, mask, capacity=0.5, in_place=True)
+    loss_sum, _ = cross_entropy_loss_sum(buffer, labels, mask, capacity=0.5, in_place=True)
     loss_sum.backward()
     assert grads[0].data_ptr() == buffer.data_ptr()
     _, ref_grad = weighted_reference(logits, labels, mask)
@@ -94,7 +96,7 @@ def test_in_place_writes_the_gradient_into_the_logits() -> None:
 def test_in_place_rejects_a_leaf() -> None:
     logits, labels, mask = make_mlm_batch(2, 4, 5)
     with pytest.raises(ValueError, match="leaf"):
-        masked_cross_entropy(logits.requires_grad_(True), labels, mask, in_place=True)
+        cross_entropy_loss_sum(logits.requires_grad_(True), labels, mask, in_place=True)
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -121,23 +123,23 @@ def test_capacity_overflow_is_nan_in_loss_and_gradient_without_sync(in_place) ->
     leaf = logits.clone().requires_grad_(True)
     count = int(mask.sum())
     with forbid_host_syncs():
-        loss_sum, _ = masked_cross_entropy(
+        loss_sum, _ = cross_entropy_loss_sum(
             leaf * 1, labels, mask, capacity=count - 1, in_place=in_place
         )
         loss_sum.backward()
     assert loss_sum.isnan()
     assert leaf.grad.isnan().any()
-    exact, _ = masked_cross_entropy(logits, labels, mask, capacity=count)
+    exact, _ = cross_entropy_loss_sum(logits, labels, mask, capacity=count)
     assert not exact.isnan()
 
 
 def test_masked_label_outside_vocab_is_nan_unmasked_is_ignored() -> None:
     logits, labels, mask = make_mlm_batch(2, 8, 9)
     assert (labels[~mask] == -100).all()
-    assert not masked_cross_entropy(logits, labels, mask)[0].isnan()
+    assert not cross_entropy_loss_sum(logits, labels, mask)[0].isnan()
     labels[mask.nonzero()[0].unbind()] = 9
     for capacity in CAPACITIES:
-        assert masked_cross_entropy(logits, labels, mask, capacity=capacity)[0].isnan()
+        assert cross_entropy_loss_sum(logits, labels, mask, capacity=capacity)[0].isnan()
 
 
 @pytest.mark.parametrize("capacity", ["all", 20, 0.3])
@@ -145,7 +147,7 @@ def test_static_capacities_never_sync_with_the_host(capacity) -> None:
     logits, labels, mask = make_mlm_batch(4, 8, 9)
     leaf = logits.clone().requires_grad_(True)
     with forbid_host_syncs(), count_collectives() as calls:
-        loss_sum, _ = masked_cross_entropy(leaf * 1, labels, mask, capacity=capacity)
+        loss_sum, _ = cross_entropy_loss_sum(leaf * 1, labels, mask, capacity=capacity)
         loss_sum.backward()
     assert sum(calls.values()) == 0
 
@@ -153,7 +155,7 @@ def test_static_capacities_never_sync_with_the_host(capacity) -> None:
 def test_nonzero_capacity_syncs_as_documented() -> None:
     logits, labels, mask = make_mlm_batch(4, 8, 9)
     with forbid_host_syncs(), pytest.raises(HostSyncError, match="__int__"):
-        masked_cross_entropy(logits, labels, mask, capacity="nonzero")
+        cross_entropy_loss_sum(logits, labels, mask, capacity="nonzero")
 
 
 def test_resolve_capacity() -> None:
@@ -174,18 +176,18 @@ def test_resolve_capacity() -> None:
 def test_shape_errors_name_the_shapes() -> None:
     logits, labels, mask = make_mlm_batch(2, 8, 9)
     with pytest.raises(ValueError, match=r"\(2, 4\).*\(2, 8\)"):
-        masked_cross_entropy(logits, labels, mask[:, :4])
+        cross_entropy_loss_sum(logits, labels, mask[:, :4])
     with pytest.raises(ValueError, match=r"\(8, 2, 9\).*\(2, 7\)"):
-        masked_cross_entropy(logits, labels[:, :7], mask[:, :7])
+        cross_entropy_loss_sum(logits, labels[:, :7], mask[:, :7])
     with pytest.raises(ValueError, match="chunk_elements"):
-        masked_cross_entropy(logits, labels, mask, chunk_elements=0)
+        cross_entropy_loss_sum(logits, labels, mask, chunk_elements=0)
 
 
 @pytest.mark.parametrize(("shard", "tp_size"), [(7, 2), (5, 4)])
 def test_vocab_ranges_follow_megatron(shard, tp_size) -> None:
     from megatron.core.tensor_parallel.utils import VocabUtility
 
-    from bert_reduce.cross_entropy import vocab_start
+    from bert_reduce._vocab_parallel import vocab_start
 
     for rank in range(tp_size):
         start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(shard, rank, tp_size)

@@ -4,12 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert_reduce.functional import (
-    masked_token_loss,
-    safe_divide,
-    unreduced_token_loss_fn,
-    validate_masked_labels,
-)
+from bert_reduce import masked_token_loss, unreduced_token_loss_fn
+from bert_reduce.functional import safe_divide, validate_masked_labels
 from tests.helpers.reference import make_mlm_batch
 
 

@@ -14,10 +14,10 @@ from torch import Tensor
 from bert_reduce import (
     BERTMLMLossWithReduction,
     get_batch_on_this_cp_rank,
-    linear_masked_token_losses,
+    linear_cross_entropy_token_losses,
     pack_batch,
 )
-from bert_reduce.linear_cross_entropy import linear_weighted_loss_sum
+from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
 from bert_reduce.recipe.data import MLMCollator
 from tests.helpers.linear_reference import linear_reference, make_head_batch
 from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
@@ -40,7 +40,7 @@ def fused(
     """The fused losses and the gradients of ``sum(coef * losses)``."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
     bias_leaf = None if bias is None else bias.detach().clone().requires_grad_(True)
-    losses = linear_masked_token_losses(
+    losses = linear_cross_entropy_token_losses(
         leaves[0], leaves[1], labels, mask, bias=bias_leaf, **kwargs
     )
     (losses * coef.to(losses.dtype)).sum().backward()
@@ -101,7 +101,7 @@ def test_collator_count_is_exact_without_host_sync_or_collective() -> None:
     labels, mask = batch["labels"], batch["loss_mask"]
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     with forbid_host_syncs(), count_collectives() as calls:
-        losses = linear_masked_token_losses(
+        losses = linear_cross_entropy_token_losses(
             leaves[0], leaves[1], labels, mask, bias=leaves[2], num_scored=batch["num_scored"]
         )
         losses.sum().backward()
@@ -130,7 +130,7 @@ def test_num_scored_overrides_capacity_and_guards_against_undercounting() -> Non
     for bad, error in [(1.5, TypeError), (True, TypeError), (mask.sum(1).double(), TypeError),
                        (-1, ValueError)]:  # fmt: skip
         with pytest.raises(error, match="num_scored"):
-            linear_masked_token_losses(hidden, weight, labels, mask, num_scored=bad)
+            linear_cross_entropy_token_losses(hidden, weight, labels, mask, num_scored=bad)
 
 
 @pytest.mark.parametrize("capacity", ["all", "nonzero", 4])
@@ -172,12 +172,12 @@ def test_capacity_overflow_is_nan_without_sync() -> None:
 
 def test_masked_label_outside_vocab_is_nan_unmasked_is_ignored() -> None:
     hidden, weight, bias, labels, mask = make_head_batch()
-    losses = linear_masked_token_losses(hidden, weight, labels, mask, bias=bias)
+    losses = linear_cross_entropy_token_losses(hidden, weight, labels, mask, bias=bias)
     assert losses.isfinite().all()
     bad = labels.clone()
     bad[mask.nonzero()[0].unbind()] = 13
     for capacity in CAPACITIES:
-        losses = linear_masked_token_losses(hidden, weight, bad, mask, capacity=capacity)
+        losses = linear_cross_entropy_token_losses(hidden, weight, bad, mask, capacity=capacity)
         assert losses.isnan().sum() == 1
 
 
@@ -205,7 +205,7 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
             k: args.pop(k) for k in ("layout", "chunk_rows", "sequence_parallel") if k in args
         }
         with pytest.raises(ValueError, match=match):
-            linear_masked_token_losses(
+            linear_cross_entropy_token_losses(
                 args["hidden"],
                 args["weight"],
                 args["labels"],
@@ -296,7 +296,7 @@ def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> 
             seq_dims={"num_scored": None, "hidden": 0},
         )
         with forbid_host_syncs():
-            losses = linear_masked_token_losses(
+            losses = linear_cross_entropy_token_losses(
                 shard["hidden"], leaves[1], shard["labels"], shard["loss_mask"],
                 bias=leaves[2], num_scored=batch["num_scored"],
             )  # fmt: skip
@@ -312,13 +312,14 @@ def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> 
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.uint8])
 def test_any_integer_label_dtype(dtype) -> None:
     hidden, weight, bias, labels, mask = make_head_batch()
-    expected = linear_masked_token_losses(hidden, weight, labels, mask, bias=bias)
+    expected = linear_cross_entropy_token_losses(hidden, weight, labels, mask, bias=bias)
     narrow = torch.where(mask, labels, 0).to(dtype)
-    got = linear_masked_token_losses(hidden, weight, narrow, mask, bias=bias)
+    got = linear_cross_entropy_token_losses(hidden, weight, narrow, mask, bias=bias)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-# linear_weighted_loss_sum: the gradients accumulated in the forward, scaled in the backward.
+# linear_cross_entropy_weighted_sum: the gradients accumulated in the forward, scaled in the
+# backward.
 
 # Passes: one over row chunks of the whole vocabulary (default, and small row chunks), and
 # two (log-sum-exp, then gradients) when the vocabulary is chunked as under TP.
@@ -333,10 +334,12 @@ UPSTREAM = 0.37  # the backward must scale the forward's gradients by the upstre
 def fused_sum(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, coef: Tensor, **kwargs
 ) -> tuple[Tensor, ...]:
-    """``linear_weighted_loss_sum`` and the gradients of ``UPSTREAM`` times it."""
+    """``linear_cross_entropy_weighted_sum`` and the gradients of ``UPSTREAM`` times it."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
     bias_leaf = None if bias is None else bias.detach().clone().requires_grad_(True)
-    total = linear_weighted_loss_sum(leaves[0], leaves[1], labels, coef, bias=bias_leaf, **kwargs)
+    total = linear_cross_entropy_weighted_sum(
+        leaves[0], leaves[1], labels, coef, bias=bias_leaf, **kwargs
+    )
     (UPSTREAM * total).backward()
     grads = [leaf.grad for leaf in leaves] + [None if bias_leaf is None else bias_leaf.grad]
     return total.detach(), *(None if g is None else g / UPSTREAM for g in grads)
@@ -406,9 +409,11 @@ def test_without_a_count_only_the_scored_rows_are_computed(entry, capacity) -> N
     kwargs = {} if capacity is None else {"capacity": capacity}
     with logit_rows() as rows:
         if entry == "losses":
-            linear_masked_token_losses(hidden, weight, labels, mask, bias=bias, **kwargs)
+            linear_cross_entropy_token_losses(hidden, weight, labels, mask, bias=bias, **kwargs)
         elif entry == "weighted sum":
-            linear_weighted_loss_sum(hidden, weight, labels, mask.double(), bias=bias, **kwargs)
+            linear_cross_entropy_weighted_sum(
+                hidden, weight, labels, mask.double(), bias=bias, **kwargs
+            )
         else:
             loss_fn = BERTMLMLossWithReduction(
                 **({} if capacity is None else {"mask_capacity": capacity})
@@ -446,7 +451,9 @@ def test_weighted_loss_sum_is_nan_on_an_undercount_or_an_out_of_vocab_label(pass
         assert all(value.isnan().any() for value in poisoned), rows
     bad = labels.clone()
     bad[mask.nonzero()[0].unbind()] = 13
-    total = linear_weighted_loss_sum(hidden, weight, bad, coef, bias=bias, **PASSES[passes])
+    total = linear_cross_entropy_weighted_sum(
+        hidden, weight, bad, coef, bias=bias, **PASSES[passes]
+    )
     assert total.isnan()
 
 
@@ -457,19 +464,23 @@ def test_weighted_loss_sum_computes_only_the_gradients_asked_for() -> None:
     for passes in PASSES.values():
         # Validation: no gradient at all, only the sum.
         with torch.no_grad(), logit_rows() as rows:
-            total = linear_weighted_loss_sum(hidden, weight, labels, coef, bias=bias, **passes)
+            total = linear_cross_entropy_weighted_sum(
+                hidden, weight, labels, coef, bias=bias, **passes
+            )
         torch.testing.assert_close(total, expected[0], rtol=1e-10, atol=0)
         assert sum(rows) == int(mask.sum()) * 13  # one pass over the rows, not two
         # A frozen weight and bias: the hidden states' gradient alone.
         leaf = hidden.clone().requires_grad_(True)
-        linear_weighted_loss_sum(leaf, weight, labels, coef, bias=bias, **passes).backward()
+        linear_cross_entropy_weighted_sum(
+            leaf, weight, labels, coef, bias=bias, **passes
+        ).backward()
         torch.testing.assert_close(leaf.grad, expected[1], rtol=1e-10, atol=1e-12)
 
 
 def test_weighted_loss_sum_backward_twice_is_refused() -> None:
     hidden, weight, bias, labels, mask = make_head_batch()
     leaf = weight.clone().requires_grad_(True)
-    total = linear_weighted_loss_sum(hidden, leaf, labels, mask.double(), bias=bias)
+    total = linear_cross_entropy_weighted_sum(hidden, leaf, labels, mask.double(), bias=bias)
     total.backward(retain_graph=True)
     # The first backward scaled the stored gradients in place; a second cannot reuse them.
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -495,8 +506,8 @@ def test_weighted_loss_sum_in_half_precision_accumulates_in_fp32(dtype, passes) 
 def test_weighted_loss_sum_argument_errors() -> None:
     hidden, weight, _, labels, mask = make_head_batch()
     with pytest.raises(ValueError, match="token_weights must be floating-point"):
-        linear_weighted_loss_sum(hidden, weight, labels, mask)
+        linear_cross_entropy_weighted_sum(hidden, weight, labels, mask)
     with pytest.raises(ValueError, match=r"token_weights of shape \(4, 4\)"):
-        linear_weighted_loss_sum(hidden, weight, labels, mask[:, :4].double())
+        linear_cross_entropy_weighted_sum(hidden, weight, labels, mask[:, :4].double())
     with pytest.raises(ValueError, match="chunk_rows and chunk_vocab must be positive"):
-        linear_weighted_loss_sum(hidden, weight, labels, mask.double(), chunk_rows=0)
+        linear_cross_entropy_weighted_sum(hidden, weight, labels, mask.double(), chunk_rows=0)

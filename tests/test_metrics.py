@@ -13,8 +13,9 @@ import torch
 from torchmetrics.text import Perplexity
 
 from bert_reduce import BERTMLMLossWithReduction, TokenPerplexity
-from bert_reduce.metrics import perplexity_from_sums, token_loss_sums
+from bert_reduce.metrics import perplexity_from_sums
 from bert_reduce.reports import sum_reports
+from tests.helpers.memory import peak_allocated_bytes
 from tests.helpers.reference import UNEVEN_MICRO_BATCHES, reference_loss, uneven_mlm_batch
 from tests.helpers.sync_guard import forbid_host_syncs
 
@@ -61,6 +62,27 @@ def test_bf16_logits_within_their_precision() -> None:
     metric.update_from_logits(logits.to(torch.bfloat16), labels, mask)
     expected = reference_loss(logits.to(torch.bfloat16), labels, mask).exp()
     torch.testing.assert_close(metric.compute(), expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_update_from_logits_needs_a_tenth_of_the_logits_and_gives_the_same_perplexity(
+    dtype,
+) -> None:
+    # Issue 19's shape: [512, 8, 32000] logits, 15% scored. The previous path (a full
+    # log-softmax in fp32) allocated 1.0x the logits' bytes in fp32 and 4.0x in bf16.
+    seq_len, batch_size, vocab = 512, 8, 32000
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(seq_len, batch_size, vocab, generator=gen).to(dtype)
+    labels = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
+    mask = torch.rand(batch_size, seq_len, generator=gen) < 0.15
+    metric = TokenPerplexity()
+    peak = peak_allocated_bytes(lambda: metric.update_from_logits(logits, labels, mask))
+    assert peak <= 0.1 * logits.numel() * logits.element_size(), peak
+    # The previous definition: fp32 log-softmax of the logits, summed over the scored tokens.
+    rows = logits.transpose(0, 1)[mask].to(torch.float32)
+    before = torch.nn.functional.cross_entropy(rows, labels[mask], reduction="sum")
+    torch.testing.assert_close(metric.loss_sum, before.double(), rtol=1e-6, atol=0)
+    assert int(metric.denominator) == int(mask.sum())
 
 
 def test_empty_state_is_one_never_nan() -> None:
@@ -124,6 +146,6 @@ def test_errors_name_keys_and_shapes() -> None:
         metric.update_from_reports(torch.zeros(2))  # type: ignore[arg-type]
     logits, labels, mask = uneven_mlm_batch()
     with pytest.raises(ValueError, match=r"labels of shape \(7, 10\) and loss_mask of shape"):
-        token_loss_sums(logits, labels, mask[:, :5])
+        metric.update_from_logits(logits, labels, mask[:, :5])
     with pytest.raises(ValueError, match=r"Expected labels of shape \[b, s\]"):
-        token_loss_sums(logits, labels[0], mask[0])
+        metric.update_from_logits(logits, labels[0], mask[0])

@@ -11,8 +11,8 @@ from bert_reduce import (
 )
 from bert_reduce.normalization import (
     normalization_weights,
-    normalized_loss_terms,
     sequence_normalizers,
+    token_loss_sum,
 )
 from tests.helpers.mode_reference import (
     MODES,
@@ -70,11 +70,11 @@ def test_per_token_counts_are_exact_int64_and_weights_sum_in_fp64() -> None:
     per_token = torch.rand(2, 5, dtype=torch.float64)
     mask = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 1]])
     for m in (mask, mask.bool()):
-        numerator, denominator = normalized_loss_terms(per_token, m)
+        numerator, denominator = token_loss_sum(per_token, m)
         assert denominator.dtype == torch.int64 and int(denominator) == 4
         torch.testing.assert_close(numerator, (per_token * mask).sum(), rtol=1e-15, atol=0)
     weights = mask * 0.3
-    _, denominator = normalized_loss_terms(per_token, weights)
+    _, denominator = token_loss_sum(per_token, weights)
     assert denominator.dtype == torch.float64
     torch.testing.assert_close(denominator, weights.double().sum(), rtol=0, atol=0)
 
@@ -85,7 +85,7 @@ def test_per_sequence_worked_example() -> None:
         [[1.0, 5.0, 3.0], [7.0, 7.0, 7.0], [10.0, 0.0, 0.0]], dtype=torch.float64
     )
     mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 0, 0]], dtype=torch.bool)
-    numerator, denominator = normalized_loss_terms(per_token, mask, "per_sequence")
+    numerator, denominator = token_loss_sum(per_token, mask, "per_sequence")
     assert int(denominator) == 2
     torch.testing.assert_close(numerator / denominator, torch.tensor(6.0, dtype=torch.float64))
 
@@ -93,19 +93,19 @@ def test_per_sequence_worked_example() -> None:
 def test_constant_worked_example_and_validation() -> None:
     per_token = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [0, 1]], dtype=torch.bool)
-    numerator, denominator = normalized_loss_terms(
+    numerator, denominator = token_loss_sum(
         per_token, mask, Normalization.CONSTANT, constant_per_sequence=8
     )
     assert int(denominator) == 16
     torch.testing.assert_close(numerator, torch.tensor(7.0, dtype=torch.float64))
     with pytest.raises(ValueError, match="constant_per_sequence"):
-        normalized_loss_terms(per_token, mask, "constant")
+        token_loss_sum(per_token, mask, "constant")
     with pytest.raises(ValueError, match="constant_per_sequence"):
         BERTMLMLossWithReduction(normalization="constant")
     with pytest.raises(ValueError, match="'per_batch' is not a valid Normalization"):
-        normalized_loss_terms(per_token, mask, "per_batch")
+        token_loss_sum(per_token, mask, "per_batch")
     with pytest.raises(ValueError, match=r"sequence_weight of shape \(2, 1\)"):
-        normalized_loss_terms(
+        token_loss_sum(
             per_token,
             mask,
             "per_sequence",
@@ -132,7 +132,7 @@ def test_context_parallel_shards_with_sequence_normalizers_are_exact(mode) -> No
     for cp_rank in range(2):
         shard = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=cp_rank)
         per_token = unreduced_token_loss_fn(shard["token_logits"].transpose(0, 1), shard["labels"])
-        n, d = normalized_loss_terms(
+        n, d = token_loss_sum(
             per_token,
             shard["loss_mask"],
             mode,
@@ -151,7 +151,7 @@ def test_context_parallel_shards_with_sequence_normalizers_are_exact(mode) -> No
             per_token = unreduced_token_loss_fn(
                 shard["token_logits"].transpose(0, 1), shard["labels"]
             )
-            n, d = normalized_loss_terms(per_token, shard["loss_mask"], mode)
+            n, d = token_loss_sum(per_token, shard["loss_mask"], mode)
             local_num, local_den = local_num + n, local_den + d
         assert not torch.isclose(local_num / local_den, expected)
 
@@ -220,7 +220,7 @@ def test_normalization_weights_give_the_numerator_and_denominator_up_front(
     mode, mask_kind, packed
 ) -> None:
     # The fused head weights every token before any loss exists: its sum of weights * losses
-    # must be normalized_loss_terms's numerator, with the same denominator, in every mode.
+    # must be token_loss_sum's numerator, with the same denominator, in every mode.
     _, _, mask = make_mlm_batch(4, 10, 7, empty_rows=(2,), mask_prob=0.4)
     options = mode_kwargs(mode)
     if mask_kind == "int":
@@ -237,7 +237,7 @@ def test_normalization_weights_give_the_numerator_and_denominator_up_front(
     # NaN and inf losses where nothing is scored must not reach either numerator.
     loss = torch.rand(mask.shape, dtype=torch.float64) * 5
     loss = torch.where(mask != 0, loss, torch.tensor([torch.nan, torch.inf])[mask.shape[1] % 2])
-    numerator, denominator = normalized_loss_terms(loss, mask, mode, **options)
+    numerator, denominator = token_loss_sum(loss, mask, mode, **options)
     with forbid_host_syncs():
         weights, up_front = normalization_weights(mask, mode, dtype=torch.float64, **options)
     assert weights.dtype == torch.float64 and weights.shape == mask.shape
@@ -247,11 +247,11 @@ def test_normalization_weights_give_the_numerator_and_denominator_up_front(
     torch.testing.assert_close(
         (weights[scored] * loss[scored]).sum(), numerator, rtol=1e-14, atol=0
     )
-    # A negative weight makes the sum NaN, as normalized_loss_terms's does.
+    # A negative weight makes the sum NaN, as token_loss_sum's does.
     negative = mask.double().flatten()
     negative[(mask != 0).flatten().nonzero()[0]] = -0.5
     negative = negative.view(mask.shape)
     options.pop("weight_resolution", None)
-    numerator, _ = normalized_loss_terms(loss, negative, mode, **options)
+    numerator, _ = token_loss_sum(loss, negative, mode, **options)
     weights, _ = normalization_weights(negative, mode, dtype=torch.float64, **options)
     assert numerator.isnan() and weights.isnan().sum() == 1

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import default_collate
 
-from bert_reduce import BERTMLMLossWithReduction, linear_masked_token_losses
+from bert_reduce import BERTMLMLossWithReduction, linear_cross_entropy_token_losses
 from bert_reduce.num_scored import NumScoredCollator, count_scored
 from tests.helpers.sync_guard import forbid_host_syncs
 
@@ -98,7 +98,9 @@ def test_counts_survive_every_device_transfer_and_reach_the_loss_exactly() -> No
     )
     for count in (batch["num_scored"], per_sample["num_scored"]):
         with forbid_host_syncs():
-            losses = linear_masked_token_losses(hidden, weight, labels, mask, num_scored=count)
+            losses = linear_cross_entropy_token_losses(
+                hidden, weight, labels, mask, num_scored=count
+            )
         torch.testing.assert_close(losses.sum(), reference, rtol=1e-12, atol=0)
         loss_fn = BERTMLMLossWithReduction()
         loss_fn.setup({"labels": labels, "loss_mask": mask, "num_scored": count})
@@ -116,7 +118,7 @@ def test_errors_name_the_batch_key() -> None:
     with pytest.raises(TypeError, match="returns a dict of tensors, got tuple"):
         NumScoredCollator(lambda samples: (samples,))([1])
     with pytest.raises(TypeError, match="a tuple of ints"):
-        linear_masked_token_losses(
+        linear_cross_entropy_token_losses(
             torch.zeros(2, 1, 3), torch.zeros(4, 3), torch.zeros(1, 2, dtype=torch.long),
             torch.ones(1, 2), num_scored=(1, 1.0),
         )  # fmt: skip

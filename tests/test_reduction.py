@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from bert_reduce import (
     PerTokenLossDict,
     SameSizeLossDict,
 )
+from bert_reduce.reduction import FORWARD_OUT_LAYOUTS, ForwardOutKey
 from tests.helpers.mode_reference import run_mode_microbatches as run_microbatches
 from tests.helpers.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
 from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
@@ -272,6 +275,30 @@ def test_forward_out_key_chooses_among_several_outputs() -> None:
         torch.testing.assert_close(loss_sum / num_tokens, ref, rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match="forward_out_key must be one of"):
         BERTMLMLossWithReduction(forward_out_key="token_logit")
+
+
+def test_forward_out_key_type_is_the_keys_of_the_layouts() -> None:
+    assert typing.get_args(ForwardOutKey) == tuple(FORWARD_OUT_LAYOUTS)
+
+
+@pytest.mark.parametrize(("fusion", "expected"), [(True, "megatron_fused"), (False, "masked")])
+def test_cross_entropy_loss_fusion_is_a_deprecated_spelling_of_cross_entropy(
+    fusion, expected
+) -> None:
+    with pytest.warns(DeprecationWarning, match="cross_entropy='megatron_fused'"):
+        loss_fn = BERTMLMLossWithReduction(cross_entropy_loss_fusion=fusion)
+    assert loss_fn.cross_entropy == expected
+    logits, labels, mask = make_mlm_batch(2, 5, 7)
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    if fusion:  # Megatron's fused kernel, which needs its parallel state
+        with pytest.raises(ValueError, match=r"cross_entropy='megatron_fused'\)\) needs Megatron"):
+            loss_fn({"token_logits": logits})
+    else:
+        loss_sum, count, _ = loss_fn({"token_logits": logits})
+        ref = reference_loss(logits, labels, mask)
+        torch.testing.assert_close(loss_sum / count, ref, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="'masked', 'megatron' or 'megatron_fused'"):
+        BERTMLMLossWithReduction(cross_entropy="fused")
 
 
 def test_lm_loss_of_another_shape_is_rejected() -> None:

@@ -31,6 +31,7 @@ from bert_reduce import distributed
 from bert_reduce.functional import safe_divide
 from bert_reduce.hf.token_losses import (
     batch_loss_terms,
+    fused_head_loss_terms,
     masked_lm_token_losses,
     sample_loss_terms,
     scored_weights,
@@ -263,12 +264,21 @@ class ExactMLMTrainer(Trainer):
         if fused and num_scored is None and not model.training:
             # Evaluation has no step to read the count in: read it here (a host sync).
             num_scored = int(torch.count_nonzero(weights))
-        per_token_loss, outputs = masked_lm_token_losses(
-            model, inputs, weights, fused_head=fused, num_scored=num_scored
-        )
-        numerator, denominator = batch_loss_terms(
-            inputs, weights, per_token_loss, self.normalization, self.constant_per_sequence
-        )
+        per_token_loss, outputs = None, None
+        if fused and model.training:
+            # Training needs only the sum, whose weights are known in the forward: the fused
+            # head accumulates the gradients there (evaluation keeps each token's loss).
+            numerator, denominator = fused_head_loss_terms(
+                model, inputs, weights, self.normalization, self.constant_per_sequence,
+                num_scored=num_scored,
+            )  # fmt: skip
+        else:
+            per_token_loss, outputs = masked_lm_token_losses(
+                model, inputs, weights, fused_head=fused, num_scored=num_scored
+            )
+            numerator, denominator = batch_loss_terms(
+                inputs, weights, per_token_loss, self.normalization, self.constant_per_sequence
+            )
         if self._eval_local is not None and not model.training:
             self._add_eval_terms(inputs, weights, per_token_loss, numerator, denominator)
         if num_items_in_batch is None:

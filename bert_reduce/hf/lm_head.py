@@ -4,7 +4,7 @@
 activation, LayerNorm) and a decoder, ``logits = transform(sequence_output) @ W^T + bias``.
 :func:`lm_head_inputs` runs the model through its own ``forward`` (so DDP, FSDP2 and
 ``accelerate`` wrappers see a normal call) with the head stopped before its decoder, and
-returns what :func:`bert_reduce.linear_masked_token_losses` and
+returns what :func:`bert_reduce.linear_cross_entropy_loss_sum` and
 :class:`bert_reduce.BERTMLMLossWithReduction` take instead of logits::
 
     forward_out = lm_head_inputs(model, input_ids=ids, attention_mask=mask)

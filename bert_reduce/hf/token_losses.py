@@ -1,16 +1,19 @@
 """Per-token masked-LM losses of a Hugging Face batch, and their ``(numerator, denominator)``.
 
 What :class:`~bert_reduce.hf.ExactMLMTrainer` computes for each micro-batch, built from the
-library's maths (:func:`bert_reduce.masked_token_losses`,
-:func:`bert_reduce.linear_masked_token_losses`,
-:func:`bert_reduce.normalization.normalized_loss_terms`,
+library's maths (:func:`bert_reduce.cross_entropy_token_losses`,
+:func:`bert_reduce.linear_cross_entropy_loss_sum`,
+:func:`bert_reduce.linear_cross_entropy_token_losses`,
+:func:`bert_reduce.normalization.token_loss_sum`,
 :func:`bert_reduce.packing.batch_sequence_normalizers`):
 
 * :func:`split_model_inputs`: the batch's keys the model takes, without the loss's;
 * :func:`scored_weights`: the ``[b, s]`` weights of the scored tokens (labels and
   ``loss_mask``);
+* :func:`fused_head_loss_terms`: a training batch's ``(numerator, denominator)`` through the
+  masked-only fused head, gradients accumulated in the forward;
 * :func:`masked_lm_token_losses`: the ``[b, s]`` per-token losses, from the model's logits or
-  from the masked-only fused head (the one place the head is called);
+  from the fused head (evaluation, which needs each token's loss);
 * :func:`batch_loss_terms`: one batch's ``(numerator, denominator)`` in a normalization mode;
 * :func:`sample_loss_terms`: the same per sample (a row, or a packed sequence), for evaluation
   sets whose padding duplicates are dropped sample by sample.
@@ -24,21 +27,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bert_reduce.cross_entropy import masked_token_losses
+from bert_reduce.cross_entropy import cross_entropy_token_losses
 from bert_reduce.functional import check_same_shape
 from bert_reduce.hf.lm_head import lm_head_inputs
 from bert_reduce.linear_cross_entropy import (
     HIDDEN_STATES_KEY,
     OUTPUT_BIAS_KEY,
     OUTPUT_WEIGHT_KEY,
-    linear_masked_token_losses,
+    linear_cross_entropy_loss_sum,
+    linear_cross_entropy_token_losses,
 )
-from bert_reduce.normalization import Normalization, normalized_loss_terms
+from bert_reduce.normalization import Normalization, token_loss_sum
 from bert_reduce.packing import batch_sequence_normalizers
 
 __all__ = [
     "LOSS_ONLY_KEYS",
     "batch_loss_terms",
+    "fused_head_loss_terms",
     "masked_lm_token_losses",
     "sample_loss_terms",
     "scored_weights",
@@ -85,6 +90,58 @@ def scored_weights(batch: Mapping[str, Any], ignore_index: int = -100) -> Tensor
     return torch.where(labelled, mask, torch.zeros_like(mask))
 
 
+def fused_head_loss_terms(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    weights: Tensor,
+    normalization: Normalization,
+    constant_per_sequence: int | None,
+    *,
+    num_scored: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """A batch's ``(numerator, denominator)`` in a mode, through the masked-only fused head.
+
+    :func:`bert_reduce.hf.lm_head_inputs` runs the model up to its decoder, then
+    :func:`bert_reduce.linear_cross_entropy_loss_sum` computes the scored rows' logits only
+    and, the mode's weights being known in the forward, accumulates the gradients there
+    (three products per scored row, none recomputed in backward). The ``[b, s, v]`` logits
+    never exist.
+
+    Args:
+        model: An ``EsmForMaskedLM`` or ``BertForMaskedLM`` (possibly inside DDP).
+        batch: The batch: the model's inputs, ``labels`` ``[b, s]``, and the loss's keys; its
+            sequences as :func:`batch_loss_terms` finds them.
+        weights: ``[b, s]`` :func:`scored_weights` of the batch.
+        normalization: The mode.
+        constant_per_sequence: The constant mode's denominator per sequence.
+        num_scored: The number of scored tokens of the batch, read on the host, so that
+            exactly those rows are computed without a host sync; ``None`` counts them on the
+            device (one host sync on an accelerator).
+
+    Returns:
+        0-dim numerator (carrying the gradients) and denominator, as
+        :func:`batch_loss_terms` returns them.
+    """
+    forward_out = lm_head_inputs(model, **split_model_inputs(batch))
+    sequences = {}
+    if normalization is not Normalization.PER_TOKEN:
+        sequences = batch_sequence_normalizers(batch, weights)
+    # Unscored labels (-100) are never read by the loss, but must be valid gather indices.
+    targets = torch.where(weights != 0, batch["labels"], 0)
+    return linear_cross_entropy_loss_sum(
+        forward_out[HIDDEN_STATES_KEY],
+        forward_out[OUTPUT_WEIGHT_KEY],
+        targets,
+        weights,
+        normalization,
+        bias=forward_out[OUTPUT_BIAS_KEY],
+        layout="bsh",
+        **({} if num_scored is None else {"num_scored": num_scored}),
+        **sequences,
+        constant_per_sequence=constant_per_sequence,
+    )
+
+
 def masked_lm_token_losses(
     model: nn.Module,
     batch: Mapping[str, Any],
@@ -102,8 +159,9 @@ def masked_lm_token_losses(
         weights: ``[b, s]`` :func:`scored_weights` of the batch.
         fused_head: Compute the losses with the masked-only fused head
             (:func:`bert_reduce.hf.lm_head_inputs`, then
-            :func:`bert_reduce.linear_masked_token_losses`): the ``[b, s, v]`` logits are
-            never formed. Otherwise from the model's ``[b, s, v]`` ``logits``.
+            :func:`bert_reduce.linear_cross_entropy_token_losses`): the ``[b, s, v]`` logits
+            are never formed. Otherwise from the model's ``[b, s, v]`` ``logits``. To train
+            (only the loss's sum needed), :func:`fused_head_loss_terms` is faster.
         num_scored: With ``fused_head``, the number of scored tokens of the batch, read on
             the host, so that exactly those rows are computed without a host sync; ``None``
             counts them on the device (one host sync on an accelerator).
@@ -119,7 +177,7 @@ def masked_lm_token_losses(
     if fused_head:
         forward_out = lm_head_inputs(model, **inputs)
         capacity_kwargs: dict[str, Any] = {} if num_scored is None else {"num_scored": num_scored}
-        losses = linear_masked_token_losses(
+        losses = linear_cross_entropy_token_losses(
             forward_out[HIDDEN_STATES_KEY],
             forward_out[OUTPUT_WEIGHT_KEY],
             targets,
@@ -136,9 +194,9 @@ def masked_lm_token_losses(
             f"The model's logits of shape {tuple(logits.shape)} must be [b, s, v] for labels of "
             f"shape {tuple(labels.shape)}."
         )
-    # masked_token_losses reads [s, b, v]; [b, s, v] is that layout with b and s swapped, so
-    # it is passed as is (no copy) with transposed labels and mask.
-    losses = masked_token_losses(logits, targets.t(), weights.t()).t()
+    # The kernel reads [s, b, v]; [b, s, v] is that layout with b and s swapped, so it is
+    # passed as is (no copy) with transposed labels and mask.
+    losses = cross_entropy_token_losses(logits, targets.t(), weights.t()).t()
     return losses, outputs
 
 
@@ -163,14 +221,14 @@ def batch_loss_terms(
 
     Returns:
         0-dim numerator (carrying the gradient) and denominator, as
-        :func:`bert_reduce.normalization.normalized_loss_terms` returns them.
+        :func:`bert_reduce.normalization.token_loss_sum` returns them.
     """
     if per_token_loss is None:
         per_token_loss = torch.zeros(weights.shape, dtype=torch.float32, device=weights.device)
     sequences = {}
     if normalization is not Normalization.PER_TOKEN:
         sequences = batch_sequence_normalizers(batch, weights)
-    return normalized_loss_terms(
+    return token_loss_sum(
         per_token_loss,
         weights,
         normalization,
@@ -209,7 +267,7 @@ def sample_loss_terms(
     if not sequences:
         # Each row is one sample (and one sequence).
         for row in range(weights.size(0)):
-            numerator, denominator = normalized_loss_terms(
+            numerator, denominator = token_loss_sum(
                 per_token_loss[row : row + 1],
                 weights[row : row + 1],
                 normalization,
@@ -223,7 +281,7 @@ def sample_loss_terms(
         sequence_id = start.reshape(-1).cumsum(0).view(start.shape) - 1
         for index in range(int(start.sum())):
             inside = sequence_id == index
-            numerator, denominator = normalized_loss_terms(
+            numerator, denominator = token_loss_sum(
                 per_token_loss,
                 torch.where(inside, weights, torch.zeros_like(weights)),
                 normalization,

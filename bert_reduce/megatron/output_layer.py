@@ -6,7 +6,7 @@ weight=output_weight)``: a ``ColumnParallelLinear`` whose weight is this rank's 
 the word embeddings' own when ``share_embeddings_and_output_weights``.
 :func:`output_layer_inputs` runs the model's own forward (wrappers and hooks included) with
 that one call stopped, and returns what :class:`bert_reduce.BERTMLMLossWithReduction` and
-:func:`bert_reduce.linear_masked_token_losses` take instead of logits::
+:func:`bert_reduce.linear_cross_entropy_loss_sum` take instead of logits::
 
     forward_out = output_layer_inputs(model, input_ids, attention_mask)
     # F.linear(forward_out["hidden_states"] [s, b, h], forward_out["output_weight"] [v/tp, h],

@@ -19,8 +19,7 @@ from torch import Tensor
 
 from bert_reduce import distributed
 from bert_reduce.context_parallel import get_batch_on_this_cp_rank, get_packed_batch_on_this_cp_rank
-from bert_reduce.cross_entropy import scored_count
-from bert_reduce.num_scored import NUM_SCORED_KEY, count_scored
+from bert_reduce.num_scored import NUM_SCORED_KEY, count_scored, scored_count
 
 __all__ = ["DataStep", "num_scored_data_step"]
 

@@ -5,7 +5,7 @@ queries and keys, pre-LN blocks with a GELU feed-forward, a final LayerNorm, and
 ``dense -> GELU -> LayerNorm -> decoder`` language-model head whose decoder weight is tied to
 the embeddings by default. Like Megatron, the output is ``{"token_logits": [s, b, v]}``, or,
 in training with the fused head (the default), the decoder's inputs for
-:func:`bert_reduce.linear_masked_token_losses`, so that the loss computes the logits of the
+:func:`bert_reduce.linear_cross_entropy_loss_sum`, so that the loss computes the logits of the
 masked positions only and ``[s, b, v]`` logits never exist.
 """
 

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from transformers import BertForMaskedLM, EsmForMaskedLM
 
-from bert_reduce import linear_masked_token_losses
+from bert_reduce import linear_cross_entropy_token_losses
 from bert_reduce.hf import lm_head_inputs
 from tests.helpers.hf_bert import tiny_bert_config
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
@@ -50,7 +50,7 @@ def test_head_inputs_reproduce_the_logits_and_their_gradients(kind: str) -> None
         rtol=1e-12,
         atol=1e-12,
     )
-    losses = linear_masked_token_losses(
+    losses = linear_cross_entropy_token_losses(
         out["hidden_states"],
         out["output_weight"],
         torch.where(scored, labels, 0),

@@ -29,9 +29,9 @@ from hydra.errors import InstantiationException
 from lightning.pytorch import Trainer
 
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
-from bert_reduce.cross_entropy import masked_cross_entropy
+from bert_reduce.cross_entropy import cross_entropy_loss_sum
 from bert_reduce.lightning import split_micro_batches
-from bert_reduce.normalization import normalized_loss_terms
+from bert_reduce.normalization import token_loss_sum
 from bert_reduce.num_scored import count_scored
 from bert_reduce.packing import pack_batch, unpack_sequences
 from bert_reduce.recipe.build import run
@@ -220,7 +220,7 @@ def negative_weight(tmp: Path) -> str:
     logits, labels = logits_labels()
     weights = torch.ones(labels.shape, dtype=torch.float64)
     weights[0, 1] = -1.0
-    loss_sum, _ = masked_cross_entropy(logits, labels, weights)
+    loss_sum, _ = cross_entropy_loss_sum(logits, labels, weights)
     assert math.isnan(loss_sum)
     return "a NaN loss, as an out-of-vocabulary label (no host sync to check the sign)"
 
@@ -248,7 +248,7 @@ def per_sequence_empty(tmp: Path) -> str:
     per_token_loss = torch.zeros(2, 0, dtype=torch.float64)
     mask = torch.zeros(2, 0, dtype=torch.bool)
     for mode, extra in (("per_sequence", {}), ("constant", {"constant_per_sequence": 4})):
-        numerator, denominator = normalized_loss_terms(per_token_loss, mask, mode, **extra)
+        numerator, denominator = token_loss_sum(per_token_loss, mask, mode, **extra)
         assert float(numerator) == 0.0 and int(denominator) == 0, mode
     return "an empty loss: numerator 0, denominator 0 (per_sequence and constant)"
 

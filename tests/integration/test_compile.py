@@ -1,8 +1,8 @@
 """``torch.compile`` of the loss class on hidden states: one graph, few recompiles, exact.
 
 With the micro-batch's count given as a Python ``int``, ``BERTMLMLossWithReduction`` on the
-fused head (``linear_weighted_loss_sum``) must be captured whole (``fullgraph=True``), equal
-eager mode, and serve micro-batches whose counts differ with a few graphs: under compile the
+fused head (``linear_cross_entropy_weighted_sum``) must be captured whole (``fullgraph=True``),
+equal eager mode, and serve micro-batches whose counts differ with a few graphs: under compile the
 number of row chunks follows the count's bucket
 (``bert_reduce.linear_cross_entropy.compile_bucket``), the shapes the count itself.
 ``aot_eager`` proves capture and runs the compiled backward; inductor (slow) generates code.

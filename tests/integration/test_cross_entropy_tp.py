@@ -1,4 +1,4 @@
-"""masked_cross_entropy on vocab-sharded logits, on 2 gloo processes.
+"""cross_entropy_loss_sum on vocab-sharded logits, on 2 gloo processes.
 
 Each rank holds half of the vocabulary; the loss sum and each rank's slice of its gradient
 equal ``F.cross_entropy`` on the full-vocabulary logits, with one all-reduce, through
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bert_reduce.cross_entropy import masked_cross_entropy
+from bert_reduce.cross_entropy import cross_entropy_loss_sum
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.mode_reference import checked_reduce
 from tests.helpers.reference import make_mlm_batch, weighted_reference
@@ -35,7 +35,7 @@ def _tensor_parallel_body() -> None:
         for in_place in (False, True):
             leaf = logits[..., cols].clone().requires_grad_(True)
             with count_collectives() as calls:
-                loss_sum, _ = masked_cross_entropy(
+                loss_sum, _ = cross_entropy_loss_sum(
                     leaf * 1,
                     labels,
                     weights,
@@ -79,7 +79,7 @@ def _explicit_group_body() -> None:
     ref_loss, ref_grad = weighted_reference(logits, labels, mask)
     leaf = logits[..., cols].clone().requires_grad_(True)
     with count_collectives() as calls:
-        loss_sum, _ = masked_cross_entropy(leaf * 1, labels, mask, tp_group=dist.group.WORLD)
+        loss_sum, _ = cross_entropy_loss_sum(leaf * 1, labels, mask, tp_group=dist.group.WORLD)
     assert dict(calls) == {"all_reduce": 1}
     loss_sum.backward()
     torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)

@@ -16,7 +16,7 @@ from torch import Tensor
 from bert_reduce import (
     BERTMLMLossWithReduction,
     TokenPerplexity,
-    masked_cross_entropy,
+    cross_entropy_loss_sum,
     masked_token_loss,
     unreduced_token_loss_fn,
 )
@@ -67,8 +67,8 @@ def test_every_path_gives_the_weighted_mean(kind) -> None:
             reports.append(loss_fn({"token_logits": logits[:, rows]})[2])
         results[f"reduce[{cross_entropy}]"] = reduce_reports(reports)
 
-    sums = [masked_cross_entropy(logits[:, r], labels[r], weights[r]) for r in SPLIT]
-    results["masked_cross_entropy"] = sum(s for s, _ in sums) / sum(d for _, d in sums)
+    sums = [cross_entropy_loss_sum(logits[:, r], labels[r], weights[r]) for r in SPLIT]
+    results["cross_entropy_loss_sum"] = sum(s for s, _ in sums) / sum(d for _, d in sums)
     sums = [
         masked_token_loss(unreduced_token_loss_fn(logits[:, r], labels[r]), weights[r])
         for r in SPLIT

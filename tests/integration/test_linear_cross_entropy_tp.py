@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bert_reduce import BERTMLMLossWithReduction, linear_masked_token_losses
-from bert_reduce.linear_cross_entropy import linear_weighted_loss_sum
+from bert_reduce import BERTMLMLossWithReduction, linear_cross_entropy_token_losses
+from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.linear_reference import linear_reference, make_head_batch
 from tests.helpers.megatron_cpu import sequence_parallel_mappings_on_cpu
@@ -38,7 +38,7 @@ def _tensor_parallel_body() -> None:
         leaves = [hidden.clone(), weight[cols].clone(), bias[cols].clone()]
         leaves = [leaf.requires_grad_(True) for leaf in leaves]
         with count_collectives() as calls:
-            losses = linear_masked_token_losses(
+            losses = linear_cross_entropy_token_losses(
                 leaves[0], leaves[1], labels, mask, bias=leaves[2],
                 capacity=capacity, num_scored=num_scored, **CHUNKS,
             )  # fmt: skip
@@ -61,7 +61,7 @@ def _tensor_parallel_body() -> None:
         leaves = [leaf.requires_grad_(True) for leaf in leaves]
         rows = {} if capacity is None else {"capacity": capacity}
         with count_collectives() as calls:
-            total = linear_weighted_loss_sum(
+            total = linear_cross_entropy_weighted_sum(
                 leaves[0], leaves[1], labels, coef.double(), bias=leaves[2],
                 num_scored=num_scored, **rows, **CHUNKS,
             )  # fmt: skip
@@ -103,7 +103,7 @@ def _sequence_parallel_body() -> None:
     leaves = [hidden[rows].clone(), weight[cols].clone(), bias[cols].clone()]
     leaves = [leaf.requires_grad_(True) for leaf in leaves]
     with sequence_parallel_mappings_on_cpu():
-        losses = linear_masked_token_losses(
+        losses = linear_cross_entropy_token_losses(
             leaves[0], leaves[1], labels, mask, bias=leaves[2], sequence_parallel=True, capacity=0.5
         )
         (losses * coef).sum().backward()
@@ -117,7 +117,7 @@ def _sequence_parallel_body() -> None:
     leaves = [hidden[rows].clone(), weight[cols].clone(), bias[cols].clone()]
     leaves = [leaf.requires_grad_(True) for leaf in leaves]
     with sequence_parallel_mappings_on_cpu():
-        total = linear_weighted_loss_sum(
+        total = linear_cross_entropy_weighted_sum(
             leaves[0], leaves[1], labels, coef, bias=leaves[2], sequence_parallel=True,
             num_scored=int(mask.sum()),
         )  # fmt: skip

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bert_reduce import TokenPerplexity
-from bert_reduce.metrics import token_loss_sums
+from bert_reduce import TokenPerplexity, cross_entropy_loss_sum
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.reference import (
     UNEVEN_MICRO_BATCHES,
@@ -56,7 +55,7 @@ def _distributed_body(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) ->
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     mine = UNEVEN_MICRO_BATCHES[:3] if rank == 0 else UNEVEN_MICRO_BATCHES[3:]
-    sums = [token_loss_sums(logits[:, rows], labels[rows], mask[rows]) for rows in mine]
+    sums = [cross_entropy_loss_sum(logits[:, rows], labels[rows], mask[rows]) for rows in mine]
     metric = TokenPerplexity()
     with count_collectives() as calls:
         for loss_sum, num_tokens in sums:

@@ -129,7 +129,7 @@ def test_plain_torch_distributed_dp_matches_single_process() -> None:
 def _megatron_cross_entropy_body() -> None:
     import torch.nn.functional as F
 
-    from bert_reduce.functional import unreduced_token_loss_fn
+    from bert_reduce import BERTMLMLossWithReduction, unreduced_token_loss_fn
 
     _, _, tp_rank, tp_size, _, _ = _ranks()
     logits, labels, _ = make_mlm_batch(3, 8, VOCAB, mask_prob=1.0, dtype=torch.float32)
@@ -148,6 +148,15 @@ def _megatron_cross_entropy_body() -> None:
         # The fused kernel returns its gradient in bf16, whatever the logits' dtype.
         tol = 1e-2 if fused else 1e-5
         torch.testing.assert_close(local.grad.double(), expected, rtol=tol, atol=tol)
+        # The loss class runs the same kernel when asked for it by name (the fused one's bf16
+        # gradient tells them apart).
+        loss_fn = BERTMLMLossWithReduction(cross_entropy="megatron_fused" if fused else "megatron")
+        loss_fn.setup({"labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.bool)})
+        leaf = before.clone().requires_grad_(True)
+        loss_sum, _, _ = loss_fn({"token_logits": leaf})
+        loss_sum.backward()
+        torch.testing.assert_close(loss_sum, per_token.detach().sum(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(leaf.grad, local.grad, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -1,0 +1,366 @@
+"""(Private) What the two masked cross-entropy kernels share: rows, shards, gradient.
+
+:mod:`bert_reduce.cross_entropy` (logits) and :mod:`bert_reduce.linear_cross_entropy`
+(hidden states and the output weight) compute the same loss on the same rows; only how
+they obtain a chunk of logits differs. Written once here:
+
+* which rows a call computes (:func:`flat_rows`, :func:`select_rows`, :data:`Capacity`): the
+  flat row ``r`` of a ``[b, s]`` position follows the memory order of the logits or hidden
+  states, and the scored rows are chosen without a host sync unless the caller asks for one;
+* where each target falls in this rank's vocabulary shard (:func:`shard_targets`), and the
+  per-row statistics every shard contributes, completed by ONE all-reduce
+  (:func:`shard_stats`, :func:`combine_shard_stats`): the global log-sum-exp is the
+  log-sum-exp of the shards';
+* the losses of the rows (:func:`row_losses`, :func:`scatter_losses`) and the backward's
+  pieces: each row's coefficient (:func:`row_coefficients`) and the logits' gradient
+  ``coef * (softmax - onehot)`` of a chunk (:func:`softmax_minus_onehot_`).
+
+Megatron-Core is only consulted (through :mod:`bert_reduce.distributed`) when its parallel
+state is initialized.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from bert_reduce import distributed
+from bert_reduce.num_scored import NumScored, scored_count
+
+Capacity = int | float | Literal["all", "nonzero"]
+"""How many rows a masked kernel computes: ``"all"``, ``"nonzero"``, a row count or a
+fraction of ``b * s``; see :mod:`bert_reduce.cross_entropy`."""
+
+
+def resolve_capacity(capacity: Capacity, num_positions: int) -> int | None:
+    """The static number of rows a ``capacity`` stands for, or ``None`` for ``"nonzero"``.
+
+    Args:
+        capacity: ``"all"``, ``"nonzero"``, a row count, or a fraction of the positions.
+        num_positions: ``b * s``, the number of positions in the micro-batch.
+
+    Returns:
+        The row count, clipped to ``[0, num_positions]``, or ``None`` for ``"nonzero"``.
+
+    Raises:
+        ValueError: On an unknown string, a negative count or a fraction outside ``(0, 1]``.
+    """
+    if capacity == "all":
+        return num_positions
+    if capacity == "nonzero":
+        return None
+    if isinstance(capacity, bool) or not isinstance(capacity, int | float):
+        raise ValueError(
+            f"capacity must be 'all', 'nonzero', a row count or a fraction in (0, 1]; "
+            f"got {capacity!r}."
+        )
+    if isinstance(capacity, float):
+        if not 0.0 < capacity <= 1.0:
+            raise ValueError(f"A fractional capacity must lie in (0, 1], got {capacity}.")
+        return min(num_positions, math.ceil(capacity * num_positions))
+    if capacity < 0:
+        raise ValueError(f"capacity must be non-negative, got {capacity}.")
+    return min(num_positions, capacity)
+
+
+class RowSelection(NamedTuple):
+    """Which flat rows a masked loss computes.
+
+    Attributes:
+        index: int64 ``[rows]`` flat row numbers, scored rows first (each group in memory
+            order), or ``None`` for every row in order.
+        unselected: int64 flat rows left out (their gradient is zero), or ``None``.
+        overflow: ``[positions]`` bool, true on every scored row when more rows are scored
+            than selected (else all false), or ``None`` when no overflow is possible.
+    """
+
+    index: Tensor | None
+    unselected: Tensor | None
+    overflow: Tensor | None
+
+
+def select_rows(
+    scored: Tensor, capacity: Capacity = "all", num_scored: NumScored | None = None
+) -> RowSelection:
+    """Choose the rows to compute from the flat ``[positions]`` bool ``scored``, without a sync.
+
+    Args:
+        scored: ``[positions]`` bool, true where the loss mask is non-zero.
+        capacity: See :func:`resolve_capacity`; ignored when ``num_scored`` is given.
+        num_scored: The number of scored positions as the data pipeline counted them
+            (:data:`~bert_reduce.num_scored.NumScored`; on the host it costs no device sync).
+            Used as an exact static capacity: more scored rows than it says make the loss
+            NaN (checked on the device), fewer only cost unscored rows of work.
+
+    Returns:
+        The selection; ``index`` is ``None`` when every row is computed.
+
+    Raises:
+        TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
+        ValueError: On a bad ``capacity``, or a ``num_scored`` that sums to a negative count.
+    """
+    if num_scored is not None:
+        limit: int | None = min(scored_count(num_scored), scored.numel())
+    else:
+        limit = resolve_capacity(capacity, scored.numel())
+    if limit is not None and limit == scored.numel():
+        return RowSelection(None, None, None)
+    # A stable sort puts the scored rows first, each group in memory order. Static shapes
+    # and no host sync, unless the split point is read back ("nonzero").
+    order = torch.sort(scored.to(torch.uint8), descending=True, stable=True).indices
+    count = scored.sum(dtype=torch.int64)
+    overflow = None
+    if limit is None:
+        limit = int(count)
+    else:
+        overflow = scored & (count > limit)
+    return RowSelection(order[:limit], order[limit:], overflow)
+
+
+class FlatRows(NamedTuple):
+    """The rows one kernel call computes, flattened in the logits' memory order.
+
+    Attributes:
+        targets: int64 ``[rows]`` target ids of the selected rows.
+        per_row: ``[rows]`` values of the per-position tensor (mask or weights) on them.
+        selection: The :class:`RowSelection` they come from.
+    """
+
+    targets: Tensor
+    per_row: Tensor
+    selection: RowSelection
+
+
+def flat_rows(
+    labels: Tensor,
+    per_position: Tensor,
+    sequence_first: bool,
+    capacity: Capacity,
+    num_scored: NumScored | None,
+) -> FlatRows:
+    """Flatten ``[b, s]`` labels and mask (or weights) into the selected rows' values.
+
+    Row ``r`` follows the memory order of the logits or hidden states: ``r = i_s * b + i_b``
+    when they are sequence first (``[s, b, ...]``), ``r = i_b * s + i_s`` otherwise. A row is
+    scored where ``per_position`` is non-zero.
+    """
+    targets = labels
+    if sequence_first:
+        per_position, targets = per_position.transpose(0, 1), targets.transpose(0, 1)
+    # Any integer label dtype; gather takes int64.
+    per_position, targets = per_position.reshape(-1), targets.reshape(-1).to(torch.int64)
+    selection = select_rows(per_position != 0, capacity, num_scored)
+    if selection.index is not None:
+        targets, per_position = targets[selection.index], per_position[selection.index]
+    return FlatRows(targets, per_position, selection)
+
+
+def tensor_parallel_placement(
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, world_size, rank)`` of the vocab-sharding group (``(None, 1, 0)`` without).
+
+    ``group`` when given, else Megatron-Core's tensor-parallel group when its parallel state is
+    initialized, else none.
+    """
+    if group is None:
+        if distributed.tensor_parallel_world_size() == 1:
+            return None, 1, 0
+        group = distributed.tensor_parallel_group()
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return None, 1, 0
+    return group, world_size, dist.get_rank(group)
+
+
+def vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
+    """First vocab id of this rank's contiguous shard.
+
+    Megatron-Core's rule (``VocabUtility.vocab_range_from_per_partition_vocab_size``):
+    ``[rank * shard, (rank + 1) * shard)``; written out so that an explicit ``tp_group`` needs
+    no Megatron. ``tests/test_cross_entropy.py`` checks it against Megatron's own.
+    """
+    return tp_rank * shard if tp_size > 1 else 0
+
+
+class ShardedTargets(NamedTuple):
+    """Where each row's target falls in this rank's vocab shard.
+
+    Attributes:
+        local: int64 ``[rows, 1]`` target id within the shard (0 where not in it).
+        in_shard: ``[rows]`` bool, whether the target lies in this rank's shard.
+        in_vocab: ``[rows]`` bool, whether the target lies in the whole vocabulary.
+    """
+
+    local: Tensor
+    in_shard: Tensor
+    in_vocab: Tensor
+
+
+def shard_targets(
+    targets: Tensor, shard: int, tp_group: dist.ProcessGroup | None = None
+) -> ShardedTargets:
+    """Locate ``[rows]`` target ids in this rank's vocab shard of size ``shard``."""
+    _, tp_size, tp_rank = tensor_parallel_placement(tp_group)
+    local = targets - vocab_start(shard, tp_rank, tp_size)
+    in_shard = (local >= 0) & (local < shard)
+    in_vocab = (targets >= 0) & (targets < shard * tp_size)
+    return ShardedTargets(torch.where(in_shard, local, 0).unsqueeze(1), in_shard, in_vocab)
+
+
+def shard_stats(
+    rows: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """The zeroed ``[tp, 2, rows]`` buffer :func:`combine_shard_stats` reduces.
+
+    This rank fills its slot, ``stats[tp_rank]``, with its shard's per-row (log-sum-exp,
+    target logit) and leaves the other slots at zero.
+    """
+    _, tp_size, _ = tensor_parallel_placement(tp_group)
+    return torch.zeros(tp_size, 2, rows, dtype=dtype, device=device)
+
+
+def combine_shard_stats(
+    stats: Tensor, targets: ShardedTargets, tp_group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, Tensor]:
+    """The global per-row log-sum-exp and target logit, in ONE collective under TP.
+
+    Args:
+        stats: ``[tp, 2, rows]`` from :func:`shard_stats`, this rank's slot filled in.
+        targets: This rank's :func:`shard_targets`.
+        tp_group: The vocab-sharding group (``None``: Megatron-Core's, when initialized).
+
+    Returns:
+        ``(lse, target_logit)``, each ``[rows]``: the log-sum-exp over the whole vocabulary
+        (the log-sum-exp of the shards') and the target's logit (from the shard holding it).
+    """
+    group, _, tp_rank = tensor_parallel_placement(tp_group)
+    # Only the shard holding the target contributes its logit; every other slot stays 0 so
+    # that a single SUM all-reduce fills in every shard's.
+    stats[tp_rank, 1] = torch.where(targets.in_shard, stats[tp_rank, 1], 0)
+    if group is not None:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    return torch.logsumexp(stats[:, 0], dim=0), stats[:, 1].sum(dim=0)
+
+
+def row_losses(lse: Tensor, target_logit: Tensor, in_vocab: Tensor) -> Tensor:
+    """``[rows]`` cross-entropy ``lse - target_logit``, NaN where the target is not in the vocab."""
+    return torch.where(in_vocab, lse - target_logit, torch.nan)
+
+
+def scatter_losses(
+    loss: Tensor, scored: Tensor, selection: RowSelection, positions: int
+) -> tuple[Tensor, Tensor]:
+    """Per-position losses from the selected rows' losses.
+
+    Args:
+        loss: ``[rows]`` losses of the selected rows (NaN where a target is out of the vocab).
+        scored: ``[rows]`` bool, whether each selected row is scored.
+        selection: The :class:`RowSelection` the rows come from.
+        positions: Number of flat positions (``b * s``).
+
+    Returns:
+        ``(losses, scored)``: ``[positions]`` losses (``loss`` on scored rows, 0 elsewhere,
+        NaN on every scored row after a capacity overflow), and the ``[rows]`` rows whose
+        gradient is not zero (none after an overflow, whose gradient is NaN instead).
+    """
+    # `where`, not a product: whatever an unscored row holds must not reach the output.
+    loss = torch.where(scored, loss, 0)
+    if selection.index is None:
+        losses = loss
+    else:
+        losses = loss.new_zeros(positions).index_copy_(0, selection.index, loss)
+    if selection.overflow is not None:
+        # Scored rows past the capacity have no loss: poison every scored row instead.
+        losses = torch.where(selection.overflow, torch.nan, losses)
+        scored = scored & ~selection.overflow.any()
+    return losses, scored
+
+
+def scatter_row_losses(
+    lse: Tensor,
+    target_logit: Tensor,
+    targets: ShardedTargets,
+    scored: Tensor,
+    selection: RowSelection,
+    positions: int,
+) -> tuple[Tensor, Tensor]:
+    """:func:`scatter_losses` of the rows' :func:`row_losses` from their global statistics.
+
+    Args:
+        lse: ``[rows]`` global log-sum-exp of the selected rows.
+        target_logit: ``[rows]`` their target logits.
+        targets: Their :class:`ShardedTargets`.
+        scored: ``[rows]`` bool, whether each selected row is scored.
+        selection: The :class:`RowSelection` the rows come from.
+        positions: Number of flat positions (``b * s``).
+    """
+    loss = row_losses(lse, target_logit, targets.in_vocab)
+    return scatter_losses(loss, scored, selection, positions)
+
+
+def row_coefficients(
+    grad_positions: Tensor,
+    dtype: torch.dtype,
+    index: Tensor | None,
+    scored: Tensor,
+    overflow: Tensor | None,
+) -> Tensor:
+    """``[rows]`` upstream gradient of each selected row's loss: the backward's coefficient.
+
+    Args:
+        grad_positions: ``[positions]`` gradient w.r.t. the per-position losses, flat in the
+            rows' order.
+        dtype: The accumulation dtype.
+        index: The selection's flat row numbers (``None``: every row).
+        scored: ``[rows]`` bool; unscored rows get 0 (their loss was 0, not a function of the
+            logits).
+        overflow: The selection's overflow flags: every coefficient is NaN after an overflow.
+    """
+    coef = grad_positions.to(dtype)
+    if index is not None:
+        coef = coef[index]
+    coef = torch.where(scored, coef, 0)
+    if overflow is not None:
+        coef = torch.where(overflow.any(), torch.nan, coef)
+    return coef
+
+
+def softmax_minus_onehot_(
+    probabilities: Tensor, columns: Tensor, scale: Tensor, target_weight: Tensor
+) -> Tensor:
+    """The logits' gradient of a ``[c, v_chunk]`` chunk, ``coef * (softmax - onehot)``, in place.
+
+    ``dL/dx = coef * (softmax(x) - onehot(target))``. Callers hold the chunk's softmax up to a
+    per-row factor, ``probabilities = softmax(x) / factor``, and pass ``scale = coef * factor``
+    (``exp(x - lse)`` with the global log-sum-exp: ``scale = coef``; a shard's own softmax:
+    ``scale = coef * exp(lse_shard - lse)``) and ``target_weight = coef`` where the target lies
+    in the chunk (else 0).
+
+    Args:
+        probabilities: ``[c, v_chunk]``, overwritten with the gradient.
+        columns: int64 ``[c, 1]`` target column within the chunk (any valid column when the
+            target lies elsewhere).
+        scale: ``[c]`` per-row factor of ``probabilities``.
+        target_weight: ``[c]`` what the one-hot term subtracts at ``columns``.
+
+    Returns:
+        ``probabilities``, now the gradient.
+    """
+    probabilities.mul_(scale.unsqueeze(1))
+    return probabilities.scatter_add_(1, columns, -target_weight.unsqueeze(1))
+
+
+def logsumexp_(x: Tensor) -> Tensor:
+    """``x.logsumexp(dim=-1)`` for a ``[c, v]`` buffer it may overwrite: no temporary."""
+    shift = x.amax(dim=-1, keepdim=True)
+    # A row of -inf (or +inf) keeps logsumexp's answer instead of inf - inf = NaN.
+    shift = torch.where(shift.isfinite(), shift, 0)
+    return x.sub_(shift).exp_().sum(dim=-1).log_().add_(shift.squeeze(-1))
