@@ -142,8 +142,11 @@ class RunCheckpoint(Checkpoint):
                 ``ckpt_path`` on every rank), and they were not the same step's.
         """
         if trainer.world_size > 1:
-            step = torch.tensor(trainer.global_step, device=pl_module.device)
-            steps = trainer.strategy.all_gather(step).flatten().tolist()
+            # torch's own gather of Python objects: Lightning's strategy.all_gather goes through
+            # torch.distributed.nn.functional.all_gather, which torch 2.13 deprecates with a
+            # warning the user cannot act on.
+            steps: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(steps, trainer.global_step)
             if len(set(steps)) > 1:
                 raise RuntimeError(
                     f"The ranks start training at different steps ({steps}, by rank): they "
