@@ -186,12 +186,12 @@ class _Rows:
 
 def _softmax(x: Tensor, out: Tensor) -> Tensor:
     """``softmax(x, dim=-1)`` written into ``out`` (which may be ``x`` itself)."""
-    return torch.ops.aten._softmax.out(x, -1, False, out=out)
+    return torch.softmax(x, -1, out=out)
 
 
 def _log_softmax(x: Tensor, out: Tensor) -> Tensor:
     """``log_softmax(x, dim=-1)`` written into ``out`` (which may be ``x`` itself)."""
-    return torch.ops.aten._log_softmax.out(x, -1, False, out=out)
+    return torch.log_softmax(x, -1, out=out)
 
 
 class _CrossEntropyTokenLosses(torch.autograd.Function):

@@ -7,9 +7,9 @@ of masked tokens. :class:`ExactMLMModule` instead receives this rank's share of 
 per ``training_step`` and, in the spirit of Megatron-Core's ``finalize_model_grads``:
 
 1. splits it into micro-batches and back-propagates each micro-batch's loss *numerator* (a sum,
-   not a mean) with gradient synchronization off (Lightning's own switches: DDP's ``no_sync``
-   through ``strategy.block_backward_sync()``, FSDP2's ``set_requires_gradient_sync(False)``
-   through Lightning's FSDP2 no-sync control), so gradients accumulate locally, except for
+   not a mean) with gradient synchronization off (public switches: DDP's ``no_sync``
+   through Lightning's ``strategy.block_backward_sync()``, torch's FSDP2
+   ``set_requires_gradient_sync(False)``), so gradients accumulate locally, except for
    the last micro-batch, whose backward runs the one gradient reduction of the step;
 2. sums the numerators and denominators of all micro-batches locally and over the data-parallel
    group in ONE all-reduce of two fp64 numbers, with no host sync;
@@ -34,7 +34,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.model_parallel import _FSDPNoSync
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
@@ -149,6 +148,23 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
         {key: chunks[key][i] if key in chunks else value for key, value in batch.items()}
         for i in range(batch_size // micro_batch_size)
     ]
+
+
+@contextlib.contextmanager
+def _without_fsdp2_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside accumulate FSDP2 gradients locally, without a reduce-scatter.
+
+    torch's public switch (``FSDPModule.set_requires_gradient_sync``), set on every
+    ``fully_shard``-ed module and restored on exit.
+    """
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in sharded:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.set_requires_gradient_sync(True, recurse=False)
 
 
 class ExactMLMModule(pl.LightningModule):
@@ -350,7 +366,7 @@ class ExactMLMModule(pl.LightningModule):
         if last:
             return contextlib.nullcontext()
         if isinstance(strategy, ModelParallelStrategy):
-            return _FSDPNoSync(module=self.model, enabled=True)
+            return _without_fsdp2_gradient_sync(self.model)
         if isinstance(strategy, DDPStrategy):
             return strategy.block_backward_sync()
         return contextlib.nullcontext()

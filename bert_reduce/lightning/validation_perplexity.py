@@ -102,7 +102,9 @@ class ValidationPerplexityCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(loss_key=self.loss_key, ppl_key=self.ppl_key)
+        # The key Lightning's (private) Callback._generate_state_key makes, written out.
+        keys = {"loss_key": self.loss_key, "ppl_key": self.ppl_key}
+        return f"{type(self).__qualname__}{keys!r}"
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

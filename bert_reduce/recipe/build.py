@@ -25,15 +25,24 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 
 from bert_reduce.lightning import RNGStateCheckpoint, StopOnSignal
+from bert_reduce.lightning.run_checkpoint import LAST_NAME
 from bert_reduce.recipe.checkpoint_io import AtomicCheckpointIO
-from bert_reduce.recipe.csv_logger import AppendingCSVLogger
+from bert_reduce.recipe.csv_logger import METRICS_FILE, AppendingCSVLogger, read_metrics
 from bert_reduce.recipe.datamodule import ESMDataModule
 from bert_reduce.recipe.module import ESM2MLMModule
 from bert_reduce.recipe.plot import plot_metrics
-from bert_reduce.recipe.resume import read_resume_step
+from bert_reduce.recipe.resume import (
+    AUTO,
+    ResumePoint,
+    find_resume_checkpoint,
+    later_checkpoints,
+    move_aside,
+    read_resume_step,
+)
 from bert_reduce.recipe.run_directory import (
     RunDirectoryLock,
     check_run_directory,
+    remove_leftovers,
     remove_outputs,
     save_config_keeping_previous,
 )
@@ -53,6 +62,9 @@ __all__ = [
 
 class TrainingStopped(SystemExit):
     """A signal stopped training after a checkpoint; exits with ``128 + signal number``."""
+
+
+log = logging.getLogger(__name__)
 
 
 def resolve_precision(precision: str) -> str:
@@ -104,15 +116,10 @@ def build_loggers(cfg: DictConfig, run_dir: Path, resumed_step: int | None = Non
     drops the rows after that step (see :class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`).
     """
     loggers: list[Logger] = [
-        # Written every step: a run killed outright (kill -9, out of memory) keeps every row up
-        # to its last step, so its checkpoints never lie past the end of its metrics.csv.
-        AppendingCSVLogger(
-            save_dir=run_dir,
-            name="",
-            version="",
-            flush_logs_every_n_steps=1,
-            keep_steps_up_to=resumed_step,
-        )
+        # Written and synced at every row; RunCheckpoint puts a step's checkpoint in place only
+        # after its rows: a run killed outright (kill -9, out of memory) never has a checkpoint
+        # ahead of its metrics.csv.
+        AppendingCSVLogger(save_dir=run_dir, keep_steps_up_to=resumed_step)
     ]
     if cfg.tensorboard:
         try:
@@ -134,16 +141,6 @@ def ignore_warnings_wrong_for_the_recipe(cfg: DictConfig) -> None:
     that every other warning still shows; ``tests/recipe/test_train_e2e.py`` checks that the
     default runs print none.
     """
-    # ExactMLMModule steps the optimizer inside training_step, so a checkpoint holds the state
-    # after the step: what resuming needs (tests/recipe/test_train_e2e.py checks it).
-    warnings.filterwarnings(
-        "ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps"
-    )
-    # run() checks the run directory's safety (run_directory.py); the CSV logger appends.
-    warnings.filterwarnings(
-        "ignore", message="Experiment logs directory .* exists and is not empty"
-    )
-    warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
     # Lightning (up to 2.6.6, the newest) builds torch's deprecated LeafSpec in its
     # CombinedLoader (lightning/pytorch/utilities/_pytree.py:21), which torch 2.13 flags on
     # every fit: a matter between the two libraries that no setting here changes.
@@ -218,7 +215,7 @@ def _checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dict[str, Any]:
     """Train, validate at the end, and write the run's outputs to ``run_dir``.
 
     Outputs: ``metrics.csv`` (``step``, ``train_loss``, ``val_loss``, ``val_ppl``, ...),
@@ -227,11 +224,16 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     Before anything is written, the data, the model and the ``resume`` checkpoint are loaded
     and the run directory is checked and locked (:mod:`bert_reduce.recipe.run_directory`): a
     run never mixes with or overwrites another run's files unless it resumes that run or
-    ``overwrite`` is set, and a run that fails to start changes nothing.
+    ``overwrite`` is set, and a run that fails to start changes nothing. ``resume=auto``
+    continues from the directory's newest intact checkpoint, or from step 0 without one
+    (:func:`~bert_reduce.recipe.resume.find_resume_checkpoint`); checkpoints that do not load
+    are kept as ``<name>.damaged``. Temporary files of a killed run are removed.
 
     Args:
         cfg: A config composed from ``conf/config.yaml``.
         run_dir: The run directory (Hydra's output directory under ``train.py``).
+        fixed_run_dir: Whether the same command gives the same run directory at every start
+            (``hydra.run.dir=...``), rather than one made from the time.
 
     Returns:
         The trainer's final logged metrics as floats (``val_loss``, ``val_ppl``, ...).
@@ -240,36 +242,98 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         TrainingStopped: After ``SIGTERM``/``SIGINT`` stopped training and a checkpoint was
             saved (``SystemExit`` with code ``128 + signal``).
         RunDirectoryError: If the run directory holds another run or is in use.
-        FileNotFoundError, ValueError: For a bad ``resume`` checkpoint or bad data.
+        FileNotFoundError, ValueError: For a bad ``resume`` checkpoint or bad data, or
+            ``resume=auto`` without a fixed run directory.
     """
     run_dir = Path(run_dir)
+    auto = cfg.resume == AUTO
+    if auto and not fixed_run_dir:
+        raise ValueError(
+            f"resume=auto resumes the run of the run directory, but this one ({run_dir}) is "
+            "made from the current time, so a restarted command gets a new, empty one. Name "
+            "the run directory: hydra.run.dir=<a directory per run, e.g. runs/$SLURM_JOB_ID>."
+        )
     if cfg.cpu_threads is not None and not torch.cuda.is_available():
         # The environment variable reaches DDP's worker processes, and Lightning keeps it.
         os.environ["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
         torch.set_num_threads(cfg.cpu_threads)
     ignore_warnings_wrong_for_the_recipe(cfg)
-    resumed_step = (
-        None if cfg.resume is None else read_resume_step(cfg.resume, cfg.data.global_batch_size)
-    )
+    explicit = None if cfg.resume is None or auto else Path(cfg.resume)
+    global_batch_size = cfg.data.global_batch_size
+    resumed_step = None if explicit is None else read_resume_step(explicit, global_batch_size)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: ESMDataModule = instantiate(cfg.data)
     module = build_module(cfg)
     trainer = build_trainer(cfg, run_dir, resumed_step)
     check_launcher(trainer)
+    checkpoint_dir = _checkpoint_dir(cfg, run_dir)
     if not trainer.is_global_zero:
         # DDP's other ranks are processes this run started (multi-node ones are not global
-        # rank 0 either): the first process alone locks and checks the run directory.
-        return _fit(cfg, trainer, module, datamodule, run_dir)
+        # rank 0 either): the first process alone locks and checks the run directory. With
+        # resume=auto they find the same checkpoint (RunCheckpoint checks that every rank
+        # starts at the same step); damaged files are skipped, whether moved aside yet or not.
+        if auto:
+            explicit = find_resume_checkpoint(checkpoint_dir, global_batch_size).path
+        return _fit(cfg, trainer, module, datamodule, run_dir, explicit)
     datamodule.setup("fit")  # bad data fails here, before the run directory is touched
     with RunDirectoryLock(run_dir) as lock:
-        resume = None if cfg.resume is None else Path(cfg.resume)
+        found = find_resume_checkpoint(checkpoint_dir, global_batch_size) if auto else None
         previous = check_run_directory(
-            run_dir, _checkpoint_dir(cfg, run_dir), resume, cfg.overwrite
+            run_dir, checkpoint_dir, AUTO if auto else explicit, cfg.overwrite
         )
         lock.record_holder()
         remove_outputs(previous)
+        for path in remove_leftovers(run_dir, checkpoint_dir):
+            log.info("Removed %s, a temporary file that an interrupted run left.", path)
+        if found is not None:
+            explicit, resumed_step = found.path, found.step
+            _continue_automatically(trainer, found, checkpoint_dir, run_dir)
+        if explicit is not None and explicit.resolve().parent == checkpoint_dir.resolve():
+            assert resumed_step is not None
+            _supersede_later_checkpoints(checkpoint_dir, resumed_step)
         save_config_keeping_previous(OmegaConf.to_yaml(cfg, resolve=True), run_dir / "config.yaml")
-        return _fit(cfg, trainer, module, datamodule, run_dir)
+        return _fit(cfg, trainer, module, datamodule, run_dir, explicit)
+
+
+def _continue_automatically(
+    trainer: pl.Trainer, found: ResumePoint, checkpoint_dir: Path, run_dir: Path
+) -> None:
+    """Move damaged checkpoints aside, say where ``resume=auto`` continues, trim the metrics."""
+    where = f"{found.path} (step {found.step})" if found.path else "step 0 (no intact checkpoint)"
+    for path, reason in found.damaged:
+        moved = move_aside(path)
+        log.warning(
+            "resume=auto: %s does not load (%s); kept as %s. Resuming from %s instead.",
+            path,
+            reason,
+            moved.name,
+            where,
+        )
+    if found.path is not None:
+        print(f"resume=auto: resuming from {where}")
+    elif (run_dir / METRICS_FILE).is_file():
+        print(
+            f"resume=auto: no checkpoint in {checkpoint_dir}: starting from step 0; the rows "
+            f"of {run_dir / METRICS_FILE} are replaced as the steps are trained again."
+        )
+    for logger in trainer.loggers:
+        if isinstance(logger, AppendingCSVLogger):
+            logger.keep_steps_up_to = found.step
+
+
+def _supersede_later_checkpoints(checkpoint_dir: Path, step: int) -> None:
+    # A run resumed from step k in its own directory trains the steps after k again, and
+    # metrics.csv drops their rows: a checkpoint after k (of the continuation this run
+    # replaces) must not be resumed from later (resume=auto), or the rows in between would be
+    # missing.
+    for path in later_checkpoints(checkpoint_dir, step):
+        moved = move_aside(path, "superseded")
+        log.warning(
+            "%s is after step %d, which this run resumes from and trains again: kept as %s.",
+            path,
+            step,
+            moved.name,
+        )
 
 
 def _fit(
@@ -278,21 +342,42 @@ def _fit(
     module: ESM2MLMModule,
     datamodule: ESMDataModule,
     run_dir: Path,
+    ckpt_path: Path | None,
 ) -> dict[str, Any]:
     stopper = next(c for c in trainer.callbacks if isinstance(c, StopOnSignal))
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException:
-        # Lightning's own handler is active outside the training loop (sanity check).
+        # StopOnSignal stops this way at a step boundary; Lightning's own handler does before
+        # training starts (sanity check).
         stopper.stop_signal = stopper.stop_signal or signal.SIGTERM
     if stopper.stop_signal is not None:
-        _report_stop(trainer, stopper.stop_signal, _checkpoint_dir(cfg, run_dir))
-    if cfg.validate_at_end and module.last_validation_step != trainer.global_step:
+        _report_stop(cfg, trainer, stopper.stop_signal, _checkpoint_dir(cfg, run_dir))
+    if cfg.validate_at_end and not _validated_at_last_step(cfg, trainer, module, run_dir):
         trainer.validate(module, datamodule=datamodule, verbose=False)
     return _finish(cfg, trainer, run_dir)
 
 
-def _report_stop(trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None:
+def _validated_at_last_step(
+    cfg: DictConfig, trainer: pl.Trainer, module: ESM2MLMModule, run_dir: Path
+) -> bool:
+    # In this process, or (a run resumed from its final checkpoint) in metrics.csv: its
+    # validation rows at the final step came after that checkpoint was in place.
+    if module.last_validation_step == trainer.global_step:
+        return True
+    done = False
+    metrics_csv = run_dir / METRICS_FILE
+    if trainer.is_global_zero and metrics_csv.is_file():
+        node = cfg.callbacks.val_perplexity
+        key = "val_loss" if node is None else node.loss_key
+        done = any(
+            row.get(key) and float(row["step"]) == trainer.global_step
+            for row in read_metrics(metrics_csv)[1]
+        )
+    return trainer.strategy.broadcast(done) if trainer.world_size > 1 else done
+
+
+def _report_stop(cfg: DictConfig, trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None:
     for logger in trainer.loggers:
         logger.save()
     if trainer.is_global_zero:
@@ -300,10 +385,15 @@ def _report_stop(trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None
         if trainer.checkpoint_callback is None:
             print(f"Stopped by {name} after step {trainer.global_step}; checkpointing is off.")
         else:
-            last = checkpoint_dir / "last.ckpt"
+            last = checkpoint_dir / LAST_NAME
+            again = (
+                "Continue with the same command (resume=auto)."
+                if cfg.resume == AUTO
+                else f"Continue with the same command plus resume=auto (or resume={last})."
+            )
             print(
                 f"Stopped by {name} after step {trainer.global_step}; its checkpoint is {last}. "
-                f"Continue with the same command plus resume={last}"
+                + again
             )
     raise TrainingStopped(128 + signum)
 
@@ -313,6 +403,12 @@ def _finish(cfg: DictConfig, trainer: pl.Trainer, run_dir: Path) -> dict[str, An
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.save()
+        if (run_dir / METRICS_FILE).is_file():
+            # A run resumed from its final checkpoint logs nothing: its values are on file.
+            for row in read_metrics(run_dir / METRICS_FILE)[1]:
+                for key, value in row.items():
+                    if key != "step" and value and key not in trainer.callback_metrics:
+                        metrics[key] = float(value)
         outputs = ["metrics.csv", "config.yaml", "checkpoints/"]
         if cfg.plot:
             plot_metrics(run_dir / "metrics.csv", run_dir / "curves.png")

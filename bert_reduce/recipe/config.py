@@ -201,15 +201,15 @@ class CheckpointConfig:
     """:class:`bert_reduce.lightning.RunCheckpoint`, in ``checkpoints/`` unless ``dirpath``.
 
     Every ``every_n_train_steps`` steps; ``last.ckpt`` also at the last step and when a
-    signal stops training.
+    signal stops training. ``keep_last``: keep only that many periodic checkpoints, the
+    newest (``null``: all); ``last.ckpt`` is always kept.
     """
 
     _target_: str = "bert_reduce.lightning.RunCheckpoint"
     dirpath: str | None = None
     filename: str = "step{step:06d}"
-    auto_insert_metric_name: bool = False
     every_n_train_steps: int = 100
-    save_top_k: int = -1
+    keep_last: int | None = None
     save_last: bool = True
 
 
@@ -248,9 +248,13 @@ class TrainConfig:
 
     Attributes:
         seed: Seeds the model initialization, data order, crops and masks.
-        resume: A checkpoint to resume from (e.g. ``<run dir>/checkpoints/last.ckpt``). Into
-            the same run directory (``hydra.run.dir=<run dir>``), the run continues there:
-            ``metrics.csv`` keeps its rows up to the checkpoint's step and gets the later ones.
+        resume: ``auto``: continue the run of the run directory from its newest intact
+            checkpoint if it has one, else start it (the way to run on a preemptible cluster:
+            the same command, restarted, finishes the run once; needs a fixed
+            ``hydra.run.dir``). Or a checkpoint to resume from (e.g. ``<run
+            dir>/checkpoints/last.ckpt``). Into the same run directory, the run continues
+            there: ``metrics.csv`` keeps its rows up to the checkpoint's step and gets the
+            later ones.
         overwrite: Allow a new run in a run directory that holds another run, deleting that
             run's outputs (``metrics.csv``, ``config.yaml``, ``curves.png``,
             ``tensorboard/``, checkpoints) once the new run has loaded its data and model.

@@ -1,18 +1,46 @@
-"""Check a ``resume=`` checkpoint before anything else happens, with errors that say what to do.
+"""The checkpoint a run resumes from: named (``resume=<file>``) or found (``resume=auto``).
 
 Lightning reads the checkpoint only once training starts, and a missing, empty or corrupt
 file then fails with a bare ``FileNotFoundError``, ``EOFError`` or unpickling error. Reading it
 here first (memory-mapped, so large checkpoints cost little) lets ``train.py`` refuse before
 it touches the run directory, name the file, and list the checkpoints next to it.
+
+``resume=auto`` (:func:`find_resume_checkpoint`) looks in the run's checkpoint directory for
+the checkpoint of the most steps that loads, ``last.ckpt`` when it has as many steps as any:
+the directory's latest state. ``RunCheckpoint`` puts a checkpoint in place only after its
+step's rows are in ``metrics.csv``, so every checkpoint in place is one the run can continue
+from; a periodic checkpoint newer than ``last.ckpt`` is one whose ``last.ckpt`` a kill kept
+from being put in place. (A run resumed from an earlier checkpoint in its own directory moves
+the later ones aside first: :func:`later_checkpoints`.) Without one, the run starts from step
+0. Files that do not load are reported as damaged, for the caller to move aside
+(:func:`move_aside`): never deleted.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["DATAMODULE_STATE_KEY", "ZIP_MAGIC", "read_resume_step"]
+from bert_reduce.lightning.run_checkpoint import LAST_NAME
+
+__all__ = [
+    "AUTO",
+    "DATAMODULE_STATE_KEY",
+    "ZIP_MAGIC",
+    "ResumePoint",
+    "UnreadableCheckpointError",
+    "find_resume_checkpoint",
+    "later_checkpoints",
+    "move_aside",
+    "read_resume_step",
+]
+
+AUTO = "auto"
+"""``resume=auto``: resume from the run directory's newest intact checkpoint, if any."""
 
 ZIP_MAGIC = b"PK\x03\x04"
 """The first bytes of every ``torch.save`` file (a zip archive)."""
@@ -21,11 +49,54 @@ DATAMODULE_STATE_KEY = "ESMDataModule"
 """Where Lightning stores the data module's ``state_dict`` in a checkpoint (its class name)."""
 
 
+class UnreadableCheckpointError(ValueError):
+    """A checkpoint file that does not load: empty, cut short, or not ``torch.save``'s format."""
+
+
 def _others(path: Path) -> str:
     others = sorted(p.name for p in path.parent.glob("*.ckpt") if p != path)
     if not others:
         return ""
     return f" Checkpoints in {path.parent}: {', '.join(others)}."
+
+
+def _load(path: Path) -> Any:
+    """``torch.load`` of ``path``, memory-mapped; :class:`UnreadableCheckpointError` if not."""
+    if path.stat().st_size == 0:
+        raise UnreadableCheckpointError(
+            "the file is empty (0 bytes), e.g. from a write that was cut off"
+        )
+    with open(path, "rb") as handle:
+        if handle.read(4) != ZIP_MAGIC:
+            raise UnreadableCheckpointError(
+                "not a PyTorch checkpoint (it does not start as torch.save's zip archive does): "
+                "a corrupt file or another kind of file"
+            )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        raise UnreadableCheckpointError(
+            f"not a readable PyTorch checkpoint ({type(error).__name__}: {first_line}). The file "
+            "is corrupt, e.g. cut short"
+        ) from error
+
+
+def _resume_step(path: Path, checkpoint: Any, global_batch_size: int) -> int:
+    if not isinstance(checkpoint, dict) or DATAMODULE_STATE_KEY not in checkpoint:
+        raise ValueError(
+            f"resume={path}: not a checkpoint written by train.py (it holds no "
+            f"{DATAMODULE_STATE_KEY!r} state, so the data position cannot be restored)."
+        )
+    saved = checkpoint[DATAMODULE_STATE_KEY]["global_batch_size"]
+    if saved != global_batch_size:
+        raise ValueError(
+            f"resume={path} was trained with data.global_batch_size={saved}, this run has "
+            f"data.global_batch_size={global_batch_size}. A resumed run must keep the global "
+            f"batch size (its checkpoint counts global batches): set "
+            f"data.global_batch_size={saved}, or start a new run."
+        )
+    return int(checkpoint["global_step"])
 
 
 def read_resume_step(path: str | Path, global_batch_size: int) -> int:
@@ -46,37 +117,91 @@ def read_resume_step(path: str | Path, global_batch_size: int) -> int:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"resume={path}: no such checkpoint file.{_others(path)}")
-    if path.stat().st_size == 0:
-        raise ValueError(
-            f"resume={path}: the file is empty (0 bytes), e.g. from a write that was cut off. "
-            f"Resume from another checkpoint.{_others(path)}"
-        )
-    with open(path, "rb") as handle:
-        if handle.read(4) != ZIP_MAGIC:
-            raise ValueError(
-                f"resume={path}: not a PyTorch checkpoint (it does not start as torch.save's zip "
-                f"archive does): a corrupt file or another kind of file. Resume from another "
-                f"checkpoint.{_others(path)}"
-            )
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:
+        checkpoint = _load(path)
+    except UnreadableCheckpointError as error:
         raise ValueError(
-            f"resume={path}: not a readable PyTorch checkpoint ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). The file is corrupt, e.g. "
-            f"cut short; resume from another checkpoint.{_others(path)}"
+            f"resume={path}: {error}. Resume from another checkpoint.{_others(path)}"
         ) from error
-    if not isinstance(checkpoint, dict) or DATAMODULE_STATE_KEY not in checkpoint:
-        raise ValueError(
-            f"resume={path}: not a checkpoint written by train.py (it holds no "
-            f"{DATAMODULE_STATE_KEY!r} state, so the data position cannot be restored)."
-        )
-    saved = checkpoint[DATAMODULE_STATE_KEY]["global_batch_size"]
-    if saved != global_batch_size:
-        raise ValueError(
-            f"resume={path} was trained with data.global_batch_size={saved}, this run has "
-            f"data.global_batch_size={global_batch_size}. A resumed run must keep the global "
-            f"batch size (its checkpoint counts global batches): set "
-            f"data.global_batch_size={saved}, or start a new run."
-        )
-    return int(checkpoint["global_step"])
+    return _resume_step(path, checkpoint, global_batch_size)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where ``resume=auto`` continues a run.
+
+    Attributes:
+        path: The checkpoint to resume from; ``None``: start from step 0.
+        step: Its ``global_step`` (0 without a checkpoint).
+        damaged: The checkpoints that did not load, each with the reason.
+    """
+
+    path: Path | None
+    step: int
+    damaged: tuple[tuple[Path, str], ...] = ()
+
+
+def find_resume_checkpoint(checkpoint_dir: Path, global_batch_size: int) -> ResumePoint:
+    """The newest intact checkpoint of ``checkpoint_dir``, for ``resume=auto``. Reads only.
+
+    Args:
+        checkpoint_dir: The run's checkpoint directory (may not exist yet).
+        global_batch_size: This run's ``data.global_batch_size``.
+
+    Returns:
+        The loadable ``*.ckpt`` of the most steps (``last.ckpt`` among equals), or no
+        checkpoint; and the files that did not load.
+
+    Raises:
+        ValueError: If a checkpoint that loads is not a ``train.py`` checkpoint or was trained
+            with another global batch size (a configuration to fix, not a damaged file).
+    """
+    if not checkpoint_dir.is_dir():
+        return ResumePoint(None, 0)
+    damaged: list[tuple[Path, str]] = []
+    loaded: list[tuple[int, bool, Path]] = []
+    for path in sorted(checkpoint_dir.glob("*.ckpt")):
+        try:
+            checkpoint = _load(path)
+        except UnreadableCheckpointError as error:
+            damaged.append((path, str(error)))
+            continue
+        step = _resume_step(path, checkpoint, global_batch_size)
+        loaded.append((step, path.name == LAST_NAME, path))
+    if not loaded:
+        return ResumePoint(None, 0, tuple(damaged))
+    step, _, path = max(loaded)
+    return ResumePoint(path, step, tuple(damaged))
+
+
+def later_checkpoints(checkpoint_dir: Path, step: int) -> list[Path]:
+    """The checkpoints of ``checkpoint_dir`` that load and hold more than ``step`` steps.
+
+    A run resumed in its own directory from an earlier checkpoint trains those steps again:
+    the later checkpoints are of the abandoned continuation, and ``resume=auto`` must not
+    take them for this run's. Reads only.
+    """
+    later = []
+    for path in sorted(checkpoint_dir.glob("*.ckpt")):
+        try:
+            checkpoint = _load(path)
+        except UnreadableCheckpointError:
+            continue
+        if isinstance(checkpoint, dict) and int(checkpoint.get("global_step", -1)) > step:
+            later.append(path)
+    return later
+
+
+def move_aside(path: Path, reason: str = "damaged") -> Path:
+    """Rename ``path`` to ``<name>.<reason>`` (``.<reason>.1``, ...: never over a file).
+
+    Returns:
+        The new path.
+    """
+    target = path.with_name(f"{path.name}.{reason}")
+    number = 0
+    while target.exists():
+        number += 1
+        target = path.with_name(f"{path.name}.{reason}.{number}")
+    os.replace(path, target)
+    return target

@@ -3,21 +3,24 @@
 A run directory holds a run once any of :data:`RUN_OUTPUTS` exists in it (or a checkpoint in
 its checkpoint directory). Starting ``train.py`` on such a directory is allowed in two cases:
 
-* it resumes that run (``resume=`` names a checkpoint of this directory's checkpoint
-  directory): ``metrics.csv`` keeps its rows up to the resumed step and the resumed run
-  appends the later ones, so every step appears exactly once;
+* it resumes that run (``resume=auto``, or ``resume=`` names a checkpoint of this directory's
+  checkpoint directory): ``metrics.csv`` keeps its rows up to the resumed step and the resumed
+  run appends the later ones, so every step appears exactly once;
 * the user asked to overwrite it (``overwrite=true``): the previous run's outputs are deleted,
   but only once the new run has started (the resume checkpoint, data and model are built).
 
 Anything else is refused with :class:`RunDirectoryError` before a file is touched. A lock
 file (:data:`LOCK_NAME`, ``fcntl.flock``, released by the kernel when the process ends, even
-on ``kill -9``) keeps a second run out of a directory while one is running.
+on ``kill -9``) keeps a second run out of a directory while one is running. The run that
+holds it removes the temporary files (``<name>.tmp-<pid>``) that a killed run left behind
+(:func:`remove_leftovers`).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import socket
 import sys
@@ -32,6 +35,7 @@ __all__ = [
     "RunDirectoryLock",
     "check_run_directory",
     "existing_outputs",
+    "remove_leftovers",
     "remove_outputs",
     "save_config_keeping_previous",
 ]
@@ -66,14 +70,15 @@ def existing_outputs(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
 
 
 def check_run_directory(
-    run_dir: Path, checkpoint_dir: Path, resume: Path | None, overwrite: bool
+    run_dir: Path, checkpoint_dir: Path, resume: Path | str | None, overwrite: bool
 ) -> list[Path]:
     """Refuse to start a run that would mix with or overwrite another run's files.
 
     Args:
         run_dir: The run directory.
         checkpoint_dir: This run's checkpoint directory.
-        resume: The checkpoint to resume from, or ``None``.
+        resume: The checkpoint to resume from, ``"auto"`` (continue whatever run the directory
+            holds), or ``None``.
         overwrite: The user asked to replace the previous run (``overwrite=true``).
 
     Returns:
@@ -83,9 +88,17 @@ def check_run_directory(
     Raises:
         RunDirectoryError: If the directory holds a run that this one neither resumes nor is
             allowed to overwrite, or ``overwrite`` is combined with resuming from this
-            directory's own checkpoint.
+            directory's own checkpoint or with ``resume=auto``.
     """
     outputs = existing_outputs(run_dir, checkpoint_dir)
+    if resume == "auto":
+        if overwrite:
+            raise RunDirectoryError(
+                "resume=auto continues the run in the run directory, overwrite=true deletes it: "
+                "choose one."
+            )
+        return []
+    resume = None if resume is None else Path(resume)
     resumes_here = resume is not None and resume.resolve().parent == checkpoint_dir.resolve()
     if overwrite and resumes_here:
         raise RunDirectoryError(
@@ -103,9 +116,9 @@ def check_run_directory(
     )
     raise RunDirectoryError(
         f"The run directory {run_dir} already holds a run ({shown}). Nothing was changed. "
-        f"To continue that run: resume={checkpoint_dir / 'last.ckpt'}. To start a new run: "
-        "choose another directory (hydra.run.dir=...). To replace that run and delete its "
-        "outputs: overwrite=true."
+        f"To continue that run: resume=auto (its newest checkpoint), or "
+        f"resume={checkpoint_dir / 'last.ckpt'}. To start a new run: choose another directory "
+        "(hydra.run.dir=...). To replace that run and delete its outputs: overwrite=true."
     )
 
 
@@ -116,6 +129,33 @@ def remove_outputs(outputs: list[Path]) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+_TEMPORARY = re.compile(r".+\.tmp-[0-9]+")
+
+
+def remove_leftovers(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
+    """Delete the temporary files (``<name>.tmp-<pid>``) that a killed run left behind.
+
+    They are checkpoints and metrics files that were being written, never put in place: their
+    run resumes from the files in place. Call it only while holding the directory's lock.
+
+    Args:
+        run_dir: The run directory (``metrics.csv.tmp-<pid>``, ``config.yaml.tmp-<pid>``).
+        checkpoint_dir: The run's checkpoint directory (``last.ckpt.tmp-<pid>``, ...).
+
+    Returns:
+        The deleted files.
+    """
+    removed = []
+    for directory in dict.fromkeys((run_dir, checkpoint_dir)):
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.iterdir()):
+            if _TEMPORARY.fullmatch(path.name) and path.is_file():
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 class RunDirectoryLock:
@@ -187,5 +227,7 @@ def save_config_keeping_previous(text: str, path: Path) -> Path | None:
         while (kept := path.with_name(f"{path.stem}.{number}{path.suffix}")).exists():
             number += 1
         os.replace(path, kept)
-    path.write_text(text)
+    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)  # whole or absent, if the run is killed right now
     return kept

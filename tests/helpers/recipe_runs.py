@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from tests.helpers.dist_utils import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 NUM_VAL = 37  # prime: divides no micro-batch size nor 2 ranks
 TINY = [
@@ -38,7 +40,7 @@ def run_train_py(*args: str, env: Mapping[str, str] | None = None) -> subprocess
         env={**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", **(env or {})},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

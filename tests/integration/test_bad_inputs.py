@@ -13,6 +13,7 @@ processes and signals are in ``tests/recipe/test_fault_tolerance.py``.
 
 from __future__ import annotations
 
+import csv
 import math
 import re
 import sys
@@ -70,12 +71,12 @@ class Probe:
     match: str = ""
 
 
-def train(tmp: Path, *overrides: str) -> str:
+def train(tmp: Path, *overrides: str, fixed_run_dir: bool = True) -> str:
     """``python train.py TINY overrides hydra.run.dir=tmp/run``, in this process."""
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*TINY, *overrides])
-    run(cfg, tmp / "run")
+    run(cfg, tmp / "run", fixed_run_dir=fixed_run_dir)
     return "trained"
 
 
@@ -132,6 +133,22 @@ def truncated_resume(tmp: Path) -> str:
     whole = recipe_checkpoint(tmp / "whole.ckpt", 16).read_bytes()
     path.write_bytes(whole[: len(whole) // 2])
     return refused_untouched(tmp, f"resume={path}")
+
+
+def auto_resume_all_damaged(tmp: Path) -> str:
+    """``resume=auto`` where the only checkpoint does not load: kept aside, run from step 0."""
+    run_dir = used_run_directory(tmp)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:100])
+    train(tmp, "resume=auto")
+    assert (run_dir / "checkpoints" / "last.ckpt.damaged").stat().st_size == 100
+    with open(run_dir / "metrics.csv") as handle:  # the old row of step 1 replaced
+        steps = [row["step"] for row in csv.DictReader(handle) if row["train_loss"]]
+    assert steps == ["1", "2"], steps
+    return (
+        "trains from step 0: the file is kept as `last.ckpt.damaged` (a warning names it and "
+        "the reason), `metrics.csv`'s rows are replaced as the steps are trained again"
+    )
 
 
 def concurrent_run(tmp: Path) -> str:
@@ -325,6 +342,33 @@ PROBES = [
         ),
         RunDirectoryError,
         "overwrite=true would delete",
+    ),
+    Probe(
+        "`train.py`",
+        "`resume=auto` without `hydra.run.dir` (the default run directory is made from the time)",
+        lambda t: train(t, "resume=auto", fixed_run_dir=False),
+        ValueError,
+        "resume=auto resumes the run of the run directory, but this one .* is made from the "
+        "current time",
+    ),
+    Probe(
+        "`train.py`",
+        "`resume=auto` with `overwrite=true`",
+        lambda t: refused_untouched(t, "resume=auto", "overwrite=true"),
+        RunDirectoryError,
+        "resume=auto continues the run in the run directory, overwrite=true deletes it",
+    ),
+    Probe(
+        "`train.py`",
+        "`resume=auto` in a directory whose `last.ckpt` has another `data.global_batch_size`",
+        lambda t: refused_untouched(t, "resume=auto", "data.global_batch_size=32"),
+        ValueError,
+        "trained with data.global_batch_size=16, this run has data.global_batch_size=32",
+    ),
+    Probe(
+        "`train.py`",
+        "`resume=auto` in a directory whose only checkpoint is damaged",
+        auto_resume_all_damaged,
     ),
     Probe(
         "`train.py`",

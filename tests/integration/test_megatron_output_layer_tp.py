@@ -24,7 +24,7 @@ from torch import nn
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.megatron import output_layer_inputs
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import HANG_GUARD_S, run_distributed
 from tests.helpers.megatron_bert import HIDDEN, SEQ_LEN, VOCAB, mlm_batch, tiny_bert
 from tests.helpers.megatron_cpu import (
     megatron_model_on_cpu,
@@ -138,7 +138,7 @@ def _sequence_parallel_checks(batch: dict, tp_rank: int) -> None:
             torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-13, msg=f"{output} {name}")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_GUARD_S)
 def test_tensor_and_sequence_parallel_fused_head_equals_one_process() -> None:
     with single_process_megatron(), megatron_model_on_cpu():
         model = tiny_bert()

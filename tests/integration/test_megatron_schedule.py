@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from bert_reduce import BERTMLMLossWithReduction
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import HANG_GUARD_S, run_distributed
 from tests.helpers.megatron_cpu import (
     GradSyncShell,
     schedule_counter_on_cpu,
@@ -302,7 +302,7 @@ def _docs_forward_step_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_GUARD_S)
 def test_docs_forward_step_hands_each_cp_shard_its_count() -> None:
     """The count survives Megatron's data path: collator, CP slicing, the move to the device."""
     from megatron.core.transformer import TransformerConfig

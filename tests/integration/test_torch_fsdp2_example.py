@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.dist_utils import HANG_GUARD_S
+
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
@@ -35,13 +37,13 @@ def torchrun(nproc: int, *args: str) -> dict[int, float]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([\d.]+)", result.stdout)}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_GUARD_S)
 def test_two_ranks_log_the_losses_of_one() -> None:
     two = torchrun(2, "--steps=3", "--micro-batch-size=2")
     one = torchrun(1, "--steps=3", "--micro-batch-size=4")

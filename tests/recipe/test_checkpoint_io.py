@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from bert_reduce.recipe import checkpoint_io
 from bert_reduce.recipe.checkpoint_io import AtomicCheckpointIO
+from tests.helpers.faults import FillingFile
 
 
 class FullDisk:
@@ -35,3 +38,27 @@ def test_first_write_that_fails_leaves_no_file(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         AtomicCheckpointIO().save_checkpoint({"later": FullDisk()}, path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_is_named_with_the_file_and_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on a real full file system (checked on a 256 KiB tmpfs): write() fails with ENOSPC
+    # after what fits, and torch.save turns it into "RuntimeError: [enforce fail at
+    # inline_container.cc:672] . unexpected pos ..." that names neither the file nor the cause.
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 10}, path)
+    before = path.read_bytes()
+
+    def filling_open(file, mode="r", *args, **kwargs):
+        return FillingFile(open(file, mode, *args, **kwargs), room=64 * 1024)
+
+    monkeypatch.setattr(checkpoint_io, "open", filling_open, raising=False)
+    with pytest.raises(OSError) as raised:
+        AtomicCheckpointIO().save_checkpoint({"weights": torch.zeros(1 << 16)}, path)
+    error = raised.value
+    assert (error.errno, error.strerror) == (errno.ENOSPC, "No space left on device")
+    assert error.filename == f"{path}.tmp-{os.getpid()}"
+    assert isinstance(error.__cause__, RuntimeError)  # what torch.save raised
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary file

@@ -13,7 +13,6 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from bert_reduce import BERTMLMLossWithReduction
@@ -35,6 +34,7 @@ from bert_reduce.recipe.config import (
     TrainConfig,
     register_configs,
 )
+from bert_reduce.recipe.csv_logger import AppendingCSVLogger
 from bert_reduce.recipe.datamodule import ESMDataModule
 from bert_reduce.recipe.hf_esm import HFEsm2Model
 from bert_reduce.recipe.model import ESM2Model
@@ -131,7 +131,7 @@ def test_instantiate_every_part(tmp_path: Path) -> None:
     assert {RunCheckpoint, ValidationPerplexityCallback, TQDMProgressBar} <= kinds
     assert {StopOnSignal, RNGStateCheckpoint} <= kinds
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
-    assert isinstance(trainer.loggers[0], CSVLogger)
+    assert isinstance(trainer.loggers[0], AppendingCSVLogger)
     assert Path(trainer.loggers[0].log_dir) == tmp_path
     assert trainer.max_steps == cfg.trainer.max_steps
     assert trainer.precision == resolve_precision("auto")

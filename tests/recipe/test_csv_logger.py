@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.loggers import CSVLogger
 
 from bert_reduce.recipe.csv_logger import AppendingCSVLogger, keep_metrics_up_to
 
@@ -32,8 +34,10 @@ def test_keep_metrics_up_to_drops_only_later_rows(tmp_path: Path) -> None:
 def test_logger_appends_and_truncates_at_its_first_write(tmp_path: Path) -> None:
     path = tmp_path / "metrics.csv"
     path.write_text(OLD)
-    logger = AppendingCSVLogger(save_dir=tmp_path, name="", version="", keep_steps_up_to=2)
-    assert logger.experiment is not None  # Lightning's CSVLogger deletes metrics.csv here
+    logger = AppendingCSVLogger(save_dir=tmp_path, keep_steps_up_to=2)
+    assert logger.log_dir == str(tmp_path)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.save()
     assert path.read_text() == OLD  # a resume that fails before its first row changes nothing
     logger.log_metrics({"train_loss": 3.25, "lr": 0.1, "grad_norm": 1.5}, step=3)
     logger.save()
@@ -45,3 +49,36 @@ def test_logger_appends_and_truncates_at_its_first_write(tmp_path: Path) -> None
     logger.log_metrics({"train_loss": 3.0, "lr": 0.1}, step=4)
     logger.save()  # later writes append without truncating again
     assert [r["step"] for r in read(path)] == ["1", "2", "2", "3", "4"]
+
+
+def test_a_line_cut_by_a_kill_is_dropped_before_appending(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    path.write_text(OLD + "0.1,4,3.1")  # step 4's row, cut before its end
+    assert keep_metrics_up_to(path, math.inf) == 1
+    assert path.read_text() == OLD
+    path.write_text(OLD + "0.1,4,3.1")
+    logger = AppendingCSVLogger(save_dir=tmp_path)  # not resuming: still no glued lines
+    logger.log_metrics({"train_loss": 3.0, "lr": 0.1}, step=4)
+    logger.save()
+    assert path.read_text() == OLD + "0.1,4,3.0,,\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]  # no temporary file
+
+
+def test_same_file_as_lightnings_csv_logger(tmp_path: Path) -> None:
+    # Lightning's CSVLogger is the reference for the format: sorted columns, one row per call,
+    # the header rewritten when a column appears (here val_loss, then grad_norm).
+    calls = [
+        ({"train_loss": 3.5, "lr": 0.1}, 1),
+        ({"train_loss": 3.25, "lr": 0.1}, 2),
+        ({"val_loss": 3.3, "val_ppl": 27.1}, 2),
+        ({"train_loss": 3.0, "lr": 0.05, "grad_norm": 1.5}, 3),
+    ]
+    ours = AppendingCSVLogger(save_dir=tmp_path / "ours")
+    lightnings = CSVLogger(save_dir=tmp_path / "lightning", name="", version="")
+    for metrics, step in calls:
+        for logger in (ours, lightnings):
+            logger.log_metrics(metrics, step)
+            logger.save()
+    reference = (tmp_path / "lightning" / "metrics.csv").read_text()
+    assert (tmp_path / "ours" / "metrics.csv").read_text() == reference
+    assert reference.splitlines()[0] == "grad_norm,lr,step,train_loss,val_loss,val_ppl"

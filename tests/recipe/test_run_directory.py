@@ -13,6 +13,7 @@ from bert_reduce.recipe.run_directory import (
     RunDirectoryLock,
     check_run_directory,
     existing_outputs,
+    remove_leftovers,
     remove_outputs,
     save_config_keeping_previous,
 )
@@ -93,3 +94,19 @@ def test_config_history_is_kept(tmp_path: Path) -> None:
     assert save_config_keeping_previous("a: 3\n", path) == tmp_path / "config.2.yaml"
     texts = [(tmp_path / n).read_text() for n in ("config.1.yaml", "config.2.yaml", "config.yaml")]
     assert texts == ["a: 1\n", "a: 2\n", "a: 3\n"]
+
+
+def test_leftover_temporary_files_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    checkpoints = used_run(tmp_path)
+    leftovers = [
+        checkpoints / "last.ckpt.tmp-4242",
+        checkpoints / "step000010.ckpt.tmp-4242.tmp-4242",
+        tmp_path / "metrics.csv.tmp-17",
+    ]
+    kept = [checkpoints / "last.ckpt.damaged", checkpoints / "notes.tmp-x", tmp_path / "a.tmp"]
+    for path in leftovers + kept:
+        path.write_bytes(b"partial")
+    assert sorted(remove_leftovers(tmp_path, checkpoints)) == sorted(leftovers)
+    assert not any(path.exists() for path in leftovers)
+    assert all(path.exists() for path in kept)
+    assert (checkpoints / "last.ckpt").read_bytes() == b"state"

@@ -1,0 +1,176 @@
+"""examples/slurm_requeue.sh on one machine: 2 nodes' worth of torchrun, SIGKILL, requeue.
+
+The script runs as SLURM runs it, with stand-ins for the two SLURM commands it calls: ``srun``
+starts its command once per node (``SLURM_NNODES`` copies, as ``--ntasks-per-node=1`` does),
+``scontrol show hostnames`` names this machine. The two ``torchrun`` agents meet through the
+c10d rendezvous on localhost and start one CPU process each (ranks 0 and 1 of a 2-node DDP
+run over gloo). Once 7 of 20 steps are logged, every process of the job is killed with
+``SIGKILL`` (a preemption without grace period, a lost allocation); the same script is then
+run again, as a requeued job is, and ``metrics.csv`` must equal an uninterrupted 2-process run
+(the default dropout, so every rank's generators must be restored): every step once.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.dist_utils import HANG_GUARD_S
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERRIDES = [
+    "data.global_batch_size=16",
+    "data.micro_batch_size=4",
+    "data.num_train_sequences=80",
+    "data.num_val_sequences=37",
+    "trainer.max_steps=20",
+    "trainer.val_check_interval=4",
+    "callbacks.checkpoint.every_n_train_steps=5",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "tensorboard=false",
+    "plot=false",
+]
+SRUN = """#!{python}
+# srun stand-in: the command once per node, with SLURM's per-task variables; ends them all as
+# soon as one fails (--kill-on-bad-exit), and exits with the first failure's status.
+import os, signal, subprocess, sys, time
+command = sys.argv[1:]
+while command[0].startswith("--"):
+    command.pop(0)
+tasks = [
+    subprocess.Popen(command, env={{**os.environ, "SLURM_NODEID": str(n), "SLURM_PROCID": str(n)}})
+    for n in range(int(os.environ["SLURM_NNODES"]))
+]
+while any(task.poll() is None for task in tasks):
+    if any(task.poll() not in (None, 0) for task in tasks):
+        for task in tasks:
+            if task.poll() is None:
+                task.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+sys.exit(next((task.returncode for task in tasks if task.returncode), 0))
+"""
+SCONTROL = """#!/bin/sh
+# scontrol stand-in: 'scontrol show hostnames <list>' names this machine.
+echo localhost
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc), whatever session torchrun put it in."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_job(process: subprocess.Popen[str]) -> None:
+    """SIGKILL the job's whole process tree at once, as SLURM ends an allocation."""
+    stopped: set[int] = set()
+    while True:  # freeze the tree first, so that no process starts another in between
+        tree = {process.pid, *descendants(process.pid)} - stopped
+        if not tree:
+            break
+        for pid in tree:
+            os.kill(pid, signal.SIGSTOP)
+        stopped |= tree
+    for pid in stopped:
+        os.kill(pid, signal.SIGKILL)
+    process.wait(timeout=HANG_GUARD_S)
+
+
+def training_steps(run_dir: Path) -> list[int]:
+    if not (run_dir / "metrics.csv").is_file():
+        return []
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return [int(row["step"]) for row in csv.DictReader(handle) if row["train_loss"]]
+
+
+@pytest.fixture
+def slurm_env(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", SRUN.format(python=sys.executable)), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "GPUS_PER_NODE": "1",
+        "RUN_DIR": str(tmp_path / "runs" / "4242"),
+    }
+
+
+def sbatch(env: dict[str, str]) -> subprocess.Popen[str]:
+    # A requeued job may start on other nodes: a fresh rendezvous port each time.
+    return subprocess.Popen(
+        ["bash", "examples/slurm_requeue.sh", *OVERRIDES],
+        cwd=ROOT,
+        env={**env, "RDZV_PORT": str(free_port())},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_requeued_job_finishes_the_run_once(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    uninterrupted = subprocess.run(
+        [sys.executable, "train.py", *OVERRIDES, "trainer.devices=2", f"hydra.run.dir={reference}"],
+        cwd=ROOT, env=slurm_env, capture_output=True, text=True, timeout=HANG_GUARD_S,
+    )  # fmt: skip
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+
+    run_dir = Path(slurm_env["RUN_DIR"])
+    job = sbatch(slurm_env)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while len(training_steps(run_dir)) < 7:
+        assert job.poll() is None, job.communicate()[0][-5000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    kill_job(job)
+    killed_at = len(training_steps(run_dir))
+    assert killed_at < 20
+
+    requeued = sbatch(slurm_env)
+    output, _ = requeued.communicate(timeout=HANG_GUARD_S)
+    assert requeued.returncode == 0, output[-5000:]
+    resumed = [line for line in output.splitlines() if "resume=auto: resuming from" in line]
+    assert resumed, output[-5000:]
+    print(f"\nkilled after {killed_at} logged steps; {resumed[0]}")
+    assert training_steps(run_dir) == list(range(1, 21))
+    assert (run_dir / "metrics.csv").read_text() == (reference / "metrics.csv").read_text()

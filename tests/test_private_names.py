@@ -1,0 +1,161 @@
+"""bert_reduce reaches other libraries through their public API only.
+
+Private names (a leading underscore) change without notice between minor releases, and the two
+environments differ (Lightning 2.4 under NeMo, 2.6 in the core). This scan of the package's
+source fails on
+
+* an import of a private name or module from another package;
+* a private attribute reached through anything but ``self``/``cls``/``super()``;
+* a private member of another library's class used or overridden by a subclass (``self._x``
+  or ``def _x`` where a base class outside bert_reduce defines ``_x``),
+
+except the uses listed in :data:`KNOWN`, each with its reason. Lightning is used through public
+hooks only (``Checkpoint``, callback hooks, ``trainer.save_checkpoint``, ``SIGTERMException``,
+``Logger``), exercised in both environments by tests/lightning/test_run_checkpoint.py,
+tests/lightning/test_stop_on_signal.py and tests/recipe/test_csv_logger.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "bert_reduce"
+KNOWN = {
+    ("recipe/hf_esm.py", "_attn_implementation"): "transformers' attention switch (issue 19)",
+    ("lightning/validation_perplexity.py", "_asdict"): "NamedTuple's public method",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+@cache
+def _members(klass: type) -> frozenset[str]:
+    """The private names a class defines: its attributes and the ``self._x`` it assigns."""
+    names = {name for name in vars(klass) if _private(name)}
+    try:
+        tree = ast.parse(inspect.getsource(klass).strip())
+    except (OSError, TypeError, SyntaxError):  # built in, or source not available
+        return frozenset(names)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+    return frozenset(name for name in names if _private(name))
+
+
+def _foreign_members(klass: type) -> frozenset[str]:
+    own = ("bert_reduce", "builtins")
+    return frozenset().union(
+        *(_members(base) for base in klass.__mro__[1:] if base.__module__.split(".")[0] not in own)
+    )
+
+
+def _is_own(owner: ast.expr) -> bool:
+    """``self``, ``cls`` or ``super()``: members the class's own code may use, unless a base
+    class outside bert_reduce defines them (checked through the class's MRO)."""
+    if isinstance(owner, ast.Name):
+        return owner.id in ("self", "cls")
+    return isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"
+
+
+def private_uses(path: Path, module: ModuleType | None = None) -> list[tuple[int, str]]:
+    """``(line, name)`` of every private name of another library that ``path`` uses.
+
+    Args:
+        path: A source file.
+        module: That file imported, to look up its classes' bases; without it, subclasses'
+            uses of their bases' private members are not checked.
+    """
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] in ("bert_reduce", "__future__"):
+                continue
+            parts = node.module.split(".") + [alias.name for alias in node.names]
+            found += [(node.lineno, part) for part in parts if _private(part)]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                found += [(node.lineno, p) for p in alias.name.split(".") if _private(p)]
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            if not _is_own(node.value):
+                found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.ClassDef) and module is not None:
+            klass = getattr(module, node.name, None)
+            if not isinstance(klass, type):
+                continue
+            foreign = _foreign_members(klass)
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
+                    name, line = inner.name, inner.lineno
+                elif isinstance(inner, ast.Attribute) and _is_own(inner.value):
+                    name, line = inner.attr, inner.lineno
+                else:
+                    continue
+                if name in foreign:
+                    found.append((line, name))
+    return sorted(set(found))
+
+
+def _import(path: Path) -> ModuleType | None:
+    name = "bert_reduce." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+    try:
+        return importlib.import_module(name.removesuffix(".__init__"))
+    except ImportError:  # an integration whose library this environment lacks (NeMo)
+        return None
+
+
+def test_no_private_names_of_other_libraries() -> None:
+    unexpected = [
+        f"bert_reduce/{relative}:{line}: {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, name in private_uses(path, _import(path))
+        if ((relative := path.relative_to(PACKAGE).as_posix()), name) not in KNOWN
+    ]
+    assert not unexpected, "\n".join(unexpected)
+
+
+OLD_USES = """
+from lightning.fabric.strategies.model_parallel import _FSDPNoSync
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+import torch._dynamo
+
+
+class Last(ModelCheckpoint):
+    def save(self, trainer):
+        self._pending = []  # its own
+        self._save_last_checkpoint(trainer, super()._monitor_candidates(trainer))
+        trainer._signal_connector.received_sigterm = True
+
+
+class Writer(ExperimentWriter):
+    def _check_log_dir_exists(self):
+        pass
+"""
+
+
+def test_the_scan_finds_them(tmp_path: Path) -> None:
+    # What bert_reduce used before issue 18: Lightning's FSDP2 no-sync context, signal
+    # connector, ModelCheckpoint's last-checkpoint save and CSV writer's directory check.
+    pytest.importorskip("lightning")
+    source = tmp_path / "old_uses.py"
+    source.write_text(OLD_USES)
+    spec = importlib.util.spec_from_file_location("old_uses", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert private_uses(source, module) == [
+        (2, "_FSDPNoSync"), (5, "_dynamo"), (11, "_monitor_candidates"),
+        (11, "_save_last_checkpoint"), (12, "_signal_connector"), (16, "_check_log_dir_exists"),
+    ]  # fmt: skip
