@@ -125,8 +125,13 @@ def test_multirun_wrote_one_run_directory_per_job(
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["model=hf_esm2"], ["trainer.devices=2", "loss.normalization=per_sequence"]],
-    ids=["default", "hf_esm2", "ddp"],
+    [
+        [],
+        ["model=hf_esm2"],
+        ["trainer.devices=2", "loss.normalization=per_sequence"],
+        ["resume=auto"],
+    ],
+    ids=["default", "hf_esm2", "ddp", "resume-auto"],
 )
 def test_runs_print_no_warning(overrides: list[str], tmp_path: Path) -> None:
     # The README's runs as a user starts them, shortened (2 steps, small data), with every
