@@ -1,6 +1,7 @@
 """Run ``python train.py`` as a user does (a subprocess from the repository root), read its rows.
 
-For the end-to-end recipe tests (tests/recipe/test_train_e2e.py, test_train_hf_esm_e2e.py).
+For the end-to-end recipe tests (tests/recipe/test_train_e2e.py, test_train_hf_esm_e2e.py,
+test_fault_tolerance.py, tests/integration/test_slurm_requeue_example.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ TINY = [
     "data.max_length=512",  # lengths vary: micro-batches and ranks pad differently
     "trainer.num_sanity_val_steps=0",
     "trainer.enable_progress_bar=false",
+    "plot=false",
+]
+CHECKPOINTED = [  # the default model (dropout 0.1), tiny data, validation every 4 steps and a
+    # checkpoint every 5: the runs that are killed and resumed (test_fault_tolerance.py,
+    # test_slurm_requeue_example.py)
+    "data.global_batch_size=16",
+    "data.num_train_sequences=80",  # 5 steps per epoch: 12 steps cross two epoch boundaries
+    f"data.num_val_sequences={NUM_VAL}",
+    "trainer.val_check_interval=4",
+    "callbacks.checkpoint.every_n_train_steps=5",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "tensorboard=false",
     "plot=false",
 ]
 # A warning as Python prints it ("file.py:12: UserWarning: ..." or, for Lightning's own,

@@ -25,24 +25,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist_utils import HANG_GUARD_S
+from tests.helpers.recipe_runs import CHECKPOINTED
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERRIDES = [
-    "data.global_batch_size=16",
-    "data.micro_batch_size=4",
-    "data.num_train_sequences=80",
-    "data.num_val_sequences=37",
-    "trainer.max_steps=20",
-    "trainer.val_check_interval=4",
-    "callbacks.checkpoint.every_n_train_steps=5",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "tensorboard=false",
-    "plot=false",
-]
+OVERRIDES = [*CHECKPOINTED, "data.micro_batch_size=4", "trainer.max_steps=20"]
 SRUN = """#!{python}
 # srun stand-in: the command once per node, with SLURM's per-task variables; ends them all as
 # soon as one fails (--kill-on-bad-exit), and exits with the first failure's status.

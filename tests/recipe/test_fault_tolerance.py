@@ -38,28 +38,13 @@ import pytest
 import torch
 
 from tests.helpers.dist_utils import HANG_GUARD_S
+from tests.helpers.recipe_runs import CHECKPOINTED
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = [  # the default model (dropout 0.1), tiny data, a fixed schedule of 12 steps
-    "data.global_batch_size=16",
-    "data.num_train_sequences=80",  # 5 steps per epoch: 12 steps cross two epoch boundaries
-    "data.num_val_sequences=37",
-    "optim.scheduler.total_steps=12",
-    "trainer.val_check_interval=4",
-    "callbacks.checkpoint.every_n_train_steps=5",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "tensorboard=false",
-    "plot=false",
-]
-LONG = [  # 40 steps, killed after 12 or more
-    *(o for o in TINY if not o.startswith("optim.scheduler.total_steps")),
-    "optim.scheduler.total_steps=40",
-    "trainer.max_steps=40",
-]
+TINY = [*CHECKPOINTED, "optim.scheduler.total_steps=12"]  # a fixed schedule of 12 steps
+LONG = [*CHECKPOINTED, "optim.scheduler.total_steps=40", "trainer.max_steps=40"]  # killed after 12+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(ROOT)}
 
 
