@@ -177,6 +177,20 @@ def tensor_parallel_placement(
     return group, world_size, dist.get_rank(group)
 
 
+def gather_sequence_parallel(hidden: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """The whole ``[s, b, h]`` from this rank's ``[s / tp, b, h]``, as Megatron's linear does.
+
+    Megatron-Core's own mapping: all-gather along ``s`` in forward, reduce-scatter of the
+    (vocab-shard partial) gradient in backward, so the gradient of the local shard is whole.
+    ``group``: the tensor-parallel group (``None``: Megatron-Core's).
+    """
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(
+        hidden, tensor_parallel_output_grad=True, group=group
+    )
+
+
 def vocab_start(shard: int, tp_rank: int, tp_size: int) -> int:
     """First vocab id of this rank's contiguous shard.
 

@@ -183,6 +183,7 @@ CORE = {
     "normalization": 2,
     "reports": 2,
     "_vocab_parallel": 2,
+    "_fused_head": 2,
     "cross_entropy": 3,
     "linear_cross_entropy": 3,
     "packing": 3,

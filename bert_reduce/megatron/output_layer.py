@@ -28,6 +28,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from bert_reduce._vocab_parallel import gather_sequence_parallel
 from bert_reduce.linear_cross_entropy import (
     HIDDEN_LAYOUT_KEY,
     HIDDEN_STATES_KEY,
@@ -59,17 +60,12 @@ def _language_model(model: nn.Module) -> nn.Module:
 
 def _tensor_parallel_input(layer: nn.Module, hidden: Tensor) -> Tensor:
     """``hidden`` through the mapping ``ColumnParallelLinear.forward`` applies to its input."""
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_sequence_parallel_region,
-    )
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     group = getattr(layer, "tp_group", None)
     if layer.sequence_parallel:
         # [s/tp, b, h] -> [s, b, h]; backward: reduce-scatter of the vocab shards' gradients.
-        return gather_from_sequence_parallel_region(
-            hidden, tensor_parallel_output_grad=True, group=group
-        )
+        return gather_sequence_parallel(hidden, group)
     if getattr(layer, "disable_grad_reduce", False):
         return hidden
     # Identity forward; backward: all-reduce of the vocab shards' partial gradients.

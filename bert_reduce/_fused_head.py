@@ -1,0 +1,479 @@
+"""(Private) The fused head's kernels: input checks, chunk planning, the two autograd functions.
+
+Both public families of :mod:`bert_reduce.linear_cross_entropy` compute the logits
+``x = h_rows @ w^T + b`` of the selected rows only, a ``[rows, vocab]`` chunk at a time, and
+turn each chunk into its logits' gradient ``dL/dx = coef * (softmax - onehot)`` at once, so
+that neither the ``[s, b, v]`` logits nor their gradient ever exist:
+
+* **one pass** (:func:`gradient_pass` without ``lse``; the weighted sum on one process, whole
+  vocabulary per chunk): each chunk's log-sum-exp, loss and gradient from one buffer, three
+  products per row (``x``, ``dx @ w``, ``dx^T @ h``), nothing recomputed;
+* **two passes** (:func:`stats_pass`, then :func:`gradient_pass` with the global
+  log-sum-exp): under tensor parallelism, or with vocabulary chunks, a row's softmax needs
+  every chunk's (and shard's) log-sum-exp first, combined in ONE all-reduce; the second pass
+  recomputes the logits (four products per row).
+
+With ``e = exp(x - shift)`` and ``total`` its row sums (one pass: ``shift`` the row's
+maximum; two passes: the global log-sum-exp, ``total = 1``),
+
+    dL/dx = coef * (e / total - onehot) = scale * (e - total * onehot),  scale = coef / total
+
+and the per-row ``scale`` goes into the products' small operands (``[c, h]``) rather than
+through the ``[c, v]`` chunk: ``dL/dh_rows = scale * (dx' @ w)``,
+``dL/dw += dx'^T @ (scale * h_rows)``, ``dL/db += dx'^T @ scale``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from bert_reduce._vocab_parallel import (
+    Capacity,
+    RowSelection,
+    ShardedTargets,
+    combine_shard_stats,
+    flat_rows,
+    gather_sequence_parallel,
+    logsumexp_,
+    row_coefficients,
+    row_losses,
+    scatter_row_losses,
+    shard_stats,
+    shard_targets,
+    tensor_parallel_placement,
+)
+from bert_reduce.functional import accumulation_dtype, check_same_device
+from bert_reduce.num_scored import NumScored
+
+_CHUNK_ELEMENTS = 1 << 21
+_CHUNK_VOCAB = 4096
+# One pass holds a row chunk's logits over the whole vocabulary: larger chunks keep the
+# products efficient (on one CPU thread, a 512-wide head's products ran up to 1.6x faster per
+# row in chunks of 160 rows than of 80), at 16 MiB of fp32.
+_SINGLE_PASS_ELEMENTS = 1 << 22
+
+COMPILE_BUCKETS = 16
+"""Under ``torch.compile``, row counts share a graph per 1/16 of the positions."""
+
+
+def compile_bucket(count: int, positions: int) -> int:
+    """``count`` rounded up to a multiple of ``ceil(positions / 16)``, at most ``positions``.
+
+    Under ``torch.compile`` the number of row chunks follows this bucket rather than the
+    count itself (:func:`row_chunks`), so that one graph serves every count of a bucket:
+    dynamo compiles the first count as a constant, then makes it a dynamic integer whose
+    guards only compare it with the bucket's bounds. Micro-batches masked at 9% to 21% of
+    the positions then run in at most 3 graphs after the first.
+    """
+    granule = -(-positions // COMPILE_BUCKETS)
+    # Floor divisions and min only: on a symbolic count (dynamo's dynamic ints) the bucket
+    # stays an expression that dynamo can guard on.
+    return min(positions, -(-count // granule) * granule) if granule else count
+
+
+def row_chunks(rows: int, chunk_rows: int, positions: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of balanced chunks of at most ``chunk_rows`` of ``rows`` rows.
+
+    Chunk ``i`` of ``k`` is ``[i * rows // k, (i + 1) * rows // k)``. Eager mode takes
+    ``k = ceil(rows / chunk_rows)``; under ``torch.compile`` ``k`` comes from the
+    :func:`compile_bucket` of ``rows`` among ``positions``, so that a symbolic row count only
+    decides the chunks' sizes, never their number (chunks may then be empty). Either way
+    exactly ``rows`` rows are computed.
+    """
+    bound = compile_bucket(rows, positions) if torch.compiler.is_compiling() else rows
+    count = -(-bound // chunk_rows)
+    return [(i * rows // count, (i + 1) * rows // count) for i in range(count)]
+
+
+class Plan(NamedTuple):
+    """Row and vocabulary chunks of one call: ``[start, end)`` pairs."""
+
+    rows: list[tuple[int, int]]
+    vocab: list[tuple[int, int]]
+
+
+def _plan(rows: int, vocab: int, chunks: tuple[int, int], positions: int) -> Plan:
+    chunk_rows, chunk_vocab = chunks
+    vocab_chunks = [(a, min(a + chunk_vocab, vocab)) for a in range(0, vocab, chunk_vocab)]
+    return Plan(row_chunks(rows, chunk_rows, positions), vocab_chunks)
+
+
+def _hit_in_chunk(
+    local: Tensor, in_shard: Tensor, rows: tuple[int, int], vocab: tuple[int, int]
+) -> tuple[Tensor, Tensor]:
+    """Each row's ``[c, 1]`` column in a vocab chunk (0 if elsewhere), and ``[c]`` whether there."""
+    column = local[rows[0] : rows[1]] - vocab[0]
+    inside = (column >= 0) & (column < vocab[1] - vocab[0])
+    inside &= in_shard[rows[0] : rows[1]].unsqueeze(1)
+    return torch.where(inside, column, 0), inside.squeeze(1)
+
+
+def _chunk_logits(
+    part: Tensor, weight: Tensor, bias: Tensor | None, vocab: tuple[int, int], acc: torch.dtype
+) -> Tensor:
+    """``[c, v_chunk]`` logits in ``acc``: fresh, to overwrite."""
+    start, end = vocab
+    return F.linear(part, weight[start:end], None if bias is None else bias[start:end]).to(acc)
+
+
+def stats_pass(
+    rows_hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    sharded: ShardedTargets,
+    plan: Plan,
+    acc: torch.dtype,
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[Tensor, Tensor]:
+    """Every row's global ``(log-sum-exp, target logit)``, ``[rows]`` each: ONE all-reduce.
+
+    An online log-sum-exp and the target logit per row over this shard's chunks;
+    :func:`combine_shard_stats` combines the shards'.
+    """
+    _, _, tp_rank = tensor_parallel_placement(tp_group)
+    stats = shard_stats(rows_hidden.size(0), acc, rows_hidden.device, tp_group)
+    lse, target_logit = stats[tp_rank, 0], stats[tp_rank, 1]
+    lse.fill_(-torch.inf)
+    for rows in plan.rows:
+        for vocab in plan.vocab:
+            x = _chunk_logits(rows_hidden[rows[0] : rows[1]], weight, bias, vocab, acc)
+            column, inside = _hit_in_chunk(sharded.local, sharded.in_shard, rows, vocab)
+            target_logit[rows[0] : rows[1]] += torch.where(inside, x.gather(1, column)[:, 0], 0)
+            # Online log-sum-exp over vocabulary chunks: lse = log(exp(lse) + sum(exp(x))).
+            running = lse[rows[0] : rows[1]]
+            torch.logaddexp(running, logsumexp_(x), out=running)
+    return combine_shard_stats(stats, sharded, tp_group)
+
+
+class Gradients(NamedTuple):
+    """Gradients w.r.t. the ``[rows, h]`` rows, ``[v, h]`` weight and ``[v]`` bias (or ``None``)."""
+
+    rows: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+
+
+def gradient_pass(
+    rows_hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    sharded: ShardedTargets,
+    coef: Tensor,
+    plan: Plan,
+    needs: tuple[bool, ...],
+    lse: Tensor | None = None,
+) -> tuple[Tensor, Gradients]:
+    """``sum(coef * loss)`` and the gradients of the needed ``(rows, weight, bias)``.
+
+    Without ``lse`` (one vocabulary chunk, one shard) each chunk's own log-sum-exp gives the
+    loss and the softmax; with the rows' global ``lse`` the loss is the caller's (0 is
+    returned) and each chunk only gives its gradient terms (see the module docstring).
+    Vocabulary chunks are the outer loop: the weight's gradient is summed a vocabulary chunk at
+    a time.
+    """
+    acc, dtype, device = coef.dtype, rows_hidden.dtype, coef.device
+    grad_rows = torch.zeros(rows_hidden.shape, dtype=acc, device=device) if needs[0] else None
+    grad_weight = torch.empty(weight.shape, dtype=acc, device=device) if needs[1] else None
+    grad_bias = None
+    if needs[2] and bias is not None:
+        grad_bias = torch.zeros(weight.size(0), dtype=acc, device=device)
+    loss_sum = torch.zeros((), dtype=acc, device=device)
+    for vocab in plan.vocab:
+        w = weight[vocab[0] : vocab[1]]
+        grad_w = None if grad_weight is None else grad_weight[vocab[0] : vocab[1]]
+        if grad_w is not None and not plan.rows:
+            grad_w.zero_()
+        for number, rows in enumerate(plan.rows):
+            part, c = rows_hidden[rows[0] : rows[1]], coef[rows[0] : rows[1]]
+            x = _chunk_logits(part, weight, bias, vocab, acc)
+            column, inside = _hit_in_chunk(sharded.local, sharded.in_shard, rows, vocab)
+            if lse is None:
+                target_logit = x.gather(1, column).squeeze(1)
+                shift = x.amax(dim=1)
+                # A row of -inf (or +inf) keeps logsumexp's answer instead of inf - inf = NaN.
+                shift = torch.where(shift.isfinite(), shift, 0)
+                total = x.sub_(shift.unsqueeze(1)).exp_().sum(dim=1)
+                in_vocab = sharded.in_vocab[rows[0] : rows[1]]
+                loss = row_losses(total.log() + shift, target_logit, in_vocab)
+                # `where`, not a product: whatever an unweighted row holds must not reach the sum.
+                loss_sum += torch.where(c != 0, c * loss, 0).sum()
+                scale, hit = torch.where(c != 0, c / total, 0), total * inside
+            else:
+                x.sub_(lse[rows[0] : rows[1]].unsqueeze(1)).exp_()
+                scale, hit = c, inside.to(acc)
+            if not any(needs):
+                continue
+            x.scatter_add_(1, column, -hit.unsqueeze(1))
+            if grad_bias is not None:
+                grad_bias[vocab[0] : vocab[1]].addmv_(x.t(), scale)
+            dx = x.to(dtype)
+            if grad_rows is not None:
+                grad_rows[rows[0] : rows[1]].addcmul_(dx @ w, scale.unsqueeze(1))
+            if grad_w is not None:
+                scaled = (part.to(acc) * scale.unsqueeze(1)).to(dtype)
+                if dtype != acc:
+                    product = dx.t() @ scaled
+                    grad_w.copy_(product) if number == 0 else grad_w.add_(product)
+                elif number == 0:
+                    torch.mm(dx.t(), scaled, out=grad_w)
+                else:
+                    grad_w.addmm_(dx.t(), scaled)
+    return loss_sum, Gradients(grad_rows, grad_weight, grad_bias)
+
+
+def _input_gradients(
+    grads: Gradients,
+    dtype: torch.dtype,
+    index: Tensor | None,
+    positions: int,
+    scale: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(hidden, weight, bias)`` gradients in the inputs' dtype, times ``scale`` if given.
+
+    ``grads`` is consumed: where the accumulation dtype is the inputs', its buffers are scaled
+    in place and returned.
+    """
+    out = []
+    for grad in grads:
+        if grad is not None:
+            if scale is not None:
+                grad = grad.mul_(scale) if grad.dtype == dtype else grad * scale
+            grad = grad.to(dtype)
+        out.append(grad)
+    if out[0] is not None and index is not None:
+        out[0] = out[0].new_zeros(positions, out[0].size(1)).index_copy_(0, index, out[0])
+    return out[0], out[1], out[2]
+
+
+def _selected(hidden: Tensor, index: Tensor | None) -> Tensor:
+    return hidden if index is None else hidden.index_select(0, index)
+
+
+class TokenLosses(torch.autograd.Function):
+    """``[positions]`` losses of a flat ``[positions, h]`` ``hidden``; backward recomputes."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        scored: Tensor,
+        selection: RowSelection,
+        chunks: tuple[int, int],
+        tp_group: dist.ProcessGroup | None,
+    ) -> Tensor:
+        rows_hidden = _selected(hidden, selection.index)
+        sharded = shard_targets(targets, weight.size(0), tp_group)
+        plan = _plan(rows_hidden.size(0), weight.size(0), chunks, hidden.size(0))
+        acc = accumulation_dtype(hidden.dtype)
+        lse, target_logit = stats_pass(rows_hidden, weight, bias, sharded, plan, acc, tp_group)
+        losses, scored = scatter_row_losses(
+            lse, target_logit, sharded, scored, selection, hidden.size(0)
+        )
+        ctx.plan, ctx.positions = plan, hidden.size(0)
+        ctx.save_for_backward(
+            rows_hidden, weight, bias, lse, *sharded, scored, selection.index, selection.overflow
+        )
+        return losses
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
+        rows_hidden, weight, bias, lse, *sharded, scored, index, overflow = ctx.saved_tensors
+        # dL/dx_r = coef_r * (softmax(x_r) - onehot(target_r)), on scored rows only.
+        coef = row_coefficients(grad_losses, lse.dtype, index, scored, overflow)
+        _, grads = gradient_pass(
+            rows_hidden, weight, bias, ShardedTargets(*sharded), coef, ctx.plan,
+            ctx.needs_input_grad[:3], lse,
+        )  # fmt: skip
+        grads = _input_gradients(grads, rows_hidden.dtype, index, ctx.positions)
+        return *grads, None, None, None, None, None
+
+
+class WeightedSum(torch.autograd.Function):
+    """0-dim ``sum(coef * loss)``: the forward computes the gradients, the backward scales them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        coef: Tensor,
+        selection: RowSelection,
+        chunks: tuple[int, int],
+        single_pass: bool,
+        tp_group: dist.ProcessGroup | None,
+    ) -> Tensor:
+        """``coef``: ``[rows]`` in the accumulation dtype, 0 on unweighted rows."""
+        sharded = shard_targets(targets, weight.size(0), tp_group)
+        poison = None
+        if selection.overflow is not None:
+            # More scored rows than selected: the sum and every gradient are NaN.
+            poison = torch.where(selection.overflow.any(), torch.nan, 1.0).to(coef.dtype)
+            coef = coef * poison
+        needs = ctx.needs_input_grad[:3]
+        rows_hidden = _selected(hidden, selection.index)
+        plan = _plan(rows_hidden.size(0), weight.size(0), chunks, hidden.size(0))
+        if single_pass:
+            loss_sum, grads = gradient_pass(rows_hidden, weight, bias, sharded, coef, plan, needs)
+        else:
+            lse, target_logit = stats_pass(
+                rows_hidden, weight, bias, sharded, plan, coef.dtype, tp_group
+            )
+            loss = row_losses(lse, target_logit, sharded.in_vocab)
+            loss_sum = torch.where(coef != 0, coef * loss, 0).sum()
+            grads = Gradients(None, None, None)
+            if any(needs):
+                _, grads = gradient_pass(rows_hidden, weight, bias, sharded, coef, plan, needs, lse)
+        if poison is not None:
+            loss_sum = loss_sum * poison
+        ctx.positions, ctx.dtype = hidden.size(0), hidden.dtype
+        ctx.save_for_backward(*grads, selection.index, poison)
+        return loss_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_sum: Tensor) -> tuple[Tensor | None, ...]:
+        # The loss is linear in what the forward accumulated: scale, no recomputation.
+        *grads, index, poison = ctx.saved_tensors
+        scale = grad_sum.to(accumulation_dtype(ctx.dtype))
+        if poison is not None:
+            scale = scale * poison
+        grads = _input_gradients(Gradients(*grads), ctx.dtype, index, ctx.positions, scale)
+        return *grads, None, None, None, None, None, None
+
+
+def _check_shapes(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    loss_mask: Tensor,
+    bias: Tensor | None,
+    layout: str,
+    sequence_parallel: bool,
+    tp_size: int,
+    mask_name: str,
+) -> None:
+    if layout not in ("sbh", "bsh"):
+        raise ValueError(f"layout must be 'sbh' ([s, b, h]) or 'bsh' ([b, s, h]), got {layout!r}.")
+    if sequence_parallel and layout != "sbh":
+        raise ValueError("sequence_parallel=True needs layout='sbh' (Megatron's [s/tp, b, h]).")
+    if labels.dim() != 2 or loss_mask.shape != labels.shape:
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)} and {mask_name} of shape "
+            f"{tuple(loss_mask.shape)} must both be [b, s]."
+        )
+    batch_size, seq_len = labels.shape
+    if sequence_parallel:
+        seq_len //= tp_size
+    expected = (seq_len, batch_size) if layout == "sbh" else (batch_size, seq_len)
+    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != expected:
+        shard = " (this rank's sequence shard)" if sequence_parallel else ""
+        raise ValueError(
+            f"hidden of shape {tuple(hidden.shape)} must be [{layout[0]}, {layout[1]}, h] = "
+            f"[{expected[0]}, {expected[1]}, h]{shard} for labels of shape "
+            f"{tuple(labels.shape)} ([b, s]) and layout={layout!r}."
+        )
+    if weight.dim() != 2 or weight.size(1) != hidden.size(2):
+        raise ValueError(
+            f"weight of shape {tuple(weight.shape)} must be [v, h] with h = {hidden.size(2)} "
+            f"(hidden's last dim)."
+        )
+    if bias is not None and tuple(bias.shape) != (weight.size(0),):
+        raise ValueError(
+            f"bias of shape {tuple(bias.shape)} must be [v] = [{weight.size(0)}] like weight's "
+            "first dim."
+        )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
+    check_same_device(hidden, weight, ("hidden", "weight"))
+    check_same_device(hidden, labels, ("hidden", "labels"))
+    check_same_device(loss_mask, labels, (mask_name, "labels"))
+    if bias is not None:
+        check_same_device(weight, bias, ("weight", "bias"))
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(
+            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias "
+            f"({None if bias is None else bias.dtype}) must share one dtype, as F.linear needs."
+        )
+
+
+class HeadRows(NamedTuple):
+    """The flat rows one call computes.
+
+    Attributes:
+        hidden: ``[positions, h]`` hidden states in memory order (gathered under sequence
+            parallelism).
+        targets: int64 ``[rows]`` target ids of the selected rows.
+        per_row: ``[rows]`` values of the per-position tensor given (mask or weights).
+        selection: The :class:`~bert_reduce._vocab_parallel.RowSelection`.
+        chunks: ``(chunk_rows, chunk_vocab)``.
+        single_pass: Whether one pass over whole-vocabulary chunks computes the weighted sum.
+    """
+
+    hidden: Tensor
+    targets: Tensor
+    per_row: Tensor
+    selection: RowSelection
+    chunks: tuple[int, int]
+    single_pass: bool
+
+
+def head_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    per_position: Tensor,
+    bias: Tensor | None,
+    capacity: Capacity,
+    num_scored: NumScored | None,
+    layout: str,
+    sequence_parallel: bool,
+    chunks: tuple[int | None, int | None],
+    tp_group: dist.ProcessGroup | None,
+    mask_name: str,
+    one_pass: bool = False,
+) -> HeadRows:
+    """Check the arguments and choose the rows and chunks: what every entry point shares.
+
+    ``one_pass`` (the weighted sum): one process and ``chunk_vocab`` ``None`` or at least
+    ``v`` take one pass, in chunks of about 2**22 logits; else ``chunk_vocab = min(v, 4096)``
+    and about 2**21 logits per chunk.
+    """
+    _, tp_size, _ = tensor_parallel_placement(tp_group)
+    _check_shapes(
+        hidden, weight, labels, per_position, bias, layout, sequence_parallel, tp_size, mask_name
+    )
+    if sequence_parallel and tp_size > 1:
+        hidden = gather_sequence_parallel(hidden, tensor_parallel_placement(tp_group)[0])
+    chunk_rows, chunk_vocab = chunks
+    vocab = weight.size(0)
+    single_pass = one_pass and tp_size == 1 and (chunk_vocab is None or chunk_vocab >= vocab)
+    if single_pass:
+        chunk_vocab, elements = vocab, _SINGLE_PASS_ELEMENTS
+    else:
+        chunk_vocab = min(vocab, _CHUNK_VOCAB) if chunk_vocab is None else chunk_vocab
+        elements = _CHUNK_ELEMENTS
+    chunk_rows = max(1, elements // max(1, chunk_vocab)) if chunk_rows is None else chunk_rows
+    if chunk_rows < 1 or chunk_vocab < 1:
+        raise ValueError(
+            f"chunk_rows and chunk_vocab must be positive, got {chunk_rows} and {chunk_vocab}."
+        )
+    # Flat row r follows hidden's memory order: r = i_s * b + i_b ("sbh"), i_b * s + i_s ("bsh").
+    targets, per_row, selection = flat_rows(
+        labels, per_position, layout == "sbh", capacity, num_scored
+    )
+    return HeadRows(
+        hidden.reshape(-1, hidden.size(-1)), targets, per_row, selection,
+        (chunk_rows, chunk_vocab), single_pass,
+    )  # fmt: skip
