@@ -53,10 +53,14 @@ from bert_reduce.num_scored import NumScored
 
 _CHUNK_ELEMENTS = 1 << 21
 _CHUNK_VOCAB = 4096
-# One pass holds a row chunk's logits over the whole vocabulary: larger chunks keep the
-# products efficient (on one CPU thread, a 512-wide head's products ran up to 1.6x faster per
-# row in chunks of 160 rows than of 80), at 16 MiB of fp32.
-_SINGLE_PASS_ELEMENTS = 1 << 22
+# One pass holds a row chunk's logits over the whole vocabulary. Each product call re-packs
+# the whole weight, so larger chunks keep the products efficient: on one CPU thread, a
+# 512-wide head's three products in chunks of 240-320 rows ran within 1% of one call on all
+# rows, 4% slower in chunks of 160, 29% in chunks of 80. 24 MiB of logits per chunk.
+_SINGLE_PASS_BYTES = 24 << 20
+# Reduced-precision chunks are converted in blocks of rows of about 2**18 values (1 MiB of
+# fp32), which stay in a core's L2 cache between the passes over them.
+_BLOCK_ELEMENTS = 1 << 18
 
 COMPILE_BUCKETS = 16
 """Under ``torch.compile``, row counts share a graph per 1/16 of the positions."""
@@ -159,6 +163,50 @@ class Gradients(NamedTuple):
     bias: Tensor | None
 
 
+def _softmax_minus_onehot_(
+    x: Tensor,
+    column: Tensor,
+    inside: Tensor,
+    lse: Tensor | None,
+    grad_bias: Tensor | None,
+    coef: Tensor,
+    gradient: bool,
+) -> Tensor | None:
+    """Overwrite a ``[c, v_chunk]`` chunk of logits with ``softmax - onehot``, in its own dtype.
+
+    Without ``lse`` the chunk spans the whole vocabulary and its own log-softmax gives the
+    softmax (and the rows' target log-probabilities, returned); with the rows' global ``lse``
+    the softmax is ``exp(x - lse)``. The arithmetic runs in ``coef``'s (accumulation) dtype:
+    a chunk of another dtype is converted a block of rows at a time into one small buffer that
+    stays in a core's cache, and written back. ``grad_bias += (softmax - onehot)^T @ coef``
+    when given; ``gradient=False`` only computes the log-probabilities.
+    """
+    acc = coef.dtype
+    step = x.size(0)
+    if x.dtype != acc and not torch.compiler.is_compiling():
+        step = max(1, _BLOCK_ELEMENTS // max(1, x.size(1)))
+    scratch = None
+    if x.dtype != acc:
+        scratch = torch.empty(min(step, x.size(0)), x.size(1), dtype=acc, device=x.device)
+    target = torch.empty(x.size(0), dtype=acc, device=x.device) if lse is None else None
+    for start in [0] if step == x.size(0) else range(0, x.size(0), step):
+        end = min(start + step, x.size(0))
+        y = x[start:end] if scratch is None else scratch[: end - start].copy_(x[start:end])
+        if lse is None:
+            torch.log_softmax(y, -1, out=y)
+            target[start:end] = y.gather(1, column[start:end]).squeeze(1)
+        else:
+            y.sub_(lse[start:end].unsqueeze(1))
+        if not gradient:
+            continue
+        y.exp_().scatter_add_(1, column[start:end], -inside[start:end].to(acc).unsqueeze(1))
+        if grad_bias is not None:
+            grad_bias.addmv_(y.t(), coef[start:end])
+        if scratch is not None:
+            x[start:end].copy_(y)
+    return target
+
+
 def gradient_pass(
     rows_hidden: Tensor,
     weight: Tensor,
@@ -171,11 +219,12 @@ def gradient_pass(
 ) -> tuple[Tensor, Gradients]:
     """``sum(coef * loss)`` and the gradients of the needed ``(rows, weight, bias)``.
 
-    Without ``lse`` (one vocabulary chunk, one shard) each chunk's own log-sum-exp gives the
+    Without ``lse`` (one vocabulary chunk, one shard) each chunk's own log-softmax gives the
     loss and the softmax; with the rows' global ``lse`` the loss is the caller's (0 is
-    returned) and each chunk only gives its gradient terms (see the module docstring).
-    Vocabulary chunks are the outer loop: the weight's gradient is summed a vocabulary chunk at
-    a time.
+    returned). Per chunk, ``dx = softmax - onehot`` in the logits' own buffer, and the row
+    coefficients go into the products' small operands: ``dL/dh_rows += coef * (dx @ w)``,
+    ``dL/dw += dx^T @ (coef * h_rows)``, ``dL/db += dx^T @ coef``. Vocabulary chunks are the
+    outer loop: the weight's gradient is summed a vocabulary chunk at a time.
     """
     acc, dtype, device = coef.dtype, rows_hidden.dtype, coef.device
     grad_rows = torch.zeros(rows_hidden.shape, dtype=acc, device=device) if needs[0] else None
@@ -186,45 +235,46 @@ def gradient_pass(
     loss_sum = torch.zeros((), dtype=acc, device=device)
     for vocab in plan.vocab:
         w = weight[vocab[0] : vocab[1]]
+        b = None if bias is None else bias[vocab[0] : vocab[1]]
         grad_w = None if grad_weight is None else grad_weight[vocab[0] : vocab[1]]
         if grad_w is not None and not plan.rows:
             grad_w.zero_()
         for number, rows in enumerate(plan.rows):
             part, c = rows_hidden[rows[0] : rows[1]], coef[rows[0] : rows[1]]
-            x = _chunk_logits(part, weight, bias, vocab, acc)
+            x = F.linear(part, w, b)
             column, inside = _hit_in_chunk(sharded.local, sharded.in_shard, rows, vocab)
-            if lse is None:
-                target_logit = x.gather(1, column).squeeze(1)
-                shift = x.amax(dim=1)
-                # A row of -inf (or +inf) keeps logsumexp's answer instead of inf - inf = NaN.
-                shift = torch.where(shift.isfinite(), shift, 0)
-                total = x.sub_(shift.unsqueeze(1)).exp_().sum(dim=1)
-                in_vocab = sharded.in_vocab[rows[0] : rows[1]]
-                loss = row_losses(total.log() + shift, target_logit, in_vocab)
+            target = _softmax_minus_onehot_(
+                x, column, inside, None if lse is None else lse[rows[0] : rows[1]],
+                None if grad_bias is None else grad_bias[vocab[0] : vocab[1]], c, any(needs),
+            )  # fmt: skip
+            if target is not None:
+                loss = row_losses(-target, 0, sharded.in_vocab[rows[0] : rows[1]])
                 # `where`, not a product: whatever an unweighted row holds must not reach the sum.
                 loss_sum += torch.where(c != 0, c * loss, 0).sum()
-                scale, hit = torch.where(c != 0, c / total, 0), total * inside
-            else:
-                x.sub_(lse[rows[0] : rows[1]].unsqueeze(1)).exp_()
-                scale, hit = c, inside.to(acc)
-            if not any(needs):
-                continue
-            x.scatter_add_(1, column, -hit.unsqueeze(1))
-            if grad_bias is not None:
-                grad_bias[vocab[0] : vocab[1]].addmv_(x.t(), scale)
-            dx = x.to(dtype)
             if grad_rows is not None:
-                grad_rows[rows[0] : rows[1]].addcmul_(dx @ w, scale.unsqueeze(1))
+                grad_rows[rows[0] : rows[1]].addcmul_(x @ w, c.unsqueeze(1))
             if grad_w is not None:
-                scaled = (part.to(acc) * scale.unsqueeze(1)).to(dtype)
-                if dtype != acc:
-                    product = dx.t() @ scaled
-                    grad_w.copy_(product) if number == 0 else grad_w.add_(product)
-                elif number == 0:
-                    torch.mm(dx.t(), scaled, out=grad_w)
-                else:
-                    grad_w.addmm_(dx.t(), scaled)
+                _add_weight_gradient(grad_w, x, (part.to(acc) * c.unsqueeze(1)).to(dtype), number)
     return loss_sum, Gradients(grad_rows, grad_weight, grad_bias)
+
+
+def _add_weight_gradient(grad_w: Tensor, dx: Tensor, scaled: Tensor, number: int) -> None:
+    """``grad_w (=|+=) dx^T @ scaled``: set by a vocabulary chunk's first row chunk (``number``).
+
+    The product runs in the inputs' dtype, as ``F.linear``'s backward would; in reduced
+    precision it is added into the accumulation dtype a slice of the vocabulary at a time, so
+    that its temporary stays small.
+    """
+    if grad_w.dtype == dx.dtype:
+        if number == 0:
+            torch.mm(dx.t(), scaled, out=grad_w)
+        else:
+            grad_w.addmm_(dx.t(), scaled)
+        return
+    for start in range(0, grad_w.size(0), _CHUNK_VOCAB):
+        out, product = grad_w[start : start + _CHUNK_VOCAB], dx[:, start : start + _CHUNK_VOCAB]
+        product = product.t() @ scaled
+        out.copy_(product) if number == 0 else out.add_(product)
 
 
 def _input_gradients(
@@ -460,7 +510,7 @@ def head_rows(
     vocab = weight.size(0)
     single_pass = one_pass and tp_size == 1 and (chunk_vocab is None or chunk_vocab >= vocab)
     if single_pass:
-        chunk_vocab, elements = vocab, _SINGLE_PASS_ELEMENTS
+        chunk_vocab, elements = vocab, _SINGLE_PASS_BYTES // hidden.element_size()
     else:
         chunk_vocab = min(vocab, _CHUNK_VOCAB) if chunk_vocab is None else chunk_vocab
         elements = _CHUNK_ELEMENTS

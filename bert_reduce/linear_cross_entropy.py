@@ -232,7 +232,7 @@ def linear_cross_entropy_weighted_sum(
     logits.
 
     Passes. On one process with ``chunk_vocab=None`` each chunk of ``chunk_rows`` rows spans
-    the whole vocabulary (default ``2**22 / v`` rows, at least one): its logits, their
+    the whole vocabulary (default 24 MiB of logits, at least one row): its logits, their
     log-sum-exp, and their gradient are computed in one buffer. Under tensor parallelism a
     row's softmax needs the log-sum-exp of every vocab shard before any gradient term, so the
     rows are passed over twice: once for the per-row (log-sum-exp, target logit), combined in
@@ -263,8 +263,8 @@ def linear_cross_entropy_weighted_sum(
             non-zero weights), as in :func:`linear_cross_entropy_token_losses`.
         layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
         sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
-        chunk_rows: Rows per chunk (``None``: about 2**22 logits per chunk in one pass, 2**21
-            in two).
+        chunk_rows: Rows per chunk (``None``: 24 MiB of logits per chunk in one pass, about
+            2**21 logits in two).
         chunk_vocab: ``None`` (default): the whole vocabulary (shard) per chunk on one process
             (one pass), ``min(v, 4096)`` under tensor parallelism; smaller: two passes.
         tp_group: As in :func:`linear_cross_entropy_token_losses`.
