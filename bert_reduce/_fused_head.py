@@ -156,11 +156,17 @@ def stats_pass(
 
 
 class Gradients(NamedTuple):
-    """Gradients w.r.t. the ``[rows, h]`` rows, ``[v, h]`` weight and ``[v]`` bias (or ``None``)."""
+    """Gradients w.r.t. the ``[rows, h]`` rows, ``[v, h]`` weight and ``[v]`` bias (or ``None``).
+
+    In reduced precision the weight's is a pair of buffers in the input dtype, ``weight`` and
+    ``weight_low``, whose fp32 sum is the gradient (16 significant bits for bf16), so that no
+    fp32 ``[v, h]`` buffer twice the returned gradient's size is held from forward to backward.
+    """
 
     rows: Tensor | None
     weight: Tensor | None
     bias: Tensor | None
+    weight_low: Tensor | None = None
 
 
 def _softmax_minus_onehot_(
@@ -228,7 +234,10 @@ def gradient_pass(
     """
     acc, dtype, device = coef.dtype, rows_hidden.dtype, coef.device
     grad_rows = torch.zeros(rows_hidden.shape, dtype=acc, device=device) if needs[0] else None
-    grad_weight = torch.empty(weight.shape, dtype=acc, device=device) if needs[1] else None
+    grad_weight = grad_low = None
+    if needs[1]:
+        grad_weight = torch.empty(weight.shape, dtype=dtype, device=device)
+        grad_low = torch.empty_like(grad_weight) if dtype != acc else None
     grad_bias = None
     if needs[2] and bias is not None:
         grad_bias = torch.zeros(weight.size(0), dtype=acc, device=device)
@@ -237,8 +246,11 @@ def gradient_pass(
         w = weight[vocab[0] : vocab[1]]
         b = None if bias is None else bias[vocab[0] : vocab[1]]
         grad_w = None if grad_weight is None else grad_weight[vocab[0] : vocab[1]]
+        low = None if grad_low is None else grad_low[vocab[0] : vocab[1]]
         if grad_w is not None and not plan.rows:
             grad_w.zero_()
+            if low is not None:
+                low.zero_()
         for number, rows in enumerate(plan.rows):
             part, c = rows_hidden[rows[0] : rows[1]], coef[rows[0] : rows[1]]
             x = F.linear(part, w, b)
@@ -254,27 +266,34 @@ def gradient_pass(
             if grad_rows is not None:
                 grad_rows[rows[0] : rows[1]].addcmul_(x @ w, c.unsqueeze(1))
             if grad_w is not None:
-                _add_weight_gradient(grad_w, x, (part.to(acc) * c.unsqueeze(1)).to(dtype), number)
-    return loss_sum, Gradients(grad_rows, grad_weight, grad_bias)
+                scaled = (part.to(acc) * c.unsqueeze(1)).to(dtype)
+                _add_weight_gradient(grad_w, low, x, scaled, number, acc)
+    return loss_sum, Gradients(grad_rows, grad_weight, grad_bias, grad_low)
 
 
-def _add_weight_gradient(grad_w: Tensor, dx: Tensor, scaled: Tensor, number: int) -> None:
+def _add_weight_gradient(
+    grad_w: Tensor, low: Tensor | None, dx: Tensor, scaled: Tensor, number: int, acc: torch.dtype
+) -> None:
     """``grad_w (=|+=) dx^T @ scaled``: set by a vocabulary chunk's first row chunk (``number``).
 
-    The product runs in the inputs' dtype, as ``F.linear``'s backward would; in reduced
-    precision it is added into the accumulation dtype a slice of the vocabulary at a time, so
-    that its temporary stays small.
+    The product runs in the inputs' dtype, as ``F.linear``'s backward would. In reduced
+    precision it is added in ``acc`` to the ``(grad_w, low)`` pair (see :class:`Gradients`) a
+    slice of the vocabulary at a time, so that the temporaries stay small.
     """
-    if grad_w.dtype == dx.dtype:
+    if low is None:
         if number == 0:
             torch.mm(dx.t(), scaled, out=grad_w)
         else:
             grad_w.addmm_(dx.t(), scaled)
         return
     for start in range(0, grad_w.size(0), _CHUNK_VOCAB):
-        out, product = grad_w[start : start + _CHUNK_VOCAB], dx[:, start : start + _CHUNK_VOCAB]
-        product = product.t() @ scaled
-        out.copy_(product) if number == 0 else out.add_(product)
+        high, rest = grad_w[start : start + _CHUNK_VOCAB], low[start : start + _CHUNK_VOCAB]
+        total = (dx[:, start : start + _CHUNK_VOCAB].t() @ scaled).to(acc)
+        if number:
+            total += high
+            total += rest
+        high.copy_(total)
+        rest.copy_(total.sub_(high))
 
 
 def _input_gradients(
@@ -289,9 +308,15 @@ def _input_gradients(
     ``grads`` is consumed: where the accumulation dtype is the inputs', its buffers are scaled
     in place and returned.
     """
+    *grads, low = grads
+    if low is not None:  # the (high, low) pair: summed in fp32 and scaled, a slice at a time
+        high = grads[1]
+        for start in range(0, high.size(0), _CHUNK_VOCAB):
+            total = high[start : start + _CHUNK_VOCAB].float() + low[start : start + _CHUNK_VOCAB]
+            high[start : start + _CHUNK_VOCAB] = total if scale is None else total.mul_(scale)
     out = []
-    for grad in grads:
-        if grad is not None:
+    for number, grad in enumerate(grads):
+        if grad is not None and (low is None or number != 1):
             if scale is not None:
                 grad = grad.mul_(scale) if grad.dtype == dtype else grad * scale
             grad = grad.to(dtype)
@@ -382,7 +407,7 @@ class WeightedSum(torch.autograd.Function):
             )
             loss = row_losses(lse, target_logit, sharded.in_vocab)
             loss_sum = torch.where(coef != 0, coef * loss, 0).sum()
-            grads = Gradients(None, None, None)
+            grads = Gradients(None, None, None, None)
             if any(needs):
                 _, grads = gradient_pass(rows_hidden, weight, bias, sharded, coef, plan, needs, lse)
         if poison is not None:

@@ -1,22 +1,13 @@
 """(Private) What the two masked cross-entropy kernels share: rows, shards, gradient.
 
-:mod:`bert_reduce.cross_entropy` (logits) and :mod:`bert_reduce.linear_cross_entropy`
-(hidden states and the output weight) compute the same loss on the same rows; only how
-they obtain a chunk of logits differs. Written once here:
-
-* which rows a call computes (:func:`flat_rows`, :func:`select_rows`, :data:`Capacity`): the
-  flat row ``r`` of a ``[b, s]`` position follows the memory order of the logits or hidden
-  states, and the scored rows are chosen without a host sync unless the caller asks for one;
-* where each target falls in this rank's vocabulary shard (:func:`shard_targets`), and the
-  per-row statistics every shard contributes, completed by ONE all-reduce
-  (:func:`shard_stats`, :func:`combine_shard_stats`): the global log-sum-exp is the
-  log-sum-exp of the shards';
-* the losses of the rows (:func:`row_losses`, :func:`scatter_losses`) and the backward's
-  pieces: each row's coefficient (:func:`row_coefficients`) and the logits' gradient
-  ``coef * (softmax - onehot)`` of a chunk (:func:`softmax_minus_onehot_`).
-
-Megatron-Core is only consulted (through :mod:`bert_reduce.distributed`) when its parallel
-state is initialized.
+:mod:`bert_reduce.cross_entropy` (logits) and :mod:`bert_reduce._fused_head` (hidden states
+and the output weight) compute the same loss on the same rows; only how they obtain a chunk
+of logits differs. Written once here: which rows a call computes (:func:`flat_rows`), where
+each target falls in this rank's vocabulary shard (:func:`shard_targets`), the per-row
+statistics every shard contributes, completed by ONE all-reduce (:func:`combine_shard_stats`:
+the global log-sum-exp is the log-sum-exp of the shards'), the rows' losses and the
+backward's coefficients, and the sequence-parallel gather. Megatron-Core is only consulted
+(through :mod:`bert_reduce.distributed`) when its parallel state is initialized.
 """
 
 from __future__ import annotations
@@ -232,11 +223,7 @@ def shard_stats(
     device: torch.device,
     tp_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """The zeroed ``[tp, 2, rows]`` buffer :func:`combine_shard_stats` reduces.
-
-    This rank fills its slot, ``stats[tp_rank]``, with its shard's per-row (log-sum-exp,
-    target logit) and leaves the other slots at zero.
-    """
+    """The zeroed ``[tp, 2, rows]`` buffer whose slot ``stats[tp_rank]`` this rank fills."""
     _, tp_size, _ = tensor_parallel_placement(tp_group)
     return torch.zeros(tp_size, 2, rows, dtype=dtype, device=device)
 
@@ -306,16 +293,7 @@ def scatter_row_losses(
     selection: RowSelection,
     positions: int,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`scatter_losses` of the rows' :func:`row_losses` from their global statistics.
-
-    Args:
-        lse: ``[rows]`` global log-sum-exp of the selected rows.
-        target_logit: ``[rows]`` their target logits.
-        targets: Their :class:`ShardedTargets`.
-        scored: ``[rows]`` bool, whether each selected row is scored.
-        selection: The :class:`RowSelection` the rows come from.
-        positions: Number of flat positions (``b * s``).
-    """
+    """:func:`scatter_losses` of the rows' :func:`row_losses` from their global statistics."""
     loss = row_losses(lse, target_logit, targets.in_vocab)
     return scatter_losses(loss, scored, selection, positions)
 
@@ -329,14 +307,8 @@ def row_coefficients(
 ) -> Tensor:
     """``[rows]`` upstream gradient of each selected row's loss: the backward's coefficient.
 
-    Args:
-        grad_positions: ``[positions]`` gradient w.r.t. the per-position losses, flat in the
-            rows' order.
-        dtype: The accumulation dtype.
-        index: The selection's flat row numbers (``None``: every row).
-        scored: ``[rows]`` bool; unscored rows get 0 (their loss was 0, not a function of the
-            logits).
-        overflow: The selection's overflow flags: every coefficient is NaN after an overflow.
+    From the ``[positions]`` gradient of the per-position losses, in ``dtype``: 0 on unscored
+    rows (their loss was 0, not a function of the logits), NaN everywhere after an ``overflow``.
     """
     coef = grad_positions.to(dtype)
     if index is not None:

@@ -2,51 +2,22 @@
 
 An MLM loss scores ~15% of the positions, yet ``F.linear(hidden, weight)`` followed by any
 cross-entropy computes, stores and back-propagates ``[s, b, v]`` logits for all of them.
-This module computes the logits of the *selected* rows only, a chunk at a time, and never
-holds more than a few chunks. The entry points, named like :mod:`bert_reduce.cross_entropy`'s
-(``linear_cross_entropy_`` + what they return):
+These entry points compute the logits of the *selected* rows only, a chunk at a time, and
+never hold more than one chunk (the kernels: :mod:`bert_reduce._fused_head`):
 
-* :func:`linear_cross_entropy_loss_sum`: ``(loss_sum, denominator)`` in a normalization mode
-  (per token by default), what every integration of the library calls: the mode's weights
-  (:func:`bert_reduce.normalization.normalization_weights`) are known in the forward, so it
-  runs :func:`linear_cross_entropy_weighted_sum`.
+* :func:`linear_cross_entropy_loss_sum`: ``(loss_sum, denominator)`` in a normalization mode,
+  what every integration calls; it runs :func:`linear_cross_entropy_weighted_sum` with the
+  mode's weights (:func:`bert_reduce.normalization.normalization_weights`).
 * :func:`linear_cross_entropy_weighted_sum`: ``sum(w * loss)`` with per-token weights known in
-  the forward. For each chunk of rows the logits over the whole vocabulary
-  ``x = h_rows @ w^T + b`` give the losses and at once
-  ``dL/dx = w * (softmax - onehot)``, multiplied into ``dL/dh_rows = dx @ w``,
-  ``dL/dw += dx^T @ h_rows`` and ``dL/db += sum(dx)``; the backward only scales these by
-  the upstream gradient. Three products: ``6 * rows * v * h`` multiply-adds against
-  ``6 * b * s * v * h`` for the dense head, so ~0.15x of its arithmetic at 15% masked.
+  the forward, which accumulates the gradients as it goes: three products per row
+  (``6 * rows * v * h`` multiply-adds, ~0.15x of the dense head's at 15% masked).
 * :func:`linear_cross_entropy_token_losses`: the ``[b, s]`` per-token losses, for a caller
-  that weights them later (or needs each token's loss, as per-sample evaluation does). The
-  forward keeps an online log-sum-exp and the target logit per row over ``[rows, vocab]``
-  chunks; the backward recomputes each chunk into
-  ``dL/dx = coef * (softmax - onehot)``. Four products (``8 * rows * v * h``).
+  that weights them later; its backward recomputes the logits (four products per row).
 
-**Which rows, and when it syncs.** Called with only ``(hidden, weight, labels, mask)``,
-both compute exactly the scored rows: they count them on the device and read the count
-back (``capacity="nonzero"``, the default), which is **one host sync per call** on an
-accelerator (free on the CPU). Pass ``num_scored``, the data pipeline's count as a Python
-``int`` (or per-sample ints, or a tensor of counts on the CPU), and no sync happens: that
-many rows are computed, a larger count only costs unscored rows of work, a smaller one makes
-the result NaN (checked on the device). Under ``torch.compile`` give the count as an ``int``:
-the number of row chunks then follows the count's bucket of ``b * s / 16`` rows
-(:func:`compile_bucket`, :func:`row_chunks`), not the count, so that one graph with a
-dynamic row count serves a whole bucket, with no graph break and exactly the count's rows
-computed. A static ``capacity`` (a row count, or a fraction of ``b * s``) keeps
-every shape static for CUDA graphs, exact up to that many scored rows and NaN beyond;
-``capacity="all"`` computes every row (static, exact for any mask, no sync: the dense
-head's arithmetic in :func:`linear_cross_entropy_weighted_sum`, 4/3 of it in
-:func:`linear_cross_entropy_token_losses`). The row selection, the shard statistics and the
-softmax-minus-one-hot gradient are shared with :mod:`bert_reduce.cross_entropy`
-(:mod:`bert_reduce._vocab_parallel`).
-
-Accumulation is in fp32 for bf16/fp16 inputs (fp64 for fp64): each chunk's logits are
-computed in the input dtype, as ``F.linear`` would, then read in the accumulation dtype; the
-gradients are summed over chunks in it and cast once. Under tensor parallelism ``weight``
-(and ``bias``) are this rank's vocab shard and the per-row (log-sum-exp, target logit) of
-every shard are combined in ONE all-reduce, as in
-:func:`bert_reduce.cross_entropy_token_losses`.
+Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``. Accumulation
+is in fp32 for bf16/fp16 inputs (fp64 for fp64), each chunk's logits computed in the input
+dtype, as ``F.linear`` would. Under tensor parallelism ``weight`` (and ``bias``) are this
+rank's vocab shard, and the shards' per-row statistics are combined in ONE all-reduce.
 """
 
 from __future__ import annotations
