@@ -52,7 +52,7 @@ mode, and its time per micro-batch after compiling.
 
 The last table is the recipe's whole training step (:class:`bert_reduce.recipe.ESM2Model`,
 ``BERTMLMLossWithReduction``, AdamW; 4 micro-batches of 8 sequences of 128 tokens) with the
-fused head (the default) and with full logits (``model.fused_lm_head=false``).
+fused head (the default) and with full logits (``model.fused_head=false``).
 
 The verdict lines check issue 21's targets at the Geneformer-like shape in fp32: the plain
 call and the loss class without a count <= 0.25x Megatron's time and <= 0.05x the logits'
@@ -367,7 +367,7 @@ def train_step(
     """One optimizer step over the micro-batches, with the fused head or full logits."""
     from bert_reduce import BERTMLMLossWithReduction
 
-    model.fused_lm_head = fused
+    model.fused_head = fused
     for micro_batch in micro_batches:
         loss_fn = BERTMLMLossWithReduction()
         loss_fn.setup(micro_batch)

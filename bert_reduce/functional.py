@@ -24,8 +24,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bert_reduce._deprecation import deprecated_names
-
 __all__ = [
     "accumulation_dtype",
     "check_logits_and_labels",
@@ -37,16 +35,6 @@ __all__ = [
     "token_weighted_sum",
     "validate_masked_labels",
 ]
-
-__getattr__ = deprecated_names(
-    __name__,
-    {
-        "masked_weighted_sum": "bert_reduce.functional.token_weighted_sum",
-        "masked_loss_sum": "bert_reduce.normalization.token_loss_sum",
-        "masked_token_loss": "bert_reduce.masked_token_loss",
-        "unreduced_token_loss_fn": "bert_reduce.cross_entropy.unreduced_token_loss_fn",
-    },
-)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -37,7 +37,6 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from bert_reduce._deprecation import deprecated_names
 from bert_reduce.functional import (
     accumulation_dtype,
     check_same_device,
@@ -55,10 +54,6 @@ __all__ = [
     "token_loss_sum",
 ]
 
-__getattr__ = deprecated_names(
-    __name__, {"normalized_loss_terms": "bert_reduce.normalization.token_loss_sum"}
-)
-
 
 class Normalization(str, Enum):
     """What the summed loss of the global batch is divided by."""
@@ -66,6 +61,17 @@ class Normalization(str, Enum):
     PER_TOKEN = "per_token"
     PER_SEQUENCE = "per_sequence"
     CONSTANT = "constant"
+
+
+def _mode(normalization: Normalization | str) -> Normalization:
+    """The :class:`Normalization` of a mode or its name; ``ValueError`` listing the valid ones."""
+    try:
+        return Normalization(normalization)
+    except ValueError:
+        valid = ", ".join(repr(mode.value) for mode in Normalization)
+        raise ValueError(
+            f"{normalization!r} is not a normalization; choose one of {valid}."
+        ) from None
 
 
 def checked_normalization(
@@ -77,7 +83,7 @@ def checked_normalization(
         ValueError: On an unknown mode, or ``constant`` without a positive
             ``constant_per_sequence``.
     """
-    normalization = Normalization(normalization)
+    normalization = _mode(normalization)
     if normalization is Normalization.CONSTANT and (
         constant_per_sequence is None or constant_per_sequence <= 0
     ):
@@ -187,7 +193,7 @@ def token_loss_sum(
         ValueError: On mismatched shapes, an unknown mode, or a missing or non-positive
             ``constant_per_sequence`` in ``constant`` mode.
     """
-    normalization = Normalization(normalization)
+    normalization = _mode(normalization)
     check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
     check_same_device(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"))
     coefficients, scored, denominator = _coefficients(
@@ -273,7 +279,7 @@ def _coefficients(
     :func:`normalization_weights`. ``coefficients`` are ``[b, s]`` in ``acc`` (any value off
     ``scored``), ``scored`` the ``[b, s]`` bool of the tokens that reach the numerator.
     """
-    normalization = Normalization(normalization)
+    normalization = _mode(normalization)
     scored = loss_mask != 0
 
     if normalization is Normalization.PER_TOKEN:
