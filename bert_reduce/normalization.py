@@ -1,33 +1,18 @@
 """Normalization modes: what the summed masked-token loss is divided by, exactly, under any split.
 
-Every mode turns one micro-batch's ``[b, s]`` per-token loss and ``[b, s]`` loss mask into a
-``(numerator, denominator)`` pair. Summing both over every micro-batch and every data x
-context parallel rank, then dividing once, gives the value of the whole global batch:
+Every mode turns one micro-batch's ``[b, s]`` per-token loss and mask into a
+``(numerator, denominator)`` pair whose sums over micro-batches and ranks, divided once, give
+the global value (``docs/normalization.md``): ``per_token`` (default; the mean over every
+scored token), ``per_sequence`` (the mean over sequences of each sequence's token mean) and
+``constant`` (the summed loss over ``constant_per_sequence`` times the number of sequences).
+A sequence's totals travel as two per-token ``[b, s]`` tensors computed once on the unsliced
+batch (:func:`sequence_normalizers`: ``sequence_weight``, ``sequence_start``) and sliced,
+split and packed like any other token tensor, so context-parallel shards and packed slices
+stay exact.
 
-    loss = sum_over_everything(numerator) / sum_over_everything(denominator)
-
-* ``per_token`` (default): the mean over every scored token of the global batch, divided by
-  :func:`bert_reduce.functional.token_denominator` (the exact int64 token count for a 0/1
-  mask, the sum of the weights for a weighted one).
-* ``per_sequence``: the mean over sequences of each sequence's (weighted) token mean, over the
-  sequences of the global batch with at least one scored token.
-* ``constant``: the summed loss divided by ``constant_per_sequence`` times the number of
-  sequences in the global batch, a constant when the global batch size is fixed. With
-  ``constant_per_sequence = max_seq_len`` this is TRL's "max tokens" normalization.
-
-A sequence's token mean needs its total weight over the whole sequence, which a
-context-parallel shard or a packed slice does not see. So per-sequence quantities travel as
-two per-token ``[b, s]`` tensors computed once on the unsliced batch
-(:func:`sequence_normalizers`) and sliced, split and packed like any other token tensor:
-
-* ``sequence_weight``: each token's sequence total weight (its token count for 0/1 masks);
-* ``sequence_start``: ``True`` on exactly one token of each sequence (its first), so that
-  counting these markers counts every sequence once, whichever shard holds it.
-
-:func:`token_loss_sum` turns per-token losses into a mode's ``(numerator, denominator)``;
-:func:`normalization_weights` gives each token's coefficient before any loss exists, for the
-fused head (:func:`bert_reduce.linear_cross_entropy_loss_sum`). ``masked_token_loss`` is
-NeMo's and BioNeMo's name for :func:`token_loss_sum`, kept for code ported from them.
+:func:`token_loss_sum` turns per-token losses into a mode's ``(numerator, denominator)``
+(``masked_token_loss`` is NeMo's and BioNeMo's name for it); :func:`normalization_weights`
+gives each token's coefficient before any loss exists, for the fused head.
 """
 
 from __future__ import annotations

@@ -178,31 +178,6 @@ def test_hidden_states_and_the_output_layer_equal_the_reference(mode, layout, co
         torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-10, atol=1e-15)
 
 
-def test_fused_head_equals_the_logits_path_and_reads_the_layout_key() -> None:
-    hidden, weight, bias, labels, mask = head_batch()
-    mb = {"labels": labels, "loss_mask": mask, "num_scored": int(mask.sum())}
-    logits = torch.nn.functional.linear(hidden, weight, bias)  # [s, b, v]
-    results = []
-    for output in (
-        logits.transpose(0, 1),
-        {"hidden_states": hidden.transpose(0, 1), "output_weight": weight, "output_bias": bias},
-        {"hidden_states": hidden, "hidden_layout": "sb", "output_weight": weight,
-         "output_bias": bias},
-    ):  # fmt: skip
-        loss_fn = GlobalBatchLoss(group=None)
-        loss_fn.begin([mb])
-        results.append(loss_fn(output, mb))
-    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=0)
-    torch.testing.assert_close(results[2], results[0], rtol=1e-12, atol=0)
-    # The micro-batch's count reaches both kernels: one too few poisons the loss.
-    under = {**mb, "num_scored": mb["num_scored"] - 1}
-    for output in (logits.transpose(0, 1), {"hidden_states": hidden, "hidden_layout": "sb",
-                                            "output_weight": weight}):  # fmt: skip
-        loss_fn = GlobalBatchLoss(group=None)
-        loss_fn.begin([under])
-        assert loss_fn(output, under).isnan()
-
-
 def test_errors_name_what_to_do() -> None:
     logits, labels, _ = make_mlm_batch(2, 4, 5)
     bsv = logits.transpose(0, 1)
