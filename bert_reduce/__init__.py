@@ -1,10 +1,11 @@
-"""bert_reduce: exact, NaN-free, sync-free loss reduction for BERT masked-language models.
+"""bert_reduce: exact, NaN-free loss reduction for BERT masked-language models.
 
 The names here are the handful a user needs; helpers live in their modules
 (:mod:`bert_reduce.functional`, :mod:`bert_reduce.reports`, :mod:`bert_reduce.normalization`,
 :mod:`bert_reduce.context_parallel`, :mod:`bert_reduce.packing`, :mod:`bert_reduce.lightning`).
 They are imported on first use, so ``import bert_reduce`` stays quick and loads neither NeMo nor
-Megatron-Core nor Lightning until something needs them.
+Megatron-Core nor Lightning until something needs them. Every integration takes the same loss
+options, the fields of :class:`LossOptions`.
 
 The loss functions are named by what they take, then what they return:
 
@@ -24,7 +25,6 @@ documentation teaches the names above.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -36,6 +36,8 @@ _EXPORTS: dict[str, str] = {
     "PerTokenLossDict": "bert_reduce.reports",
     "DataParallelGroupLossAndIO": "bert_reduce.reports",
     "SameSizeLossDict": "bert_reduce.reports",
+    # The loss options every integration takes.
+    "LossOptions": "bert_reduce.engine",
     # Plain PyTorch loops (DDP, FSDP2) and Hugging Face models.
     "GlobalBatchLoss": "bert_reduce.torch_loop",
     # Perplexity (torchmetrics).
@@ -56,18 +58,11 @@ _EXPORTS: dict[str, str] = {
     "unreduced_token_loss_fn": "bert_reduce.cross_entropy",
 }
 
-_DEPRECATED: dict[str, str] = {
-    "masked_cross_entropy": "cross_entropy_loss_sum",
-    "masked_token_losses": "cross_entropy_token_losses",
-    "linear_masked_token_losses": "linear_cross_entropy_token_losses",
-    "linear_weighted_loss_sum": "linear_cross_entropy_weighted_sum",
-}
-"""Old top-level names, served with a ``DeprecationWarning`` until ``_deprecation.REMOVED_IN``."""
-
 __all__ = [
     "BERTMLMLossWithReduction",
     "DataParallelGroupLossAndIO",
     "GlobalBatchLoss",
+    "LossOptions",
     "MegatronLossReduction",
     "Normalization",
     "PerTokenLossDict",
@@ -92,6 +87,7 @@ if TYPE_CHECKING:
         cross_entropy_token_losses,
         unreduced_token_loss_fn,
     )
+    from bert_reduce.engine import LossOptions
     from bert_reduce.linear_cross_entropy import (
         linear_cross_entropy_loss_sum,
         linear_cross_entropy_token_losses,
@@ -110,17 +106,6 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name in _DEPRECATED:
-        from bert_reduce._deprecation import REMOVED_IN
-
-        new = _DEPRECATED[name]
-        warnings.warn(
-            f"bert_reduce.{name} is deprecated and will be removed in bert_reduce {REMOVED_IN}; "
-            f"use bert_reduce.{new} instead.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return __getattr__(new)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'bert_reduce' has no attribute {name!r}")

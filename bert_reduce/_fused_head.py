@@ -48,6 +48,7 @@ from bert_reduce._vocab_parallel import (
     shard_targets,
     tensor_parallel_placement,
 )
+from bert_reduce.forward_output import Layout, check_layout
 from bert_reduce.functional import accumulation_dtype, check_same_device
 from bert_reduce.num_scored import NumScored
 
@@ -434,15 +435,14 @@ def _check_shapes(
     labels: Tensor,
     loss_mask: Tensor,
     bias: Tensor | None,
-    layout: str,
+    layout: Layout,
     sequence_parallel: bool,
     tp_size: int,
     mask_name: str,
 ) -> None:
-    if layout not in ("sbh", "bsh"):
-        raise ValueError(f"layout must be 'sbh' ([s, b, h]) or 'bsh' ([b, s, h]), got {layout!r}.")
-    if sequence_parallel and layout != "sbh":
-        raise ValueError("sequence_parallel=True needs layout='sbh' (Megatron's [s/tp, b, h]).")
+    check_layout(layout)
+    if sequence_parallel and layout != "sb":
+        raise ValueError("sequence_parallel=True needs layout='sb' (Megatron's [s/tp, b, h]).")
     if labels.dim() != 2 or loss_mask.shape != labels.shape:
         raise ValueError(
             f"labels of shape {tuple(labels.shape)} and {mask_name} of shape "
@@ -451,7 +451,7 @@ def _check_shapes(
     batch_size, seq_len = labels.shape
     if sequence_parallel:
         seq_len //= tp_size
-    expected = (seq_len, batch_size) if layout == "sbh" else (batch_size, seq_len)
+    expected = (seq_len, batch_size) if layout == "sb" else (batch_size, seq_len)
     if hidden.dim() != 3 or tuple(hidden.shape[:2]) != expected:
         shard = " (this rank's sequence shard)" if sequence_parallel else ""
         raise ValueError(
@@ -512,7 +512,7 @@ def head_rows(
     bias: Tensor | None,
     capacity: Capacity,
     num_scored: NumScored | None,
-    layout: str,
+    layout: Layout,
     sequence_parallel: bool,
     chunks: tuple[int | None, int | None],
     tp_group: dist.ProcessGroup | None,
@@ -544,9 +544,9 @@ def head_rows(
         raise ValueError(
             f"chunk_rows and chunk_vocab must be positive, got {chunk_rows} and {chunk_vocab}."
         )
-    # Flat row r follows hidden's memory order: r = i_s * b + i_b ("sbh"), i_b * s + i_s ("bsh").
+    # Flat row r follows hidden's memory order: r = i_s * b + i_b ("sb"), i_b * s + i_s ("bs").
     targets, per_row, selection = flat_rows(
-        labels, per_position, layout == "sbh", capacity, num_scored
+        labels, per_position, layout == "sb", capacity, num_scored
     )
     return HeadRows(
         hidden.reshape(-1, hidden.size(-1)), targets, per_row, selection,

@@ -16,23 +16,9 @@ logits, keeps full-size fp32 softmax buffers alive for backward, and masks after
   per-row ``(log-sum-exp, target logit)`` goes into its slot of a ``[tp, 2, rows]`` buffer that
   one all-reduce completes; the global log-sum-exp is the log-sum-exp of the shards'.
 
-Which rows are computed (``capacity``) is the one trade-off, because on an accelerator a
-data-dependent number of rows needs a device-to-host sync:
-
-* ``"all"`` (default): every position is computed; unmasked ones get weight 0. Static shapes,
-  exact for any mask, no sync. Saves memory, not arithmetic.
-* an ``int`` (rows) or a ``float`` in ``(0, 1]`` (fraction of ``b * s``, rounded up): a static
-  capacity. The masked positions are moved to the front by a stable sort of the mask (no sync)
-  and the first ``capacity`` rows are computed. Exact whenever at most ``capacity`` positions
-  are masked; otherwise the loss **and** the gradient are NaN (checked on the device, no sync),
-  so an overflow can never pass silently (Megatron's NaN checks stop the step). With Bernoulli
-  masking at rate ``p`` over ``n`` positions, choose ``capacity >= n * p + 6 * sqrt(n * p *
-  (1 - p))``, e.g. ``0.2`` for ``p = 0.15`` and ``n >= 2000``.
-* ``"nonzero"``: exactly the rows where the mask is non-zero: exact for any mask and minimal
-  work, at the price of one host sync per call on an accelerator (their number is read back,
-  as ``nonzero`` would).
-* ``num_scored``: the data pipeline's count (:mod:`bert_reduce.num_scored`), exactly that
-  many rows with no sync when it is on the host.
+Which rows are computed (``capacity``: ``"all"`` by default, exact and sync-free; a static
+row count or fraction; ``"nonzero"``, one host sync; or the batch's ``num_scored``) is the one
+trade-off, written up in ``docs/fast_path.md``.
 
 The row selection and the shard statistics are shared with the fused head
 (:mod:`bert_reduce.linear_cross_entropy`) in :mod:`bert_reduce._vocab_parallel`.
@@ -53,7 +39,6 @@ from torch.autograd.function import once_differentiable
 
 from bert_reduce import _vocab_parallel as vp
 from bert_reduce import distributed
-from bert_reduce._deprecation import deprecated_names
 from bert_reduce._vocab_parallel import Capacity
 from bert_reduce.functional import (
     accumulation_dtype,
@@ -72,33 +57,6 @@ __all__ = [
     "cross_entropy_token_losses",
     "unreduced_token_loss_fn",
 ]
-
-__getattr__ = deprecated_names(
-    __name__,
-    {
-        "masked_token_losses": "bert_reduce.cross_entropy.cross_entropy_token_losses",
-        "masked_cross_entropy": "bert_reduce.cross_entropy.cross_entropy_loss_sum",
-        "NumScored": "bert_reduce.num_scored.NumScored",
-        "scored_count": "bert_reduce.num_scored.scored_count",
-        # Internals shared with the fused head, now in their own private module.
-        **{
-            name: f"bert_reduce._vocab_parallel.{name}"
-            for name in (
-                "RowSelection",
-                "ShardedTargets",
-                "combine_shard_stats",
-                "logsumexp_",
-                "resolve_capacity",
-                "scatter_row_losses",
-                "select_rows",
-                "shard_stats",
-                "shard_targets",
-                "tensor_parallel_placement",
-                "vocab_start",
-            )
-        },
-    },
-)
 
 _MIN_CHUNK_ELEMENTS = 1 << 20
 _CHUNKS_PER_LOGITS = 32
@@ -307,7 +265,7 @@ def cross_entropy_token_losses(
     the loss is 0 and carries no gradient, whatever the label. A ``[b, s]`` output lets any
     weighting or normalization (:mod:`bert_reduce.normalization`) follow, while the caller's
     logits are never copied whole, never modified (unless ``in_place``), and no
-    row outside the selection is normalized. See the module docstring for ``capacity``.
+    row outside the selection is normalized. ``capacity``: ``docs/fast_path.md``.
 
     ``in_place=True`` writes the gradient into the logits' own storage during backward, so the
     gradient costs no memory at all. That is only safe when nothing reads the logits after the
@@ -374,13 +332,13 @@ def cross_entropy_loss_sum(
     *,
     capacity: Capacity = "all",
     num_scored: NumScored | None = None,
-    in_place: bool = False,
-    chunk_elements: int | None = None,
-    tp_group: dist.ProcessGroup | None = None,
     sequence_weight: Tensor | None = None,
     sequence_start: Tensor | None = None,
     constant_per_sequence: int | None = None,
     weight_resolution: int | None = None,
+    in_place: bool = False,
+    chunk_elements: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``[s, b, v]`` logits, ``[b, s]`` labels and mask -> ``(loss_sum, denominator)``.
 
@@ -399,13 +357,13 @@ def cross_entropy_loss_sum(
         capacity: Which rows are computed; see :func:`cross_entropy_token_losses`.
         num_scored: The data pipeline's count of scored positions; see
             :func:`cross_entropy_token_losses`.
-        in_place: Write the gradient into ``logits``; see :func:`cross_entropy_token_losses`.
-        chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
-        tp_group: The vocab-sharding group; see :func:`cross_entropy_token_losses`.
         sequence_weight: As in :func:`bert_reduce.normalization.token_loss_sum`.
         sequence_start: As in :func:`bert_reduce.normalization.token_loss_sum`.
         constant_per_sequence: As in :func:`bert_reduce.normalization.token_loss_sum`.
         weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        in_place: Write the gradient into ``logits``; see :func:`cross_entropy_token_losses`.
+        chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
+        tp_group: The vocab-sharding group; see :func:`cross_entropy_token_losses`.
 
     Returns:
         ``(loss_sum, denominator)``: the mode's 0-dim numerator in fp32 (fp64 for fp64
@@ -475,17 +433,17 @@ def unreduced_token_loss_fn(
     if not distributed.megatron_is_initialized():
         if cross_entropy_loss_fusion:
             raise ValueError(
-                "Megatron-Core's fused cross-entropy (cross_entropy_loss_fusion=True, or "
-                "BERTMLMLossWithReduction(cross_entropy='megatron_fused')) needs Megatron-Core's "
-                "parallel state (megatron.core.parallel_state.initialize_model_parallel)."
+                "Megatron-Core's fused cross-entropy (cross_entropy_loss_fusion=True) needs "
+                "Megatron-Core's parallel state "
+                "(megatron.core.parallel_state.initialize_model_parallel)."
             )
         every_position = torch.ones(labels.shape, dtype=torch.bool, device=labels.device)
         return cross_entropy_token_losses(logits, labels, every_position)
 
     labels_sb = labels.transpose(0, 1).to(torch.int64)  # gather takes int64 indices
     vocab_size = logits.size(-1) * distributed.tensor_parallel_world_size()
-    # Megatron works in fp32 in place: hand it a private fp32 copy.
-    work = logits.to(torch.float32, copy=True)
+    # Megatron works in fp32 in place, on a [s * b, v] view: hand it a private contiguous copy.
+    work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     target = labels_sb.contiguous()
     if cross_entropy_loss_fusion:
         from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy

@@ -1,30 +1,16 @@
-"""The maths of masked-token losses, in plain torch.
+"""The shared checks and the exact sums of masked-token losses, in plain torch.
 
-Nothing here knows about Lightning, NeMo, Megatron-Core or Hydra. The losses themselves come
-from :mod:`bert_reduce.cross_entropy` (logits) and :mod:`bert_reduce.linear_cross_entropy`
-(hidden states and the output weight); their ``(loss_sum, denominator)`` in every
-normalization mode from :mod:`bert_reduce.normalization`.
-
-Layouts follow Megatron: logits are ``[s, b, v]`` (sequence first, vocab possibly sharded over
-tensor-parallel ranks), while labels, masks and per-token losses are ``[b, s]``.
-
-Every micro-batch reduces to ``(loss_sum, denominator)``. Sums are exact to add across
-micro-batches and ranks; dividing once by the global denominator gives the exact mean:
-
-    loss = sum_over_everything(loss_sum) / sum_over_everything(denominator)
-
-The per-token denominator has one definition, :func:`token_denominator`: the sum of the loss
-mask's weights (the number of scored tokens for a 0/1 mask). Every path of the library (the
-loss reductions, the cross-entropies, perplexity, the Lightning module) divides by it, so
-with a float mask the loss and ``log(perplexity)`` agree everywhere.
+Every micro-batch reduces to ``(loss_sum, denominator)``; sums of these over micro-batches and
+ranks, divided once, give the exact mean (``docs/guarantees.md``). The per-token denominator
+has one definition, :func:`token_denominator` (the sum of the loss mask's weights), which
+every path divides by. Layouts follow Megatron: ``[s, b, v]`` logits, ``[b, s]`` labels,
+masks and per-token losses.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-from bert_reduce._deprecation import deprecated_names
 
 __all__ = [
     "accumulation_dtype",
@@ -37,16 +23,6 @@ __all__ = [
     "token_weighted_sum",
     "validate_masked_labels",
 ]
-
-__getattr__ = deprecated_names(
-    __name__,
-    {
-        "masked_weighted_sum": "bert_reduce.functional.token_weighted_sum",
-        "masked_loss_sum": "bert_reduce.normalization.token_loss_sum",
-        "masked_token_loss": "bert_reduce.masked_token_loss",
-        "unreduced_token_loss_fn": "bert_reduce.cross_entropy.unreduced_token_loss_fn",
-    },
-)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

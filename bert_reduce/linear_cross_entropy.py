@@ -22,58 +22,24 @@ rank's vocab shard, and the shards' per-row statistics are combined in ONE all-r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Literal
-
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from bert_reduce import _fused_head
-from bert_reduce._deprecation import deprecated_names
 from bert_reduce._fused_head import compile_bucket, row_chunks
 from bert_reduce._vocab_parallel import Capacity
+from bert_reduce.forward_output import Layout
 from bert_reduce.functional import accumulation_dtype
 from bert_reduce.normalization import Normalization, normalization_weights
 from bert_reduce.num_scored import NumScored
 
 __all__ = [
-    "HIDDEN_LAYOUT_KEY",
-    "HIDDEN_STATES_KEY",
-    "OUTPUT_BIAS_KEY",
-    "OUTPUT_WEIGHT_KEY",
-    "HiddenLayout",
     "compile_bucket",
-    "head_logits",
     "linear_cross_entropy_loss_sum",
     "linear_cross_entropy_token_losses",
     "linear_cross_entropy_weighted_sum",
     "row_chunks",
 ]
-
-__getattr__ = deprecated_names(
-    __name__,
-    {
-        "linear_masked_token_losses": (
-            "bert_reduce.linear_cross_entropy.linear_cross_entropy_token_losses"
-        ),
-        "linear_weighted_loss_sum": (
-            "bert_reduce.linear_cross_entropy.linear_cross_entropy_weighted_sum"
-        ),
-    },
-)
-
-HIDDEN_STATES_KEY = "hidden_states"
-"""``forward_out`` key of the hidden states that enter the output layer."""
-OUTPUT_WEIGHT_KEY = "output_weight"
-"""``forward_out`` key of the output layer's ``[v, h]`` weight."""
-OUTPUT_BIAS_KEY = "output_bias"
-"""``forward_out`` key of the output layer's ``[v]`` bias (optional)."""
-HIDDEN_LAYOUT_KEY = "hidden_layout"
-"""``forward_out`` key of the hidden states' :data:`HiddenLayout` (optional, ``"sbh"``)."""
-
-HiddenLayout = Literal["sbh", "bsh"]
-"""``"sbh"``: ``[s, b, h]`` hidden states (Megatron); ``"bsh"``: ``[b, s, h]`` (Hugging Face)."""
 
 
 def linear_cross_entropy_token_losses(
@@ -83,10 +49,10 @@ def linear_cross_entropy_token_losses(
     loss_mask: Tensor,
     *,
     bias: Tensor | None = None,
+    layout: Layout = "sb",
+    sequence_parallel: bool = False,
     capacity: Capacity = "nonzero",
     num_scored: NumScored | None = None,
-    layout: HiddenLayout = "sbh",
-    sequence_parallel: bool = False,
     chunk_rows: int | None = None,
     chunk_vocab: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
@@ -107,7 +73,7 @@ def linear_cross_entropy_token_losses(
     :func:`linear_cross_entropy_loss_sum` (or :func:`linear_cross_entropy_weighted_sum`) does
     three and is faster: this function is for a caller that needs each token's loss.
 
-    Which rows are computed, and when that costs a host sync: see the module docstring. With
+    Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``. With
     ``capacity="all"`` every row's logits are computed twice (4/3 of the dense head's
     products).
 
@@ -121,24 +87,20 @@ def linear_cross_entropy_token_losses(
     (the gradient is then whole).
 
     Args:
-        hidden: ``[s, b, h]`` hidden states (``layout="sbh"``, Megatron) or ``[b, s, h]``
-            (``layout="bsh"``, Hugging Face), any float dtype.
+        hidden: ``[s, b, h]`` hidden states (``layout="sb"``, Megatron) or ``[b, s, h]``
+            (``layout="bs"``, Hugging Face), any float dtype.
         weight: ``[v, h]`` output-layer weight (this rank's vocab shard under TP).
         labels: ``[b, s]`` integer token ids; unscored positions may hold anything.
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
         bias: ``[v]`` output-layer bias, or ``None``.
+        layout: ``"sb"`` or ``"bs"``, the layout of ``hidden``.
+        sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sb"`` only).
         capacity: Which rows are computed: ``"nonzero"`` (default; counted, one host sync),
-            ``"all"``, a row count or a fraction of ``b * s``; see above.
+            ``"all"``, a row count or a fraction of ``b * s`` (``docs/fast_path.md``).
         num_scored: The data pipeline's count of scored positions
-            (:data:`~bert_reduce.num_scored.NumScored`): an ``int`` (the micro-batch's
-            total, which no device transfer touches), a tuple of per-sample ints, or an
-            integer tensor of counts. Exactly that many rows are computed, with no host sync
-            when it is on the host (a tensor on the accelerator is read once). Overrides
-            ``capacity``. Under ``torch.compile`` pass one ``int``: one graph then serves every
-            count of a bucket (:func:`compile_bucket`); dynamo keeps a tuple as a constant,
-            compiling a graph per distinct tuple.
-        layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
-        sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
+            (:data:`~bert_reduce.num_scored.NumScored`): exactly that many rows, no host sync
+            when it is on the host; overrides ``capacity``. Under ``torch.compile`` pass one
+            ``int`` (``docs/fast_path.md``).
         chunk_rows: Rows per chunk (``None``: about 2**21 logits per chunk).
         chunk_vocab: Vocabulary entries per chunk (``None``: ``min(v, 4096)``).
         tp_group: The group the vocabulary is sharded over; ``None``: Megatron-Core's
@@ -152,7 +114,7 @@ def linear_cross_entropy_token_losses(
     Raises:
         ValueError: On mismatched shapes, dtypes or devices (the message names them),
             non-integer labels, a bad ``layout``, ``capacity``, chunk size, or
-            ``sequence_parallel`` with ``"bsh"``.
+            ``sequence_parallel`` with ``"bs"``.
         TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
     """
     rows = _fused_head.head_rows(
@@ -164,7 +126,7 @@ def linear_cross_entropy_token_losses(
         tp_group,
     )  # fmt: skip
     batch_size, seq_len = labels.shape
-    if layout == "sbh":
+    if layout == "sb":
         return losses.view(seq_len, batch_size).t().contiguous()
     return losses.view(batch_size, seq_len)
 
@@ -176,10 +138,10 @@ def linear_cross_entropy_weighted_sum(
     token_weights: Tensor,
     *,
     bias: Tensor | None = None,
+    layout: Layout = "sb",
+    sequence_parallel: bool = False,
     capacity: Capacity = "nonzero",
     num_scored: NumScored | None = None,
-    layout: HiddenLayout = "sbh",
-    sequence_parallel: bool = False,
     chunk_rows: int | None = None,
     chunk_vocab: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
@@ -198,7 +160,7 @@ def linear_cross_entropy_weighted_sum(
     of every normalization mode, which is what :func:`linear_cross_entropy_loss_sum` (every
     integration's call) does.
 
-    Which rows are computed, and when that costs a host sync: see the module docstring. With
+    Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``. With
     ``capacity="all"`` this does the dense head's three products for every row, without its
     logits.
 
@@ -222,18 +184,18 @@ def linear_cross_entropy_weighted_sum(
     require grad, and only the sum under ``torch.no_grad()`` (validation).
 
     Args:
-        hidden: ``[s, b, h]`` hidden states (``layout="sbh"``) or ``[b, s, h]`` (``"bsh"``).
+        hidden: ``[s, b, h]`` hidden states (``layout="sb"``) or ``[b, s, h]`` (``"bs"``).
         weight: ``[v, h]`` output-layer weight (this rank's vocab shard under TP).
         labels: ``[b, s]`` integer token ids; positions of weight 0 may hold anything.
         token_weights: ``[b, s]`` float coefficient of each token's loss; 0 where unscored.
             A NaN weight makes the sum and the gradients NaN.
         bias: ``[v]`` output-layer bias, or ``None``.
+        layout: ``"sb"`` or ``"bs"``, the layout of ``hidden``.
+        sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sb"`` only).
         capacity: Which rows are computed, as in :func:`linear_cross_entropy_token_losses`; scored
             means a non-zero weight.
         num_scored: The data pipeline's count of scored positions (at least the number of
             non-zero weights), as in :func:`linear_cross_entropy_token_losses`.
-        layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
-        sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sbh"`` only).
         chunk_rows: Rows per chunk (``None``: 24 MiB of logits per chunk in one pass, about
             2**21 logits in two).
         chunk_vocab: ``None`` (default): the whole vocabulary (shard) per chunk on one process
@@ -275,9 +237,9 @@ def linear_cross_entropy_loss_sum(
     normalization: Normalization | str = Normalization.PER_TOKEN,
     *,
     bias: Tensor | None = None,
+    layout: Layout = "sb",
     capacity: Capacity = "nonzero",
     num_scored: NumScored | None = None,
-    layout: HiddenLayout = "sbh",
     sequence_weight: Tensor | None = None,
     sequence_start: Tensor | None = None,
     constant_per_sequence: int | None = None,
@@ -299,7 +261,7 @@ def linear_cross_entropy_loss_sum(
     :class:`bert_reduce.hf.ExactMLMTrainer` make on hidden states.
 
     Args:
-        hidden: ``[s, b, h]`` hidden states (``layout="sbh"``) or ``[b, s, h]`` (``"bsh"``).
+        hidden: ``[s, b, h]`` hidden states (``layout="sb"``) or ``[b, s, h]`` (``"bs"``).
         weight: ``[v, h]`` output-layer weight (this rank's vocab shard under TP).
         labels: ``[b, s]`` integer token ids; unscored positions may hold anything.
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored, float
@@ -307,11 +269,11 @@ def linear_cross_entropy_loss_sum(
         normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``; see
             :func:`bert_reduce.normalization.token_loss_sum`.
         bias: ``[v]`` output-layer bias, or ``None``.
+        layout: ``"sb"`` or ``"bs"``, the layout of ``hidden``.
         capacity: Which rows are computed (default ``"nonzero"``: the scored rows, counted with
             one host sync on an accelerator); see :func:`linear_cross_entropy_token_losses`.
         num_scored: The data pipeline's count of scored positions: exactly that many rows, no
             sync; see :func:`linear_cross_entropy_token_losses`.
-        layout: ``"sbh"`` or ``"bsh"``, the layout of ``hidden``.
         sequence_weight: As in :func:`bert_reduce.normalization.token_loss_sum`.
         sequence_start: As in :func:`bert_reduce.normalization.token_loss_sum`.
         constant_per_sequence: As in :func:`bert_reduce.normalization.token_loss_sum`.
@@ -354,20 +316,3 @@ def linear_cross_entropy_loss_sum(
         tp_group=tp_group,
     )
     return loss_sum, denominator
-
-
-def head_logits(forward_out: Mapping[str, Any]) -> Tensor:
-    """The ``[s, b, v]`` logits of a ``forward_out`` that carries the output layer's inputs.
-
-    For the losses that need every logit (Megatron-Core's cross-entropy).
-
-    Args:
-        forward_out: :data:`HIDDEN_STATES_KEY`, :data:`OUTPUT_WEIGHT_KEY`, optionally
-            :data:`OUTPUT_BIAS_KEY` and :data:`HIDDEN_LAYOUT_KEY`.
-
-    Returns:
-        ``F.linear(hidden, weight, bias)``, sequence first.
-    """
-    hidden = forward_out[HIDDEN_STATES_KEY]
-    logits = F.linear(hidden, forward_out[OUTPUT_WEIGHT_KEY], forward_out.get(OUTPUT_BIAS_KEY))
-    return logits.transpose(0, 1) if forward_out.get(HIDDEN_LAYOUT_KEY) == "bsh" else logits

@@ -5,10 +5,10 @@ sums and counts are added up first and divided once: averaging per-batch perplex
 per-batch mean losses) weights small batches as much as large ones. The functions here work
 on the same ``(loss_sum, denominator)`` the loss reduction produces, so the metric needs
 neither the logits nor a second forward pass. Given logits instead
-(:meth:`TokenPerplexity.update_from_logits`), it runs the library's one cross-entropy on
-logits (:func:`bert_reduce.cross_entropy_loss_sum`, without a graph): a few fp32 chunks of
-extra memory whatever the logits' dtype, and vocab-sharded logits (tensor parallelism) give
-the loss of the full vocabulary with one all-reduce.
+(:meth:`TokenPerplexity.update_from_logits`), it runs the loss's own engine
+(:func:`bert_reduce.engine.loss_terms`, without a graph): a few fp32 chunks of extra memory
+whatever the logits' dtype, and vocab-sharded logits (tensor parallelism) give the loss of
+the full vocabulary with one all-reduce.
 
 An empty set of tokens has a mean loss of 0 by the library's convention (see
 :func:`bert_reduce.functional.safe_divide`), hence a perplexity of ``exp(0) = 1.0``: never NaN.
@@ -16,7 +16,6 @@ An empty set of tokens has a mean loss of 0 by the library's convention (see
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,8 +25,8 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from bert_reduce import distributed
-from bert_reduce._deprecation import REMOVED_IN
-from bert_reduce.cross_entropy import cross_entropy_loss_sum
+from bert_reduce.engine import LossOptions, loss_terms
+from bert_reduce.forward_output import Layout
 from bert_reduce.functional import check_same_shape, safe_divide
 from bert_reduce.reports import sum_reports
 
@@ -50,30 +49,6 @@ def perplexity_from_sums(loss_sum: Tensor, denominator: Tensor) -> Tensor:
     """
     check_same_shape(loss_sum, denominator, ("loss_sum", "denominator"))
     return torch.exp(safe_divide(loss_sum.to(torch.float64), denominator))
-
-
-def _logits_loss_sums(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Detached fp64 ``(loss_sum, denominator)`` of ``[s, b, v]`` logits, without a graph."""
-    check_same_shape(labels, loss_mask, ("labels", "loss_mask"), "[b, s]")
-    with torch.no_grad():
-        loss_sum, denominator = cross_entropy_loss_sum(logits, labels, loss_mask)
-    return loss_sum.to(torch.float64), denominator.to(torch.float64)
-
-
-def token_loss_sums(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Deprecated: ``[s, b, v]`` logits, labels and mask -> detached fp64 (sum, denominator).
-
-    Use :meth:`TokenPerplexity.update_from_logits`, or
-    :func:`bert_reduce.cross_entropy_loss_sum` under ``torch.no_grad()``.
-    """
-    warnings.warn(
-        "bert_reduce.metrics.token_loss_sums is deprecated and will be removed in bert_reduce "
-        f"{REMOVED_IN}; use TokenPerplexity.update_from_logits, or "
-        "bert_reduce.cross_entropy_loss_sum under torch.no_grad().",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return _logits_loss_sums(logits, labels, loss_mask)
 
 
 class TokenPerplexity(Metric):
@@ -142,10 +117,18 @@ class TokenPerplexity(Metric):
         self.loss_sum += loss_sum.detach().to(self.loss_sum).sum()
         self.denominator += denominator.detach().to(self.denominator).sum()
 
-    def update_from_logits(self, logits: Tensor, labels: Tensor, loss_mask: Tensor) -> None:
+    def update_from_logits(
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        loss_mask: Tensor | None = None,
+        *,
+        layout: Layout = "sb",
+        **options: Any,
+    ) -> None:
         """Add one micro-batch from its logits, without keeping them; works under TP.
 
-        The losses come from :func:`bert_reduce.cross_entropy_loss_sum` without a graph:
+        The sums are the loss's (:func:`bert_reduce.engine.loss_terms`), without a graph:
         chunks of rows in fp32, so the extra memory is a few percent of the logits' bytes
         whatever their dtype, and the logits are neither copied whole nor modified. Under
         tensor parallelism (Megatron's parallel state initialized) the sums are those of the
@@ -153,14 +136,32 @@ class TokenPerplexity(Metric):
         sync.
 
         Args:
-            logits: ``[s, b, v]`` logits (``v`` this rank's vocab shard under TP).
-            labels: ``[b, s]`` integer token ids; unscored positions may hold anything.
-            loss_mask: ``[b, s]``; non-zero where the token is scored, float entries weight it.
+            logits: ``[s, b, v]`` logits (``layout="sb"``, default: Megatron's) or
+                ``[b, s, v]`` (``layout="bs"``: Hugging Face's); ``v`` this rank's vocab
+                shard under TP.
+            labels: ``[b, s]`` integer token ids; ``ignore_index`` (``-100``) where unscored.
+            loss_mask: ``[b, s]``; non-zero where the token is scored, float entries weight
+                it. ``None``: every label other than ``ignore_index`` is scored.
+            layout: The layout of ``logits``.
+            **options: Loss options (:class:`bert_reduce.LossOptions`' fields), e.g.
+                ``capacity`` or ``ignore_index``; perplexity is per token by default.
 
         Raises:
-            ValueError: On mismatched shapes (the message names them).
+            ValueError: On mismatched shapes (the message names them) or a bad option.
+
+        Example:
+            >>> metric = TokenPerplexity()
+            >>> logits, labels = torch.zeros(1, 2, 4), torch.tensor([[3, -100]])  # [b, s, v]
+            >>> metric.update_from_logits(logits, labels, layout="bs")
+            >>> metric.compute()
+            tensor(4.0000, dtype=torch.float64)
         """
-        self.update(*_logits_loss_sums(logits, labels, loss_mask))
+        batch = {"labels": labels}
+        if loss_mask is not None:
+            batch["loss_mask"] = loss_mask
+        with torch.no_grad():
+            loss_sum, denominator = loss_terms(batch, logits, LossOptions(**options), layout=layout)
+        self.update(loss_sum.to(torch.float64), denominator.to(torch.float64))
 
     def update_from_reports(self, reports: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Add loss-reduction reports; see :func:`bert_reduce.reports.sum_reports`.

@@ -1,33 +1,18 @@
 """Normalization modes: what the summed masked-token loss is divided by, exactly, under any split.
 
-Every mode turns one micro-batch's ``[b, s]`` per-token loss and ``[b, s]`` loss mask into a
-``(numerator, denominator)`` pair. Summing both over every micro-batch and every data x
-context parallel rank, then dividing once, gives the value of the whole global batch:
+Every mode turns one micro-batch's ``[b, s]`` per-token loss and mask into a
+``(numerator, denominator)`` pair whose sums over micro-batches and ranks, divided once, give
+the global value (``docs/normalization.md``): ``per_token`` (default; the mean over every
+scored token), ``per_sequence`` (the mean over sequences of each sequence's token mean) and
+``constant`` (the summed loss over ``constant_per_sequence`` times the number of sequences).
+A sequence's totals travel as two per-token ``[b, s]`` tensors computed once on the unsliced
+batch (:func:`sequence_normalizers`: ``sequence_weight``, ``sequence_start``) and sliced,
+split and packed like any other token tensor, so context-parallel shards and packed slices
+stay exact.
 
-    loss = sum_over_everything(numerator) / sum_over_everything(denominator)
-
-* ``per_token`` (default): the mean over every scored token of the global batch, divided by
-  :func:`bert_reduce.functional.token_denominator` (the exact int64 token count for a 0/1
-  mask, the sum of the weights for a weighted one).
-* ``per_sequence``: the mean over sequences of each sequence's (weighted) token mean, over the
-  sequences of the global batch with at least one scored token.
-* ``constant``: the summed loss divided by ``constant_per_sequence`` times the number of
-  sequences in the global batch, a constant when the global batch size is fixed. With
-  ``constant_per_sequence = max_seq_len`` this is TRL's "max tokens" normalization.
-
-A sequence's token mean needs its total weight over the whole sequence, which a
-context-parallel shard or a packed slice does not see. So per-sequence quantities travel as
-two per-token ``[b, s]`` tensors computed once on the unsliced batch
-(:func:`sequence_normalizers`) and sliced, split and packed like any other token tensor:
-
-* ``sequence_weight``: each token's sequence total weight (its token count for 0/1 masks);
-* ``sequence_start``: ``True`` on exactly one token of each sequence (its first), so that
-  counting these markers counts every sequence once, whichever shard holds it.
-
-:func:`token_loss_sum` turns per-token losses into a mode's ``(numerator, denominator)``;
-:func:`normalization_weights` gives each token's coefficient before any loss exists, for the
-fused head (:func:`bert_reduce.linear_cross_entropy_loss_sum`). ``masked_token_loss`` is
-NeMo's and BioNeMo's name for :func:`token_loss_sum`, kept for code ported from them.
+:func:`token_loss_sum` turns per-token losses into a mode's ``(numerator, denominator)``
+(``masked_token_loss`` is NeMo's and BioNeMo's name for it); :func:`normalization_weights`
+gives each token's coefficient before any loss exists, for the fused head.
 """
 
 from __future__ import annotations
@@ -37,7 +22,6 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from bert_reduce._deprecation import deprecated_names
 from bert_reduce.functional import (
     accumulation_dtype,
     check_same_device,
@@ -55,10 +39,6 @@ __all__ = [
     "token_loss_sum",
 ]
 
-__getattr__ = deprecated_names(
-    __name__, {"normalized_loss_terms": "bert_reduce.normalization.token_loss_sum"}
-)
-
 
 class Normalization(str, Enum):
     """What the summed loss of the global batch is divided by."""
@@ -66,6 +46,17 @@ class Normalization(str, Enum):
     PER_TOKEN = "per_token"
     PER_SEQUENCE = "per_sequence"
     CONSTANT = "constant"
+
+
+def _mode(normalization: Normalization | str) -> Normalization:
+    """The :class:`Normalization` of a mode or its name; ``ValueError`` listing the valid ones."""
+    try:
+        return Normalization(normalization)
+    except ValueError:
+        valid = ", ".join(repr(mode.value) for mode in Normalization)
+        raise ValueError(
+            f"{normalization!r} is not a normalization; choose one of {valid}."
+        ) from None
 
 
 def checked_normalization(
@@ -77,7 +68,7 @@ def checked_normalization(
         ValueError: On an unknown mode, or ``constant`` without a positive
             ``constant_per_sequence``.
     """
-    normalization = Normalization(normalization)
+    normalization = _mode(normalization)
     if normalization is Normalization.CONSTANT and (
         constant_per_sequence is None or constant_per_sequence <= 0
     ):
@@ -187,7 +178,7 @@ def token_loss_sum(
         ValueError: On mismatched shapes, an unknown mode, or a missing or non-positive
             ``constant_per_sequence`` in ``constant`` mode.
     """
-    normalization = Normalization(normalization)
+    normalization = _mode(normalization)
     check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
     check_same_device(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"))
     coefficients, scored, denominator = _coefficients(
@@ -273,7 +264,7 @@ def _coefficients(
     :func:`normalization_weights`. ``coefficients`` are ``[b, s]`` in ``acc`` (any value off
     ``scored``), ``scored`` the ``[b, s]`` bool of the tokens that reach the numerator.
     """
-    normalization = Normalization(normalization)
+    normalization = _mode(normalization)
     scored = loss_mask != 0
 
     if normalization is Normalization.PER_TOKEN:

@@ -111,8 +111,10 @@ def pack_batch(
         on the batch's device) and ``max_seqlen`` (an int, the longest padded sequence).
 
     Raises:
-        ValueError: On an empty batch (``b == 0``), a length outside ``[1, s]``, a non
-            right-padded ``attention_mask``, no lengths at all, or ``pad_to_multiple_of < 1``.
+        ValueError: On an empty batch (``b == 0``), ``input_ids``, ``labels``, ``loss_mask``
+            and ``attention_mask`` of different ``[b, s]`` (the message names them), a length
+            outside ``[1, s]``, a non right-padded ``attention_mask``, no lengths at all, or
+            ``pad_to_multiple_of < 1``.
         TypeError: On lengths that are not integers (floats are not truncated).
     """
     if pad_to_multiple_of < 1:
@@ -123,6 +125,16 @@ def pack_batch(
     if reference is None:
         raise ValueError(f"pack_batch needs a [b, s, ...] tensor; got {sorted(batch)}.")
     batch_size, seq_len = reference.shape[:2]
+    shapes = {
+        key: tuple(batch[key].shape[:2])
+        for key in ("input_ids", "labels", "loss_mask", "attention_mask")
+        if isinstance(batch.get(key), Tensor)
+    }
+    if len(set(shapes.values())) > 1:
+        raise ValueError(
+            f"pack_batch needs one [b, s] shape for every token tensor, got {shapes}: each "
+            "sequence's labels and masks must line up with its input_ids."
+        )
     if batch_size == 0:
         raise ValueError(
             f"pack_batch got a batch of b = 0 sequences (shape {tuple(reference.shape)}): "

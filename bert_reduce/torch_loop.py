@@ -34,23 +34,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from bert_reduce import distributed
-from bert_reduce.cross_entropy import Capacity, cross_entropy_token_losses
-from bert_reduce.functional import check_same_shape, safe_divide
-from bert_reduce.linear_cross_entropy import (
-    HIDDEN_LAYOUT_KEY,
-    HIDDEN_STATES_KEY,
-    OUTPUT_BIAS_KEY,
-    OUTPUT_WEIGHT_KEY,
-    linear_cross_entropy_loss_sum,
-)
-from bert_reduce.normalization import Normalization, checked_normalization, token_loss_sum
-from bert_reduce.num_scored import NUM_SCORED_KEY, NumScored
-from bert_reduce.packing import batch_sequence_normalizers
+from bert_reduce.engine import LossOptions, loss_terms, mode_terms, scored_weights
+from bert_reduce.forward_output import Layout, check_layout
+from bert_reduce.functional import safe_divide
 from bert_reduce.reports import make_report
 
 __all__ = ["GlobalBatchLoss"]
 
-LogitsLayout = Literal["bsv", "sbv"]
 GradientSync = Literal["mean", "sum"]
 
 _DEFAULT_GROUP: Any = object()
@@ -69,16 +59,16 @@ class GlobalBatchLoss:
         step_loss = loss_fn.end()
         optimizer.step()
 
-    Instead of logits, the loss takes the output layer's inputs and computes the logits of
-    the scored positions only (:func:`bert_reduce.linear_cross_entropy_loss_sum`, gradients
-    accumulated in the forward), e.g. from a Hugging Face ``EsmForMaskedLM`` or
-    ``BertForMaskedLM``::
+    Instead of logits, the loss takes any model output of :mod:`bert_reduce.forward_output`,
+    e.g. the output layer's inputs, for the fused masked-only head (the logits of the scored
+    positions only, gradients accumulated in the forward) of a Hugging Face
+    ``EsmForMaskedLM`` or ``BertForMaskedLM``::
 
         loss_fn(lm_head_inputs(model, input_ids=..., attention_mask=...), mb).backward()
 
     (:func:`bert_reduce.hf.lm_head_inputs`). A micro-batch's ``num_scored``
     (:mod:`bert_reduce.num_scored`, counted on the host) sizes the work of either path with
-    no device sync.
+    no device sync (``docs/fast_path.md``).
 
     Gradient accumulation needs no division: every share is already divided by the global
     denominator. Under DDP, wrap all but the last backward in ``model.no_sync()`` as usual;
@@ -88,23 +78,16 @@ class GlobalBatchLoss:
     checks it in :meth:`begin` and raises instead of hanging.
 
     A micro-batch is a mapping with ``labels`` (``[b, s]`` token ids, ``ignore_index`` where
-    unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights; a token
-    is scored where it is non-zero and its label is not ``ignore_index``). For the
-    per-sequence and constant modes, sequences are found by
-    :func:`bert_reduce.packing.batch_sequence_normalizers` (rows, packed boundaries under this
-    library's or Hugging Face's key names, or ``sequence_weight``/``sequence_start``).
+    unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights;
+    :func:`bert_reduce.engine.scored_weights`).
 
     Args:
         group: The ranks whose micro-batches make up the global batch (data x context
             parallel); ``None`` for none. By default, looked up at every :meth:`begin`:
             Megatron-Core's data x context group when initialized, else the default process
             group when initialized, else none (one process).
-        normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``; see
-            :mod:`bert_reduce.normalization`.
-        constant_per_sequence: The ``"constant"`` mode's denominator per sequence.
-        ignore_index: Label value of unscored tokens (``-100``, as Hugging Face).
-        logits_layout: ``"bsv"`` (default, Hugging Face's ``[b, s, v]``) or ``"sbv"``
-            (Megatron's ``[s, b, v]``).
+        layout: The layout of bare logits and of hidden states without ``hidden_layout``:
+            ``"bs"`` (default, Hugging Face's ``[b, s, v]``) or ``"sb"`` (Megatron's).
         gradient_sync: How the data-parallel wrapper combines the ranks' gradients:
             ``"mean"`` (DDP's and FSDP2's default) or ``"sum"`` (e.g. FSDP2 with
             ``set_gradient_divide_factor(1.0)``, or a hand-written all-reduce).
@@ -113,55 +96,42 @@ class GlobalBatchLoss:
         context_parallel_size: How many shards each sequence is split into (1: no context
             parallelism). Above 1, the per-sequence and constant modes need
             ``sequence_weight`` and ``sequence_start`` in every micro-batch.
-        capacity: Which rows the kernels compute when a micro-batch carries no
-            ``num_scored``: ``None`` (default) leaves it to their own default
-            (:func:`bert_reduce.cross_entropy_token_losses`,
-            :func:`bert_reduce.linear_cross_entropy_loss_sum`), else a capacity as they take
-            it.
         equal_micro_batch_counts: Require every rank of ``group`` to run as many micro-batches
             as the others (FSDP2): the all-reduce of :meth:`begin` then also carries each
             rank's count, which it reads on the host (one sync per step) and raises
             ``ValueError`` on every rank, naming the counts, when they differ. Off by default:
             DDP runs any number per rank, and the check costs a sync.
+        **options: The loss options, :class:`bert_reduce.LossOptions`' fields
+            (``normalization``, ``constant_per_sequence``, ``weight_resolution``,
+            ``capacity``, ``cross_entropy``, ``ignore_index``).
 
     Raises:
-        ValueError: On an unknown mode, layout or gradient sync, or a missing
-            ``constant_per_sequence`` in constant mode.
+        ValueError: On a bad option (:class:`bert_reduce.LossOptions`), layout or gradient
+            sync.
     """
 
     def __init__(
         self,
         group: dist.ProcessGroup | None = _DEFAULT_GROUP,
         *,
-        normalization: Normalization | str = Normalization.PER_TOKEN,
-        constant_per_sequence: int | None = None,
-        ignore_index: int = -100,
-        logits_layout: LogitsLayout = "bsv",
+        layout: Layout = "bs",
         gradient_sync: GradientSync = "mean",
         gradient_average_size: int | None = None,
         context_parallel_size: int = 1,
-        capacity: Capacity | None = None,
         equal_micro_batch_counts: bool = False,
+        **options: Any,
     ) -> None:
         self._group_argument = group
         self.group: dist.ProcessGroup | None = None
-        self.normalization = checked_normalization(normalization, constant_per_sequence)
-        if logits_layout not in ("bsv", "sbv"):
-            raise ValueError(
-                f"logits_layout must be 'bsv' ([b, s, v]) or 'sbv' ([s, b, v]), got "
-                f"{logits_layout!r}."
-            )
+        self.options = LossOptions(**options)
+        self.layout = check_layout(layout)
         if gradient_sync not in ("mean", "sum"):
             raise ValueError(f"gradient_sync must be 'mean' or 'sum', got {gradient_sync!r}.")
         if context_parallel_size < 1:
             raise ValueError(f"context_parallel_size must be >= 1, got {context_parallel_size}.")
-        self.constant_per_sequence = constant_per_sequence
-        self.ignore_index = ignore_index
-        self.logits_layout = logits_layout
         self.gradient_sync = gradient_sync
         self.gradient_average_size = gradient_average_size
         self.context_parallel_size = context_parallel_size
-        self.capacity = capacity
         self.equal_micro_batch_counts = equal_micro_batch_counts
         self._scale: Tensor | None = None
         self._expected = 0
@@ -170,48 +140,6 @@ class GlobalBatchLoss:
 
     def _group_size(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
-
-    def loss_mask(self, micro_batch: Mapping[str, Any]) -> Tensor:
-        """The ``[b, s]`` weights of the scored tokens of a micro-batch.
-
-        ``loss_mask`` where given (bool, integer or float), else 1, and 0 wherever the label
-        is ``ignore_index``.
-
-        Raises:
-            KeyError: If ``labels`` is missing.
-            ValueError: If ``labels`` is not ``[b, s]`` or ``loss_mask`` has another shape.
-        """
-        if "labels" not in micro_batch:
-            raise KeyError(f"The micro-batch has no 'labels'; it has {sorted(micro_batch)}.")
-        labels = micro_batch["labels"]
-        if labels.dim() != 2:
-            raise ValueError(f"labels must be [b, s], got shape {tuple(labels.shape)}.")
-        labelled = labels != self.ignore_index
-        mask = micro_batch.get("loss_mask")
-        if mask is None:
-            return labelled
-        check_same_shape(mask, labels, ("loss_mask", "labels"), "[b, s]")
-        return torch.where(labelled, mask, torch.zeros_like(mask))
-
-    def _mode_options(self, micro_batch: Mapping[str, Any], mask: Tensor) -> dict[str, Any]:
-        """What the mode needs besides the mask: its constant, and where sequences start."""
-        sequences = {}
-        if self.normalization is not Normalization.PER_TOKEN:
-            sequences = batch_sequence_normalizers(
-                micro_batch, mask, context_parallel_size=self.context_parallel_size
-            )
-        return {**sequences, "constant_per_sequence": self.constant_per_sequence}
-
-    def _terms(
-        self, micro_batch: Mapping[str, Any], mask: Tensor, per_token_loss: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        """``(numerator, denominator)`` of one micro-batch with its ``mask``, in the mode."""
-        if per_token_loss is None:
-            # The denominator as token_loss_sum defines it; losses do not enter it.
-            per_token_loss = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        return token_loss_sum(
-            per_token_loss, mask, self.normalization, **self._mode_options(micro_batch, mask)
-        )
 
     def begin(self, micro_batches: Sequence[Mapping[str, Any]]) -> Tensor:
         """Start a step: the global denominator, from one all-reduce over ``group``.
@@ -226,7 +154,8 @@ class GlobalBatchLoss:
 
         Raises:
             TypeError: If ``micro_batches`` is not a sequence (a generator would be used up).
-            KeyError, ValueError: On a malformed micro-batch (see :meth:`loss_mask`).
+            KeyError, ValueError: On a malformed micro-batch (see
+                :func:`bert_reduce.engine.scored_weights`).
             ValueError: With ``equal_micro_batch_counts``, on every rank, when the ranks hold
                 different numbers of micro-batches (the message lists them by rank).
         """
@@ -245,7 +174,11 @@ class GlobalBatchLoss:
         device = distributed.default_device()
         denominator = torch.zeros((), dtype=torch.float64, device=device)
         for micro_batch in micro_batches:
-            _, count = self._terms(micro_batch, self.loss_mask(micro_batch), None)
+            weights = scored_weights(micro_batch, self.options.ignore_index)
+            _, count = mode_terms(
+                micro_batch, weights, None, self.options,
+                context_parallel_size=self.context_parallel_size,
+            )  # fmt: skip
             denominator = denominator.to(count.device) + count.to(torch.float64)
         checked = self.equal_micro_batch_counts and self._group_size() > 1
         # [denominator, micro-batches of rank 0, ..., of rank n-1]: each rank fills its own
@@ -289,14 +222,9 @@ class GlobalBatchLoss:
         """This micro-batch's share of the global loss, to back-propagate; no collective.
 
         Args:
-            output: The model's logits, ``[b, s, v]`` (or ``[s, b, v]`` with
-                ``logits_layout="sbv"``), any float dtype; or the output layer's inputs, for
-                the masked-only fused head: a mapping with ``hidden_states`` (``[b, s, h]``,
-                or ``[s, b, h]``; ``hidden_layout`` says which, by default the layout of
-                ``logits_layout``), ``output_weight`` (``[v, h]``) and optionally
-                ``output_bias`` (``[v]``), such that the logits would be
-                ``F.linear(hidden_states, output_weight, output_bias)``, e.g.
-                :func:`bert_reduce.hf.lm_head_inputs`'s.
+            output: The model's logits in ``layout`` (any float dtype), or a model output of
+                :mod:`bert_reduce.forward_output`, e.g. the output layer's inputs for the
+                masked-only fused head (:func:`bert_reduce.hf.lm_head_inputs`'s).
             micro_batch: One of the micro-batches given to :meth:`begin`; its
                 ``num_scored`` (:mod:`bert_reduce.num_scored`), if any, sets how many rows
                 are computed.
@@ -309,8 +237,7 @@ class GlobalBatchLoss:
         Raises:
             RuntimeError: Before :meth:`begin`, or when called more often than it had
                 micro-batches.
-            KeyError: If ``output`` is a mapping without ``hidden_states`` or
-                ``output_weight``.
+            KeyError: If ``output`` is a mapping without the keys it needs (named).
             ValueError: If the logits' or hidden states' shape does not match the labels'.
         """
         if self._scale is None or self._calls >= self._expected:
@@ -319,78 +246,13 @@ class GlobalBatchLoss:
                 f"received {self._expected} micro-batches; call begin(micro_batches) with every "
                 "micro-batch of the step first."
             )
-        mask = self.loss_mask(micro_batch)
-        labels, num_scored = micro_batch["labels"], micro_batch.get(NUM_SCORED_KEY)
-        if isinstance(output, Mapping):
-            numerator, denominator = self._fused_head_terms(output, micro_batch, mask, num_scored)
-        else:
-            per_token_loss = self._logits_losses(output, labels, mask, num_scored)
-            numerator, denominator = self._terms(micro_batch, mask, per_token_loss)
+        numerator, denominator = loss_terms(
+            micro_batch, output, self.options, layout=self.layout,
+            context_parallel_size=self.context_parallel_size,
+        )  # fmt: skip
         self._totals = self._totals + make_report(numerator, denominator).to(self._totals)
         self._calls += 1
         return numerator * self._scale.to(device=numerator.device, dtype=numerator.dtype)
-
-    def _capacity(self) -> dict[str, Capacity]:
-        return {} if self.capacity is None else {"capacity": self.capacity}
-
-    def _logits_losses(
-        self, logits: Tensor, labels: Tensor, mask: Tensor, num_scored: NumScored | None
-    ) -> Tensor:
-        """``[b, s]`` per-token losses of the logits."""
-        if logits.dim() != 3:
-            raise ValueError(f"logits must have 3 dims, got shape {tuple(logits.shape)}.")
-        # The kernel reads [s, b, v]; a [b, s, v] tensor is that layout with the roles
-        # of b and s swapped, so it is passed as is (no copy) with transposed labels and mask.
-        if self.logits_layout == "bsv":
-            if logits.shape[:2] != mask.shape:
-                raise ValueError(
-                    f"logits of shape {tuple(logits.shape)} must be [b, s, v] for labels of "
-                    f"shape {tuple(mask.shape)}."
-                )
-            return cross_entropy_token_losses(
-                logits, labels.t(), mask.t(), num_scored=num_scored, **self._capacity()
-            ).t()
-        if logits.shape[:2] != mask.t().shape:
-            raise ValueError(
-                f"logits of shape {tuple(logits.shape)} must be [s, b, v] for labels of "
-                f"shape {tuple(mask.shape)}."
-            )
-        return cross_entropy_token_losses(
-            logits, labels, mask, num_scored=num_scored, **self._capacity()
-        )
-
-    def _fused_head_terms(
-        self,
-        output: Mapping[str, Any],
-        micro_batch: Mapping[str, Any],
-        mask: Tensor,
-        num_scored: NumScored | None,
-    ) -> tuple[Tensor, Tensor]:
-        """The mode's ``(numerator, denominator)`` from the output layer's inputs: one call.
-
-        The mode's weights are known before any loss, so the fused head accumulates the
-        gradients in the forward (:func:`bert_reduce.linear_cross_entropy_loss_sum`).
-        """
-        missing = [key for key in (HIDDEN_STATES_KEY, OUTPUT_WEIGHT_KEY) if key not in output]
-        if missing:
-            raise KeyError(
-                f"GlobalBatchLoss takes logits, or a mapping with {HIDDEN_STATES_KEY!r} and "
-                f"{OUTPUT_WEIGHT_KEY!r} (optionally {OUTPUT_BIAS_KEY!r}, {HIDDEN_LAYOUT_KEY!r}); "
-                f"this one lacks {missing} and has {sorted(output)}."
-            )
-        default_layout = "bsh" if self.logits_layout == "bsv" else "sbh"
-        return linear_cross_entropy_loss_sum(
-            output[HIDDEN_STATES_KEY],
-            output[OUTPUT_WEIGHT_KEY],
-            micro_batch["labels"],
-            mask,
-            self.normalization,
-            bias=output.get(OUTPUT_BIAS_KEY),
-            num_scored=num_scored,
-            **self._capacity(),
-            layout=output.get(HIDDEN_LAYOUT_KEY, default_layout),
-            **self._mode_options(micro_batch, mask),
-        )
 
     def end(self) -> Tensor:
         """Finish the step: the exact global loss, from one all-reduce over ``group``.

@@ -64,7 +64,7 @@ def mlm_pretrain_recipe(
         lr: Adam's learning rate.
         log_dir: Where NeMo's logger writes.
         loss_options: Keyword arguments of :class:`~bert_reduce.BERTMLMLossWithReduction`
-            (``normalization``, ``mask_capacity``, ...).
+            (``normalization``, ``capacity``, ...).
         trainer_options: Extra ``nl.Trainer`` arguments (callbacks, precision plugin, ...).
         optimizer_options: Extra ``OptimizerConfig`` fields.
 

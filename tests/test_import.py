@@ -10,7 +10,6 @@ import sys
 import warnings
 
 import pytest
-import torch
 
 import bert_reduce
 
@@ -99,67 +98,18 @@ def test_each_top_level_function_says_what_it_takes_and_returns() -> None:
             assert " -> " in first_line, f"bert_reduce.{name}: {first_line!r}"
 
 
-RENAMED = {
-    "bert_reduce": {
-        "masked_cross_entropy": "cross_entropy_loss_sum",
-        "masked_token_losses": "cross_entropy_token_losses",
-        "linear_masked_token_losses": "linear_cross_entropy_token_losses",
-        "linear_weighted_loss_sum": "linear_cross_entropy_weighted_sum",
-    },
-    "bert_reduce.cross_entropy": {
-        "masked_cross_entropy": "cross_entropy_loss_sum",
-        "masked_token_losses": "cross_entropy_token_losses",
-        "NumScored": "bert_reduce.num_scored.NumScored",
-        "scored_count": "bert_reduce.num_scored.scored_count",
-        "select_rows": "bert_reduce._vocab_parallel.select_rows",
-        "shard_stats": "bert_reduce._vocab_parallel.shard_stats",
-        "combine_shard_stats": "bert_reduce._vocab_parallel.combine_shard_stats",
-        "scatter_row_losses": "bert_reduce._vocab_parallel.scatter_row_losses",
-        "resolve_capacity": "bert_reduce._vocab_parallel.resolve_capacity",
-        "RowSelection": "bert_reduce._vocab_parallel.RowSelection",
-        "ShardedTargets": "bert_reduce._vocab_parallel.ShardedTargets",
-        "shard_targets": "bert_reduce._vocab_parallel.shard_targets",
-    },
-    "bert_reduce.linear_cross_entropy": {
-        "linear_masked_token_losses": "linear_cross_entropy_token_losses",
-        "linear_weighted_loss_sum": "linear_cross_entropy_weighted_sum",
-    },
-    "bert_reduce.functional": {
-        "masked_weighted_sum": "token_weighted_sum",
-        "masked_loss_sum": "bert_reduce.normalization.token_loss_sum",
-        "masked_token_loss": "bert_reduce.normalization.token_loss_sum",
-        "unreduced_token_loss_fn": "bert_reduce.cross_entropy.unreduced_token_loss_fn",
-    },
-    "bert_reduce.normalization": {"normalized_loss_terms": "token_loss_sum"},
-}
-
-
-def _resolve(module: str, target: str) -> object:
-    home, _, name = target.rpartition(".")
-    return getattr(importlib.import_module(home or module), name)
-
-
 @pytest.mark.parametrize(
-    ("module", "old", "new"),
-    [(module, old, new) for module, names in RENAMED.items() for old, new in names.items()],
+    ("module", "old"),
+    [
+        ("bert_reduce", "masked_cross_entropy"),
+        ("bert_reduce.cross_entropy", "select_rows"),
+        ("bert_reduce.linear_cross_entropy", "HIDDEN_STATES_KEY"),
+        ("bert_reduce.functional", "masked_weighted_sum"),
+        ("bert_reduce.metrics", "token_loss_sums"),
+    ],
 )
-def test_old_names_warn_and_are_the_new_objects(module, old, new) -> None:
-    with pytest.warns(DeprecationWarning, match=rf"{module}\.{old} is deprecated.*removed"):
-        value = getattr(importlib.import_module(module), old)
-    assert value is _resolve(module, new)
-
-
-def test_token_loss_sums_warns_and_still_gives_detached_fp64_sums() -> None:
-    from bert_reduce.metrics import token_loss_sums
-
-    logits = torch.randn(5, 2, 7, requires_grad=True)
-    labels, mask = torch.randint(0, 7, (2, 5)), torch.rand(2, 5) < 0.5
-    with pytest.warns(DeprecationWarning, match="update_from_logits"):
-        loss_sum, denominator = token_loss_sums(logits, labels, mask)
-    expected, count = bert_reduce.cross_entropy_loss_sum(logits, labels, mask)
-    assert loss_sum.dtype == denominator.dtype == torch.float64 and not loss_sum.requires_grad
-    torch.testing.assert_close(loss_sum, expected.detach().double())
-    assert int(denominator) == int(count)
+def test_no_old_name_resolves(module, old) -> None:
+    assert not hasattr(importlib.import_module(module), old)
 
 
 def test_nemo_and_bionemo_names_need_no_warning() -> None:
@@ -175,8 +125,8 @@ def test_nemo_and_bionemo_names_need_no_warning() -> None:
 PACKAGE = pathlib.Path(bert_reduce.__file__).parent
 CORE = {
     # rank: a module imports modules of its own rank or lower, never higher.
-    "_deprecation": 0,
     "distributed": 0,
+    "forward_output": 0,
     "num_scored": 0,
     "functional": 1,
     "context_parallel": 2,
@@ -187,6 +137,7 @@ CORE = {
     "cross_entropy": 3,
     "linear_cross_entropy": 3,
     "packing": 3,
+    "engine": 4,
 }
 INTEGRATIONS = {"reduction", "torch_loop", "metrics", "hf", "lightning", "megatron", "nemo"}
 FRAMEWORKS = {

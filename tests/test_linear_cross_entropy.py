@@ -20,6 +20,7 @@ from bert_reduce import (
 from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
 from bert_reduce.recipe.data import MLMCollator
 from tests.helpers.linear_reference import linear_reference, make_head_batch
+from tests.helpers.megatron_cpu import single_process_megatron
 from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
 from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
@@ -57,7 +58,7 @@ def assert_matches(got: tuple[Tensor, ...], expected: tuple[Tensor, ...], rtol: 
 
 
 @pytest.mark.parametrize("capacity", CAPACITIES)
-@pytest.mark.parametrize("layout", ["sbh", "bsh"])
+@pytest.mark.parametrize("layout", ["sb", "bs"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_linear_then_cross_entropy_fp64(capacity, layout, weighted, with_bias) -> None:
@@ -72,7 +73,7 @@ def test_matches_linear_then_cross_entropy_fp64(capacity, layout, weighted, with
     expected = linear_reference(hidden, weight, bias, labels, coef, layout)
     assert got[0].dtype == torch.float64 and got[0].shape == labels.shape
     assert_matches(got, expected, rtol=1e-10)
-    unscored = ~mask if layout == "bsh" else ~mask.t()
+    unscored = ~mask if layout == "bs" else ~mask.t()
     assert torch.equal(got[1][unscored], torch.zeros_like(got[1][unscored]))
 
 
@@ -185,14 +186,14 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
     hidden, weight, bias, labels, mask = make_head_batch()
     cases = [
         ({"hidden": hidden.transpose(0, 1)}, r"hidden of shape \(4, 9, 6\) must be \[s, b, h\]"),
-        ({"layout": "bsh"}, r"must be \[b, s, h\] = \[4, 9, h\]"),
-        ({"layout": "bs"}, "layout must be"),
+        ({"layout": "bs"}, r"must be \[b, s, h\] = \[4, 9, h\]"),
+        ({"layout": "bsh"}, "layout must be"),
         ({"weight": weight[:, :5]}, r"weight of shape \(13, 5\) must be \[v, h\] with h = 6"),
         ({"bias": bias[:4]}, r"bias of shape \(4,\) must be \[v\] = \[13\]"),
         ({"mask": mask[:, :4]}, r"loss_mask of shape \(4, 4\)"),
         ({"weight": weight.float()}, "must share one dtype"),
         ({"chunk_rows": 0}, "chunk_rows and chunk_vocab must be positive"),
-        ({"sequence_parallel": True, "layout": "bsh"}, "sequence_parallel=True needs"),
+        ({"sequence_parallel": True, "layout": "bs"}, "sequence_parallel=True needs"),
         ({"labels": labels.double()}, "labels must be integer token ids"),
         ({"weight": weight.to("meta")}, "hidden is on cpu and weight on meta"),
         ({"bias": bias.to("meta")}, "weight is on cpu and bias on meta"),
@@ -260,13 +261,19 @@ def test_loss_reduction_with_head_inputs_matches_reference_in_every_mode(
 
 
 @pytest.mark.parametrize("cross_entropy", ["masked", "megatron"])
-@pytest.mark.parametrize("layout", ["sbh", "bsh"])
+@pytest.mark.parametrize("layout", ["sb", "bs"])
 def test_head_inputs_and_logits_give_the_same_loss(cross_entropy, layout) -> None:
+    # Megatron-Core's kernel needs its parallel state (one gloo rank here).
+    with single_process_megatron() if cross_entropy == "megatron" else contextlib.nullcontext():
+        _head_inputs_and_logits_give_the_same_loss(cross_entropy, layout)
+
+
+def _head_inputs_and_logits_give_the_same_loss(cross_entropy, layout) -> None:
     hidden, weight, bias, labels, mask = make_head_batch(layout=layout)
     loss_fn = BERTMLMLossWithReduction(cross_entropy=cross_entropy, check_labels=True)
     loss_fn.setup({"labels": labels, "loss_mask": mask})
     logits = F.linear(hidden, weight, bias)
-    from_logits = loss_fn({"token_logits": logits.transpose(0, 1) if layout == "bsh" else logits})
+    from_logits = loss_fn({"token_logits": logits.transpose(0, 1) if layout == "bs" else logits})
     from_head = loss_fn(
         {
             "hidden_states": hidden,
@@ -347,14 +354,14 @@ def fused_sum(
 
 def weighted_reference(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, coef: Tensor,
-    layout: str = "sbh",
+    layout: str = "sb",
 ) -> tuple[Tensor, ...]:  # fmt: skip
     losses, *grads = linear_reference(hidden, weight, bias, labels, coef, layout)
     return (losses * coef).sum(), *grads
 
 
 @pytest.mark.parametrize("capacity", ["nonzero", "all", 15, 0.5])
-@pytest.mark.parametrize("layout", ["sbh", "bsh"])
+@pytest.mark.parametrize("layout", ["sb", "bs"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("passes", list(PASSES))
 def test_weighted_loss_sum_matches_linear_then_cross_entropy_fp64(
@@ -416,7 +423,7 @@ def test_without_a_count_only_the_scored_rows_are_computed(entry, capacity) -> N
             )
         else:
             loss_fn = BERTMLMLossWithReduction(
-                **({} if capacity is None else {"mask_capacity": capacity})
+                **({} if capacity is None else {"capacity": capacity})
             )
             loss_fn.setup({"labels": labels, "loss_mask": mask})
             loss_fn({"hidden_states": hidden, "output_weight": weight, "output_bias": bias})

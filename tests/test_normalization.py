@@ -102,7 +102,10 @@ def test_constant_worked_example_and_validation() -> None:
         token_loss_sum(per_token, mask, "constant")
     with pytest.raises(ValueError, match="constant_per_sequence"):
         BERTMLMLossWithReduction(normalization="constant")
-    with pytest.raises(ValueError, match="'per_batch' is not a valid Normalization"):
+    with pytest.raises(
+        ValueError,
+        match="'per_batch' is not a normalization; choose one of 'per_token', 'per_sequence'",
+    ):
         token_loss_sum(per_token, mask, "per_batch")
     with pytest.raises(ValueError, match=r"sequence_weight of shape \(2, 1\)"):
         token_loss_sum(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss, get_batch_on_this_cp_rank
+from bert_reduce.engine import scored_weights
 from bert_reduce.normalization import sequence_normalizers
 from bert_reduce.packing import pack_batch, position_sequence_normalizers, unpack_sequences
 from tests.helpers.mode_reference import (
@@ -46,7 +47,7 @@ def run_steps(
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None,
     sizes: list[int],
-    layout: str = "bsv",
+    layout: str = "bs",
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drive GlobalBatchLoss over row micro-batches in one process; loss and [s, b, v] grad."""
@@ -58,16 +59,16 @@ def run_steps(
             mb["loss_mask"] = loss_mask[start : start + size]
         micro_batches.append((slice(start, start + size), mb))
         start += size
-    loss_fn = GlobalBatchLoss(group=None, logits_layout=layout, **kwargs)
+    loss_fn = GlobalBatchLoss(group=None, layout=layout, **kwargs)
     loss_fn.begin([mb for _, mb in micro_batches])
     for rows, mb in micro_batches:
         logits = leaf[:, rows]
-        loss_fn(logits.transpose(0, 1) if layout == "bsv" else logits, mb).backward()
+        loss_fn(logits.transpose(0, 1) if layout == "bs" else logits, mb).backward()
     return loss_fn.end(), leaf.grad
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", ["bsv", "sbv"])
+@pytest.mark.parametrize("layout", ["bs", "sb"])
 @pytest.mark.parametrize("weights", [False, True])
 @pytest.mark.parametrize("sizes", [[8], [1, 3, 2, 2], [3, 0, 5], [1] * 8])
 def test_every_mode_layout_and_split_equals_reference(mode, layout, weights, sizes) -> None:
@@ -145,7 +146,7 @@ def head_batch(b: int = 8, s: int = 10, h: int = 6, v: int = 7):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", ["bsv", "sbv"])
+@pytest.mark.parametrize("layout", ["bs", "sb"])
 @pytest.mark.parametrize("counted", [False, True])
 def test_hidden_states_and_the_output_layer_equal_the_reference(mode, layout, counted) -> None:
     """The fused head through GlobalBatchLoss: F.linear + F.cross_entropy on the whole batch."""
@@ -163,45 +164,18 @@ def test_hidden_states_and_the_output_layer_equal_the_reference(mode, layout, co
     if counted:  # the host count of a collator: the work is sized with no sync
         for mb in micro_batches:
             mb["num_scored"] = int(mb["loss_mask"].count_nonzero())
-    loss_fn = GlobalBatchLoss(
-        group=None, logits_layout=layout, normalization=mode, **mode_kwargs(mode)
-    )
+    loss_fn = GlobalBatchLoss(group=None, layout=layout, normalization=mode, **mode_kwargs(mode))
     loss_fn.begin(micro_batches)
     for rows, mb in zip(splits, micro_batches, strict=True):
         part = leaves[0][:, rows]
-        # The layout follows logits_layout unless the mapping says otherwise.
-        output = {"hidden_states": part.transpose(0, 1) if layout == "bsv" else part}
+        # The layout follows layout unless the mapping says otherwise.
+        output = {"hidden_states": part.transpose(0, 1) if layout == "bs" else part}
         output |= {"output_weight": leaves[1], "output_bias": leaves[2]}
         with forbid_host_syncs() if counted else contextlib.nullcontext():
             loss_fn(output, mb).backward()
     torch.testing.assert_close(loss_fn.end(), ref_loss.detach(), rtol=1e-12, atol=0)
     for leaf, ref in zip(leaves, ref_leaves, strict=True):
         torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-10, atol=1e-15)
-
-
-def test_fused_head_equals_the_logits_path_and_reads_the_layout_key() -> None:
-    hidden, weight, bias, labels, mask = head_batch()
-    mb = {"labels": labels, "loss_mask": mask, "num_scored": int(mask.sum())}
-    logits = torch.nn.functional.linear(hidden, weight, bias)  # [s, b, v]
-    results = []
-    for output in (
-        logits.transpose(0, 1),
-        {"hidden_states": hidden.transpose(0, 1), "output_weight": weight, "output_bias": bias},
-        {"hidden_states": hidden, "hidden_layout": "sbh", "output_weight": weight,
-         "output_bias": bias},
-    ):  # fmt: skip
-        loss_fn = GlobalBatchLoss(group=None)
-        loss_fn.begin([mb])
-        results.append(loss_fn(output, mb))
-    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=0)
-    torch.testing.assert_close(results[2], results[0], rtol=1e-12, atol=0)
-    # The micro-batch's count reaches both kernels: one too few poisons the loss.
-    under = {**mb, "num_scored": mb["num_scored"] - 1}
-    for output in (logits.transpose(0, 1), {"hidden_states": hidden, "hidden_layout": "sbh",
-                                            "output_weight": weight}):  # fmt: skip
-        loss_fn = GlobalBatchLoss(group=None)
-        loss_fn.begin([under])
-        assert loss_fn(output, under).isnan()
 
 
 def test_errors_name_what_to_do() -> None:
@@ -225,7 +199,7 @@ def test_errors_name_what_to_do() -> None:
         GlobalBatchLoss(group=None, gradient_sync="avg")  # type: ignore[arg-type]
     loss_fn = GlobalBatchLoss(group=None)
     loss_fn.begin([{"labels": labels}])
-    with pytest.raises(KeyError, match=r"lacks \['output_weight'\] and has \['hidden_states'\]"):
+    with pytest.raises(KeyError, match=r"no 'output_weight' key; it has \['hidden_states'\]"):
         loss_fn({"hidden_states": bsv}, {"labels": labels})
     with pytest.raises(ValueError, match=r"hidden of shape \(4, 2, 5\) must be \[b, s, h\]"):
         loss_fn({"hidden_states": logits, "output_weight": torch.zeros(3, 5)}, {"labels": labels})
@@ -296,7 +270,7 @@ def test_hf_packed_batch_equals_unpacked_in_every_mode(mode, keys, multiple) -> 
 
     # The Megatron / NeMo path reads the same keys through the same lookup.
     megatron_loss = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
-    megatron_mb = {**mb, "loss_mask": loss_fn.loss_mask(mb)}
+    megatron_mb = {**mb, "loss_mask": scored_weights(mb)}
     megatron_loss.setup(megatron_mb)
     _, _, report = megatron_loss({"token_logits": hf["logits"].transpose(0, 1)})
     torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-12, atol=0)

@@ -18,6 +18,7 @@ mean. It uses Trainer's public hooks (the class docstring lists them); see
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections.abc import Iterator
@@ -28,15 +29,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from bert_reduce import distributed
+from bert_reduce.engine import LossOptions, loss_terms, mode_terms, scored_weights, token_losses
 from bert_reduce.functional import safe_divide
-from bert_reduce.hf.token_losses import (
-    batch_loss_terms,
-    fused_head_loss_terms,
-    masked_lm_token_losses,
-    sample_loss_terms,
-    scored_weights,
-)
-from bert_reduce.normalization import Normalization, checked_normalization
+from bert_reduce.hf.lm_head import lm_head_inputs
+from bert_reduce.hf.token_losses import sample_loss_terms, split_model_inputs
+from bert_reduce.torch_loop import GlobalBatchLoss
 
 try:
     import transformers
@@ -124,23 +121,21 @@ class ExactMLMTrainer(Trainer):
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments.
-        normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``; see
-            :mod:`bert_reduce.normalization`. Packed batches (Hugging Face's
-            ``DataCollatorWithFlattening``: ``position_ids``, or ``cu_seq_lens_q``) count
-            each packed sequence.
-        constant_per_sequence: The ``"constant"`` mode's denominator per sequence.
         fused_head: Train through the masked-only fused head (``EsmForMaskedLM`` and
             ``BertForMaskedLM``): no ``[b, s, v]`` logits in training, nor in evaluation
             without ``compute_metrics``. The number of scored tokens of each micro-batch is
             read on the host once per optimizer step (one sync), so that exactly those rows
             are computed.
-        ignore_index: Label value of unscored tokens.
-        **kwargs: ``transformers.Trainer``'s keyword arguments.
+        **kwargs: ``transformers.Trainer``'s keyword arguments, and the loss options
+            (:class:`bert_reduce.LossOptions`' fields: ``normalization``,
+            ``constant_per_sequence``, ``weight_resolution``, ``capacity``,
+            ``cross_entropy``, ``ignore_index``). Packed batches (Hugging Face's
+            ``DataCollatorWithFlattening``: ``position_ids``, or ``cu_seq_lens_q``) count
+            each packed sequence in the per-sequence and constant modes.
 
     Raises:
         RuntimeError: With a ``transformers`` lacking the hooks above.
-        ValueError: On an unknown normalization, ``constant`` without
-            ``constant_per_sequence``, a ``compute_loss_func``, label smoothing, or several
+        ValueError: On a bad loss option, a ``compute_loss_func``, label smoothing, or several
             GPUs in one process (``DataParallel``).
         TypeError: With ``fused_head`` for a model other than ``EsmForMaskedLM`` or
             ``BertForMaskedLM``.
@@ -153,17 +148,13 @@ class ExactMLMTrainer(Trainer):
     def __init__(
         self,
         *args: Any,
-        normalization: Normalization | str = Normalization.PER_TOKEN,
-        constant_per_sequence: int | None = None,
         fused_head: bool = False,
-        ignore_index: int = -100,
         **kwargs: Any,
     ) -> None:
         _check_trainer_hooks()
-        self.normalization = checked_normalization(normalization, constant_per_sequence)
-        self.constant_per_sequence = constant_per_sequence
+        names = [field.name for field in dataclasses.fields(LossOptions)]
+        self.options = LossOptions(**{name: kwargs.pop(name) for name in names if name in kwargs})
         self.fused_head = fused_head
-        self.ignore_index = ignore_index
         # Evaluation sums: [loss_sum, denominator, labelled batches] of this process, and the
         # same of the eval set's last batch, gathered without the sampler's duplicates.
         self._eval_local: Tensor | None = None
@@ -202,6 +193,13 @@ class ExactMLMTrainer(Trainer):
         # The model gets no labels and computes no loss: Trainer must not count tokens for it
         # (nor all-gather the count under average_tokens_across_devices).
         self.model_accepts_loss_kwargs = False
+        # The step's global denominator and each micro-batch's share, as a PyTorch loop has
+        # them; DDP's mean over the processes is what the share's world size undoes.
+        self._global_loss = GlobalBatchLoss(
+            self._loss_group(),
+            gradient_average_size=self.accelerator.num_processes,
+            **dataclasses.asdict(self.options),
+        )
 
     def _loss_group(self) -> dist.ProcessGroup | None:
         """The data-parallel processes whose batches make up the global batch."""
@@ -220,22 +218,15 @@ class ExactMLMTrainer(Trainer):
             ``num_scored`` (read on the host here, once per step), unless it has one.
         """
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        denominator = torch.zeros((), dtype=torch.float64, device=device)
-        scored_counts = []
-        for batch in batches:
-            weights = scored_weights(batch, self.ignore_index)
-            _, count = batch_loss_terms(
-                batch, weights, None, self.normalization, self.constant_per_sequence
-            )
-            denominator = denominator + count.to(device=device, dtype=torch.float64)
-            scored_counts.append(torch.count_nonzero(weights))
-        distributed.all_reduce_sum_(denominator, self._loss_group())
-        if self.fused_head and scored_counts:
+        if self.fused_head and batches:
             # One host read for the whole step: the fused head then computes exactly the
             # scored rows of each micro-batch without a sync of its own.
-            for batch, count in zip(batches, torch.stack(scored_counts).tolist(), strict=True):
+            ignore_index = self.options.ignore_index
+            counts = [torch.count_nonzero(scored_weights(b, ignore_index)) for b in batches]
+            for batch, count in zip(batches, torch.stack(counts).tolist(), strict=True):
                 batch.setdefault("num_scored", count)
-        return batches, denominator
+        denominator = self._global_loss.begin(batches)
+        return batches, denominator.to(device)
 
     def compute_loss(
         self,
@@ -258,39 +249,27 @@ class ExactMLMTrainer(Trainer):
             and averaged over processes are the global loss), or the batch's mean without
             ``num_items_in_batch``; with ``return_outputs``, ``(loss, outputs)``.
         """
-        weights = scored_weights(inputs, self.ignore_index)
         fused = self.fused_head and (model.training or not self._logits_wanted)
-        num_scored = inputs.get("num_scored")
-        if fused and num_scored is None and not model.training:
-            # Evaluation has no step to read the count in: read it here (a host sync).
-            num_scored = int(torch.count_nonzero(weights))
-        per_token_loss, outputs = None, None
-        if fused and model.training:
-            # Training needs only the sum, whose weights are known in the forward: the fused
-            # head accumulates the gradients there (evaluation keeps each token's loss).
-            numerator, denominator = fused_head_loss_terms(
-                model, inputs, weights, self.normalization, self.constant_per_sequence,
-                num_scored=num_scored,
-            )  # fmt: skip
+        model_inputs = split_model_inputs(inputs)
+        outputs = None
+        if fused:
+            forward_out = lm_head_inputs(model, **model_inputs)
         else:
-            per_token_loss, outputs = masked_lm_token_losses(
-                model, inputs, weights, fused_head=fused, num_scored=num_scored
-            )
-            numerator, denominator = batch_loss_terms(
-                inputs, weights, per_token_loss, self.normalization, self.constant_per_sequence
-            )
-        if self._eval_local is not None and not model.training:
-            self._add_eval_terms(inputs, weights, per_token_loss, numerator, denominator)
-        if num_items_in_batch is None:
+            outputs = model(**model_inputs)
+            forward_out = outputs.logits
+        if model.training and num_items_in_batch is not None:
+            # This micro-batch's share of the step that get_batch_samples began.
+            loss = self._global_loss(forward_out, inputs)
+        elif model.training:
+            loss = safe_divide(*loss_terms(inputs, forward_out, self.options, layout="bs"))
+        else:
+            # Evaluation keeps each token's loss, for the per-sample sums of the last batch.
+            weights = scored_weights(inputs, self.options.ignore_index)
+            losses = token_losses(inputs, forward_out, self.options, layout="bs", weights=weights)
+            numerator, denominator = mode_terms(inputs, weights, losses, self.options)
+            if self._eval_local is not None:
+                self._add_eval_terms(inputs, weights, losses, numerator, denominator)
             loss = safe_divide(numerator, denominator)
-        else:
-            global_denominator = torch.as_tensor(
-                num_items_in_batch, dtype=torch.float64, device=numerator.device
-            )
-            # share = loss_sum * world / global_denominator: DDP's mean over the world's
-            # processes then sums the shares. 0 (not NaN) when the step scores nothing.
-            world = torch.full_like(global_denominator, self.accelerator.num_processes)
-            loss = numerator * safe_divide(world, global_denominator).to(numerator.dtype)
         if return_outputs:
             return loss, ({} if outputs is None else outputs)
         return loss
@@ -315,9 +294,7 @@ class ExactMLMTrainer(Trainer):
                     "across processes (it has no length): give evaluate() a dataset with "
                     "__len__, or evaluate on one process."
                 )
-            terms = sample_loss_terms(
-                inputs, weights, losses, self.normalization, self.constant_per_sequence
-            )
+            terms = sample_loss_terms(inputs, weights, losses, self.options)
             gathered = self.accelerator.gather_for_metrics(terms)
             self._eval_last = self._eval_last + torch.cat([gathered.sum(dim=0), one])
         else:

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from bert_reduce.linear_cross_entropy import (
+from bert_reduce.forward_output import (
     HIDDEN_LAYOUT_KEY,
     HIDDEN_STATES_KEY,
     OUTPUT_BIAS_KEY,
@@ -153,7 +153,7 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
 
     Returns:
         The ``forward_out`` of the fused head: ``hidden_states`` (``[b, s, h]``, after the
-        head's dense layer, activation and LayerNorm), ``hidden_layout`` (``"bsh"``),
+        head's dense layer, activation and LayerNorm), ``hidden_layout`` (``"bs"``),
         ``output_weight`` (``[v, h]``, the decoder's weight, tied to the embeddings) and
         ``output_bias`` (``[v]``).
 
@@ -176,7 +176,7 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
         hidden = model(**inputs).logits
     return {
         HIDDEN_STATES_KEY: hidden,
-        HIDDEN_LAYOUT_KEY: "bsh",
+        HIDDEN_LAYOUT_KEY: "bs",
         OUTPUT_WEIGHT_KEY: seen["weight"],
         OUTPUT_BIAS_KEY: seen["bias"],
     }

@@ -29,7 +29,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from bert_reduce._vocab_parallel import gather_sequence_parallel
-from bert_reduce.linear_cross_entropy import (
+from bert_reduce.forward_output import (
     HIDDEN_LAYOUT_KEY,
     HIDDEN_STATES_KEY,
     OUTPUT_BIAS_KEY,
@@ -115,7 +115,7 @@ def output_layer_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
             loss from the stopped layer's empty logits. The loss reads the batch's labels.
 
     Returns:
-        ``{"hidden_states": [s, b, h], "hidden_layout": "sbh", "output_weight": [v/tp, h],
+        ``{"hidden_states": [s, b, h], "hidden_layout": "sb", "output_weight": [v/tp, h],
         "output_bias": [v/tp] or None}`` on the last pipeline stage (with sequence
         parallelism the hidden states are whole, ``[s, b, h]``), else the model's output.
 
@@ -146,4 +146,4 @@ def output_layer_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
             f"{type(inner).__name__}.forward did not call its output_layer; "
             "output_layer_inputs needs a model that does (on the last pipeline stage)."
         )
-    return {HIDDEN_LAYOUT_KEY: "sbh", **seen}
+    return {HIDDEN_LAYOUT_KEY: "sb", **seen}

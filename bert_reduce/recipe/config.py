@@ -21,6 +21,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from bert_reduce.engine import LossOptions
 from bert_reduce.normalization import Normalization
 
 __all__ = [
@@ -56,7 +57,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     pad_id: int = 1
     init_std: float = 0.02
-    fused_lm_head: bool = True
+    fused_head: bool = True
 
 
 @dataclass
@@ -81,7 +82,7 @@ class HFEsm2ModelConfig:
     mask_id: int = 32
     init_std: float = 0.02
     attn_implementation: str = "sdpa"
-    fused_lm_head: bool = True
+    fused_head: bool = True
 
 
 @dataclass
@@ -127,14 +128,20 @@ NormalizationName.__doc__ = (
 
 @dataclass
 class LossConfig:
-    """The training loss, :class:`bert_reduce.BERTMLMLossWithReduction`.
+    """The training loss, :class:`bert_reduce.BERTMLMLossWithReduction`, and its options.
 
-    Validation always reports the per-token mean (``val_loss``, ``val_ppl``).
+    The fields are :class:`bert_reduce.LossOptions`' (same names, same defaults, checked
+    there). Validation always reports the per-token mean (``val_loss``, ``val_ppl``).
     """
 
     _target_: str = "bert_reduce.BERTMLMLossWithReduction"
     normalization: NormalizationName = NormalizationName.per_token  # type: ignore[valid-type]
-    constant_per_sequence: int | None = None
+    constant_per_sequence: int | None = LossOptions.constant_per_sequence
+    weight_resolution: int | None = LossOptions.weight_resolution
+    # "all", "nonzero", a row count or a fraction: a union OmegaConf cannot type.
+    capacity: Any = LossOptions.capacity
+    cross_entropy: str = LossOptions.cross_entropy
+    ignore_index: int | None = LossOptions.ignore_index
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The model is built from an ``EsmConfig`` (ESM-2 8M's shape by default) or loaded from a local
 checkpoint directory (``save_pretrained``'s; nothing is downloaded). Like the recipe's own
 :class:`~bert_reduce.recipe.model.ESM2Model` it returns ``{"token_logits": [s, b, v]}``, so
-the same exact loss trains it. With ``fused_lm_head=True`` (as the recipe's own model) it
+the same exact loss trains it. With ``fused_head=True`` (as the recipe's own model) it
 returns in training mode what the loss's masked-only fused head consumes,
 :func:`bert_reduce.hf.lm_head_inputs` (``hidden_states`` ``[b, s, h]``, ``output_weight``,
 ``output_bias``), without computing the ``[s, b, v]`` logits.
@@ -45,7 +45,7 @@ class HFEsm2Model(nn.Module):
         mask_id: The ``<mask>`` id (used by ``token_dropout``).
         init_std: Standard deviation of the weight initialization.
         attn_implementation: ``"sdpa"`` or ``"eager"`` (Hugging Face's choices).
-        fused_lm_head: In training mode, return the decoder's inputs (see the module
+        fused_head: In training mode, return the decoder's inputs (see the module
             docstring) instead of ``token_logits``, for the loss's masked-only fused head; in
             eval mode, and with ``False``, return the logits.
 
@@ -69,7 +69,7 @@ class HFEsm2Model(nn.Module):
         mask_id: int = HFEsm2ModelConfig.mask_id,
         init_std: float = HFEsm2ModelConfig.init_std,
         attn_implementation: str = HFEsm2ModelConfig.attn_implementation,
-        fused_lm_head: bool = HFEsm2ModelConfig.fused_lm_head,
+        fused_head: bool = HFEsm2ModelConfig.fused_head,
     ) -> None:
         super().__init__()
         try:
@@ -113,7 +113,7 @@ class HFEsm2Model(nn.Module):
         # The contact-prediction head is not on the masked-LM path: it never gets a gradient,
         # which DDP would refuse as unused parameters.
         self.model.esm.contact_head.requires_grad_(False)
-        self.fused_lm_head = fused_lm_head
+        self.fused_head = fused_head
 
     def forward(
         self,
@@ -132,11 +132,11 @@ class HFEsm2Model(nn.Module):
                 variable-length attention on CPU); given only to name the problem.
             cu_seqlens_padded: As ``cu_seqlens``.
             logits: Return ``token_logits`` (``True``) or the decoder's inputs (``False``);
-                ``None``: the inputs in training mode with ``fused_lm_head``, else the logits.
+                ``None``: the inputs in training mode with ``fused_head``, else the logits.
 
         Returns:
             ``{"token_logits": [s, b, v]}``; or ``{"hidden_states": [b, s, h],
-            "hidden_layout": "bsh", "output_weight": [v, h], "output_bias": [v]}``.
+            "hidden_layout": "bs", "output_weight": [v, h], "output_bias": [v]}``.
 
         Raises:
             ValueError: On a packed batch.
@@ -147,7 +147,7 @@ class HFEsm2Model(nn.Module):
                 "data.pack_sequences=false."
             )
         if logits is None:
-            logits = not (self.training and self.fused_lm_head)
+            logits = not (self.training and self.fused_head)
         if logits:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
             return {"token_logits": out.transpose(0, 1)}

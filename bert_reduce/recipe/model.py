@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bert_reduce.linear_cross_entropy import (
+from bert_reduce.forward_output import (
     HIDDEN_LAYOUT_KEY,
     HIDDEN_STATES_KEY,
     OUTPUT_BIAS_KEY,
@@ -132,7 +132,7 @@ class ESM2Model(nn.Module):
         tie_embeddings: Share the LM decoder weight with the token embeddings (as ESM-2).
         pad_id: The ``<pad>`` id; its embedding row starts at zero.
         init_std: Standard deviation of the normal weight initialization.
-        fused_lm_head: In training mode, return the decoder's inputs (``hidden_states``,
+        fused_head: In training mode, return the decoder's inputs (``hidden_states``,
             ``output_weight``, ``output_bias``) instead of ``token_logits``, for the loss's
             masked-only fused head; in eval mode, and with ``False``, return the logits.
 
@@ -152,7 +152,7 @@ class ESM2Model(nn.Module):
         tie_embeddings: bool = ModelConfig.tie_embeddings,
         pad_id: int = ModelConfig.pad_id,
         init_std: float = ModelConfig.init_std,
-        fused_lm_head: bool = ModelConfig.fused_lm_head,
+        fused_head: bool = ModelConfig.fused_head,
     ) -> None:
         super().__init__()
         sizes = {
@@ -179,7 +179,7 @@ class ESM2Model(nn.Module):
         self.lm_dense = nn.Linear(hidden_size, hidden_size)
         self.lm_norm = nn.LayerNorm(hidden_size)
         self.lm_decoder = nn.Linear(hidden_size, vocab_size)
-        self.fused_lm_head = fused_lm_head
+        self.fused_head = fused_head
         self._init_weights(init_std, num_layers)
         if tie_embeddings:
             self.lm_decoder.weight = self.embed_tokens.weight
@@ -219,11 +219,11 @@ class ESM2Model(nn.Module):
             cu_seqlens_padded: ``[n + 1]`` where each sequence starts in the row when they are
                 padded (``cu_seqlens`` when ``None``); padding slots are never attended to.
             logits: Return ``token_logits`` (``True``) or the decoder's inputs (``False``);
-                ``None``: the inputs in training mode with ``fused_lm_head``, else the logits.
+                ``None``: the inputs in training mode with ``fused_head``, else the logits.
 
         Returns:
             ``{"token_logits": [s, b, v]}``, sequence first as in Megatron (``[T, 1, v]``
-            when packed); or ``{"hidden_states": [b, s, h], "hidden_layout": "bsh",
+            when packed); or ``{"hidden_states": [b, s, h], "hidden_layout": "bs",
             "output_weight": [v, h], "output_bias": [v]}``, whose ``F.linear`` gives them.
 
         Raises:
@@ -255,13 +255,13 @@ class ESM2Model(nn.Module):
             x = block(x, attn_mask, positions)
         x = self.lm_norm(F.gelu(self.lm_dense(self.final_norm(x))))
         if logits is None:
-            logits = not (self.training and self.fused_lm_head)
+            logits = not (self.training and self.fused_head)
         if logits:
             return {"token_logits": self.lm_decoder(x).transpose(0, 1)}
         # [b, s, h] as computed: the loss reads it in this layout without a copy.
         return {
             HIDDEN_STATES_KEY: x,
-            HIDDEN_LAYOUT_KEY: "bsh",
+            HIDDEN_LAYOUT_KEY: "bs",
             OUTPUT_WEIGHT_KEY: self.lm_decoder.weight,
             OUTPUT_BIAS_KEY: self.lm_decoder.bias,
         }

@@ -15,7 +15,7 @@ def make_head_batch(
     *,
     mask_prob: float = 0.3,
     empty_rows: tuple[int, ...] = (),
-    layout: str = "sbh",
+    layout: str = "sb",
     seed: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fp64 hidden (``[s, b, h]`` or ``[b, s, h]``), ``[v, h]`` weight, ``[v]`` bias, labels, mask.
@@ -23,7 +23,7 @@ def make_head_batch(
     Unscored labels are -100, so that nothing can rely on them.
     """
     gen = torch.Generator().manual_seed(seed)
-    shape = (s, b, h) if layout == "sbh" else (b, s, h)
+    shape = (s, b, h) if layout == "sb" else (b, s, h)
     hidden = torch.randn(shape, generator=gen, dtype=torch.float64)
     weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
     bias = torch.randn(v, generator=gen, dtype=torch.float64)
@@ -40,7 +40,7 @@ def linear_reference(
     bias: Tensor | None,
     labels: Tensor,
     coef: Tensor,
-    layout: str = "sbh",
+    layout: str = "sb",
 ) -> tuple[Tensor, ...]:
     """``sum(coef * F.cross_entropy(F.linear(hidden, weight, bias)))`` over ``coef != 0``.
 
@@ -50,7 +50,7 @@ def linear_reference(
     leaves = [t.detach().to(torch.float64).requires_grad_(True) for t in (hidden, weight)]
     bias_leaf = None if bias is None else bias.detach().to(torch.float64).requires_grad_(True)
     logits = F.linear(leaves[0], leaves[1], bias_leaf)
-    logits_bsv = logits.transpose(0, 1) if layout == "sbh" else logits
+    logits_bsv = logits.transpose(0, 1) if layout == "sb" else logits
     scored = coef != 0
     per_token = F.cross_entropy(logits_bsv[scored], labels[scored], reduction="none")
     (per_token * coef[scored].to(torch.float64)).sum().backward()

@@ -23,7 +23,6 @@ from transformers import DataCollatorWithFlattening, Trainer
 
 from bert_reduce.hf import ExactMLMTrainer
 from tests.helpers import hf_trainer as H
-from tests.helpers.mode_reference import reference_mode_loss
 
 EXACT = 1e-9  # relative, fp64
 LOGGED = 1e-6  # Trainer accumulates the logged loss in fp32
@@ -168,37 +167,6 @@ def test_fused_head_forms_no_logits_in_training(kind: str) -> None:
         trainer.compute_metrics = lambda prediction: {}
         trainer.evaluate()  # compute_metrics needs the logits
         assert decoder_calls and not any(decoder_calls)
-
-
-@pytest.mark.parametrize("mode", ["per_sequence", "constant"])
-def test_normalization_modes(mode: str) -> None:
-    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
-    constant = H.SEQ_LEN
-    model = H.tiny_model("esm")
-    batch = H.stack(rows)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"]
-    loss = reference_mode_loss(
-        logits.transpose(0, 1), labels, labels != -100, mode, constant_per_sequence=constant
-    )
-    loss.backward()
-    reference = H._grads(model)
-    with tempfile.TemporaryDirectory() as tmp:
-        args = H.training_arguments(
-            tmp, per_device_train_batch_size=2, gradient_accumulation_steps=4
-        )
-        trainer = ExactMLMTrainer(
-            model=H.tiny_model("esm"),
-            args=args,
-            train_dataset=H.ListDataset(rows),
-            normalization=mode,
-            constant_per_sequence=constant if mode == "constant" else None,
-        )
-        capture = H.GradientAtStep()
-        trainer.add_callback(capture)
-        trainer.train()
-    assert H.relative_error(capture.grads, reference) <= EXACT
-    assert H.relative(H.logged_losses(trainer)[0], loss.item()) <= LOGGED
 
 
 def _packable_rows() -> list[dict[str, list[int]]]:

@@ -42,7 +42,7 @@ def test_head_inputs_reproduce_the_logits_and_their_gradients(kind: str) -> None
 
     model = _model(kind)
     out = lm_head_inputs(model, **inputs)
-    assert out["hidden_layout"] == "bsh" and out["hidden_states"].shape == (3, 9, 16)
+    assert out["hidden_layout"] == "bs" and out["hidden_states"].shape == (3, 9, 16)
     assert out["output_weight"].shape == (logits.size(-1), 16)
     torch.testing.assert_close(
         F.linear(out["hidden_states"], out["output_weight"], out["output_bias"]),
@@ -56,7 +56,7 @@ def test_head_inputs_reproduce_the_logits_and_their_gradients(kind: str) -> None
         torch.where(scored, labels, 0),
         scored,
         bias=out["output_bias"],
-        layout="bsh",
+        layout="bs",
     )
     losses.sum().backward()
     for (name, expected), param in zip(

@@ -1,4 +1,4 @@
-"""bert_reduce.hf.token_losses: per-token losses of HF batches, batch and per-sample terms."""
+"""bert_reduce.hf.token_losses: the model's inputs and the per-sample terms of HF batches."""
 
 from __future__ import annotations
 
@@ -8,13 +8,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from bert_reduce.hf.token_losses import (
-    batch_loss_terms,
-    masked_lm_token_losses,
-    sample_loss_terms,
-    scored_weights,
-    split_model_inputs,
-)
+from bert_reduce.engine import LossOptions, mode_terms, scored_weights, token_losses
+from bert_reduce.hf import lm_head_inputs
+from bert_reduce.hf.token_losses import sample_loss_terms, split_model_inputs
 from bert_reduce.normalization import Normalization
 from tests.helpers import hf_trainer as H
 
@@ -26,16 +22,17 @@ def _batch() -> dict[str, torch.Tensor]:
     return H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
 
 
-def test_scored_weights_and_model_inputs() -> None:
-    batch = _batch()
-    assert torch.equal(scored_weights(batch), batch["labels"] != -100)
-    batch["loss_mask"] = torch.full(batch["labels"].shape, 0.5, dtype=torch.float64)
-    weights = scored_weights(batch)
-    assert torch.equal(weights, torch.where(batch["labels"] != -100, 0.5, 0.0).double())
-    batch["num_scored"] = 36
+def _options(mode: Normalization) -> LossOptions:
+    return LossOptions(normalization=mode, constant_per_sequence=CONSTANT)
+
+
+def _terms(batch, weights, losses, mode):
+    return mode_terms(batch, weights, losses, _options(mode))
+
+
+def test_model_inputs_leave_out_the_loss_keys() -> None:
+    batch = {**_batch(), "loss_mask": torch.ones(8, 1), "num_scored": 36}
     assert sorted(split_model_inputs(batch)) == ["attention_mask", "input_ids"]
-    with pytest.raises(KeyError, match="labels"):
-        scored_weights({"input_ids": batch["input_ids"]})
 
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
@@ -43,16 +40,14 @@ def test_scored_weights_and_model_inputs() -> None:
 def test_token_losses_are_cross_entropy_on_scored_tokens(kind: str, fused_head: bool) -> None:
     batch = _batch()
     model = H.tiny_model(kind)
-    weights = scored_weights(batch)
-    losses, outputs = masked_lm_token_losses(
-        model, batch, weights, fused_head=fused_head, num_scored=int(weights.sum())
-    )
-    logits = model(**split_model_inputs(batch)).logits
+    inputs = split_model_inputs(batch)
+    logits = model(**inputs).logits
+    forward_out = lm_head_inputs(model, **inputs) if fused_head else logits
+    losses = token_losses(batch, forward_out, LossOptions(), layout="bs")
     scored = batch["labels"] != -100
     expected = F.cross_entropy(logits[scored], batch["labels"][scored], reduction="none")
     torch.testing.assert_close(losses[scored], expected, rtol=1e-12, atol=1e-12)
     assert torch.equal(losses[~scored], torch.zeros_like(losses[~scored]))
-    assert (outputs is None) == fused_head
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -60,15 +55,13 @@ def test_sample_terms_of_rows(mode: Normalization) -> None:
     batch = _batch()
     weights = scored_weights(batch)
     losses = torch.rand(weights.shape, dtype=torch.float64)
-    samples = sample_loss_terms(batch, weights, losses, mode, CONSTANT)
+    samples = sample_loss_terms(batch, weights, losses, _options(mode))
     assert samples.shape == (8, 2)
-    numerator, denominator = batch_loss_terms(batch, weights, losses, mode, CONSTANT)
+    numerator, denominator = _terms(batch, weights, losses, mode)
     torch.testing.assert_close(samples.sum(0), torch.stack([numerator, denominator.double()]))
     for row in range(8):
         alone = {key: value[row : row + 1] for key, value in batch.items()}
-        pair = batch_loss_terms(
-            alone, weights[row : row + 1], losses[row : row + 1], mode, CONSTANT
-        )
+        pair = _terms(alone, weights[row : row + 1], losses[row : row + 1], mode)
         torch.testing.assert_close(samples[row], torch.stack([pair[0], pair[1].double()]))
 
 
@@ -90,12 +83,12 @@ def test_sample_terms_of_packed_sequences(mode: Normalization, boundaries: str) 
         del packed["position_ids"]
     weights = scored_weights(packed)
     losses = torch.rand(weights.shape, dtype=torch.float64)
-    samples = sample_loss_terms(packed, weights, losses, mode, CONSTANT)
+    samples = sample_loss_terms(packed, weights, losses, _options(mode))
     assert samples.shape == (8, 2)
     start = 0
     for index, length in enumerate(H.TRAIN_LENGTHS):
         part = slice(start, start + length)
         alone = {"labels": packed["labels"][:, part]}
-        pair = batch_loss_terms(alone, weights[:, part], losses[:, part], mode, CONSTANT)
+        pair = _terms(alone, weights[:, part], losses[:, part], mode)
         torch.testing.assert_close(samples[index], torch.stack([pair[0], pair[1].double()]))
         start += length

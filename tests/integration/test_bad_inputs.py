@@ -295,6 +295,28 @@ def head_without_weight(tmp: Path) -> str:
     return "scored"
 
 
+def bare_logits(tmp: Path) -> str:
+    logits, labels = logits_labels()
+    mask = labels % 2 == 0
+    loss_fn = BERTMLMLossWithReduction()
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    loss_sum, count, _ = loss_fn(logits)
+    expected = cross_entropy_loss_sum(logits, labels, mask)
+    assert torch.equal(loss_sum, expected[0]) and torch.equal(count, expected[1])
+    return "scored as the logits, in the loss's `layout` (`[s, b, v]` here): the same loss"
+
+
+def normalization_typo(tmp: Path) -> str:
+    BERTMLMLossWithReduction(normalization="per_tokens")
+    return "accepted"
+
+
+def pack_short_labels(tmp: Path) -> str:
+    ids = torch.ones(2, 8, dtype=torch.long)
+    pack_batch({"input_ids": ids, "labels": ids[:, :7], "attention_mask": ids}, None)
+    return "packed"
+
+
 def megatron_head_of(model: torch.nn.Module) -> Callable[[Path], str]:
     def probe(tmp: Path) -> str:
         from bert_reduce.megatron import output_layer_inputs
@@ -479,6 +501,21 @@ PROBES = [
         ValueError,
         r"needs packed of shape \[1, T, \.\.\.\], got \(2, 6\)",
     ),
+    Probe("library", "a bare logits tensor as `forward_out`", bare_logits),
+    Probe(
+        "library",
+        "a normalization typo (`'per_tokens'`)",
+        normalization_typo,
+        ValueError,
+        "'per_tokens' is not a normalization; choose one of 'per_token', 'per_sequence'",
+    ),
+    Probe(
+        "library",
+        "`pack_batch` with `labels` shorter than `input_ids`",
+        pack_short_labels,
+        ValueError,
+        r"'input_ids': \(2, 8\), 'labels': \(2, 7\)",
+    ),
     Probe(
         "library",
         "`pack_batch` with float lengths",
@@ -526,7 +563,7 @@ PROBES = [
         "`GlobalBatchLoss` given hidden states without `output_weight`",
         head_without_weight,
         KeyError,
-        r"lacks \['output_weight'\]",
+        r"forward_out has no 'output_weight' key",
     ),
     Probe(
         "library",

@@ -52,9 +52,7 @@ def _data_parallel_body() -> None:
 
     for capacity in ["all", 0.7]:
         with forbid_host_syncs():
-            forward_calls, reduce_calls, reduced, grad = _training_step(
-                *local, mask_capacity=capacity
-            )
+            forward_calls, reduce_calls, reduced, grad = _training_step(*local, capacity=capacity)
         assert dict(forward_calls) == {}, (capacity, dict(forward_calls))
         assert dict(reduce_calls) == {"all_reduce": 1}, (capacity, dict(reduce_calls))
         torch.testing.assert_close(reduced, ref_loss, rtol=1e-12, atol=0)

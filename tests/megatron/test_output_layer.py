@@ -55,7 +55,7 @@ def test_fused_head_gives_the_logits_paths_loss_and_gradients(megatron) -> None:
         loss_fn.setup({**batch, "num_scored": count} if count is not None else batch)
         if output == "fused":
             forward_out = output_layer_inputs(model, *inputs)
-            assert forward_out["hidden_layout"] == "sbh"
+            assert forward_out["hidden_layout"] == "sb"
             assert forward_out["output_weight"] is model.embedding.word_embeddings.weight
             assert forward_out["output_bias"] is model.output_layer.bias
         else:

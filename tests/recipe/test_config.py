@@ -116,8 +116,8 @@ def test_instantiate_every_part(tmp_path: Path) -> None:
 
     module = build_module(cfg)
     assert isinstance(module.loss_fn, BERTMLMLossWithReduction)
-    assert module.loss_fn.normalization is Normalization.CONSTANT
-    assert module.loss_fn.constant_per_sequence == 40
+    assert module.loss_fn.options.normalization is Normalization.CONSTANT
+    assert module.loss_fn.options.constant_per_sequence == 40
     assert module.micro_batch_size == cfg.data.micro_batch_size
     optimizer = module.optimizer_factory(module.parameters())
     assert isinstance(optimizer, torch.optim.AdamW)

@@ -42,7 +42,7 @@ def test_defaults_are_esm2_8m_and_typed() -> None:
 def test_instantiated_model_gives_sbv_logits_and_fused_head_inputs() -> None:
     torch.manual_seed(0)
     model = instantiate(make(*TINY).model)
-    assert isinstance(model, HFEsm2Model) and model.fused_lm_head
+    assert isinstance(model, HFEsm2Model) and model.fused_head
     ids = torch.randint(4, 24, (3, 9))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
@@ -52,12 +52,12 @@ def test_instantiated_model_gives_sbv_logits_and_fused_head_inputs() -> None:
     model.train()
     head = model(ids, mask)
     assert set(head) == {"hidden_states", "hidden_layout", "output_weight", "output_bias"}
-    assert head["hidden_states"].shape == (3, 9, 16) and head["hidden_layout"] == "bsh"
+    assert head["hidden_states"].shape == (3, 9, 16) and head["hidden_layout"] == "bs"
     assert head["output_weight"] is model.model.esm.embeddings.word_embeddings.weight  # tied
     recomputed = head["hidden_states"] @ head["output_weight"].T + head["output_bias"]
     torch.testing.assert_close(recomputed.transpose(0, 1), logits, rtol=1e-6, atol=1e-6)
     assert "token_logits" in model(ids, mask, logits=True)
-    model.fused_lm_head = False
+    model.fused_head = False
     assert "token_logits" in model(ids, mask)
 
 

@@ -112,7 +112,7 @@ def test_fused_head_outputs_in_training_logits_in_eval() -> None:
     ids = torch.randint(4, 24, (3, 7))
     fused = model(ids)
     assert set(fused) == {"hidden_states", "hidden_layout", "output_weight", "output_bias"}
-    assert fused["hidden_layout"] == "bsh" and fused["hidden_states"].shape == (3, 7, 32)
+    assert fused["hidden_layout"] == "bs" and fused["hidden_states"].shape == (3, 7, 32)
     assert fused["output_weight"] is model.embed_tokens.weight
     logits = torch.nn.functional.linear(
         fused["hidden_states"], fused["output_weight"], fused["output_bias"]
@@ -120,4 +120,4 @@ def test_fused_head_outputs_in_training_logits_in_eval() -> None:
     expected = model(ids, logits=True)["token_logits"]
     torch.testing.assert_close(logits.transpose(0, 1), expected, rtol=1e-12, atol=1e-12)
     assert set(model.eval()(ids)) == {"token_logits"}
-    assert set(ESM2Model(hidden_size=32, num_heads=4, fused_lm_head=False)(ids)) == {"token_logits"}
+    assert set(ESM2Model(hidden_size=32, num_heads=4, fused_head=False)(ids)) == {"token_logits"}

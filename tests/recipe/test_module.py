@@ -47,7 +47,7 @@ def test_fused_head_gives_the_gradients_of_the_logits(mode, packed) -> None:
     )
     assert "num_scored" in batch
     fused_loss, fused_grads = gradients(model, batch, mode)
-    model.fused_lm_head = False
+    model.fused_head = False
     dense_loss, dense_grads = gradients(model, batch, mode)
     torch.testing.assert_close(fused_loss, dense_loss, rtol=1e-12, atol=0)
     assert fused_grads.keys() == dense_grads.keys()

@@ -1,0 +1,123 @@
+"""What the losses read from a model's output: the forward-output keys, by layout.
+
+A model hands the loss one mapping (``forward_out``); its key, never its shape, says what a
+tensor is, so a ``[b, s, v]`` tensor with ``b == s`` is not read as ``[s, b, v]``:
+
+* ``token_logits``: ``[s, b, v]`` logits (Megatron, BioNeMo; ``v`` sharded under TP);
+* ``logits``: ``[b, s, v]`` logits (Hugging Face, NeMo's BERT);
+* ``lm_loss``: ``[b, s]`` per-token losses (Megatron's and NeMo's BERT given labels);
+* ``hidden_states`` with ``output_weight`` (``[v, h]``) and optionally ``output_bias``
+  (``[v]``): the output layer's inputs, for the fused masked-only head; ``hidden_layout``
+  (``"sb"``: ``[s, b, h]``, ``"bs"``: ``[b, s, h]``) says their layout.
+
+A bare tensor is read as logits. Its layout, and that of hidden states without a
+``hidden_layout``, is the integration's convention: ``"sb"`` for
+:class:`bert_reduce.BERTMLMLossWithReduction` and :class:`bert_reduce.TokenPerplexity`
+(Megatron's), ``"bs"`` for :class:`bert_reduce.GlobalBatchLoss` and
+:class:`bert_reduce.hf.ExactMLMTrainer` (Hugging Face's); each takes ``layout=`` to say
+otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "FORWARD_OUT_LAYOUTS",
+    "HIDDEN_LAYOUT_KEY",
+    "HIDDEN_STATES_KEY",
+    "LAYOUTS",
+    "OUTPUT_BIAS_KEY",
+    "OUTPUT_WEIGHT_KEY",
+    "ForwardOutKey",
+    "Layout",
+    "check_layout",
+    "forward_out_key",
+    "head_logits",
+]
+
+HIDDEN_STATES_KEY = "hidden_states"
+"""``forward_out`` key of the hidden states that enter the output layer."""
+OUTPUT_WEIGHT_KEY = "output_weight"
+"""``forward_out`` key of the output layer's ``[v, h]`` weight."""
+OUTPUT_BIAS_KEY = "output_bias"
+"""``forward_out`` key of the output layer's ``[v]`` bias (optional)."""
+HIDDEN_LAYOUT_KEY = "hidden_layout"
+"""``forward_out`` key of the hidden states' :data:`Layout` (optional)."""
+
+Layout = Literal["bs", "sb"]
+"""``"bs"``: batch first (``[b, s, v]`` logits, ``[b, s, h]`` hidden states; Hugging Face);
+``"sb"``: sequence first (``[s, b, v]``, ``[s, b, h]``; Megatron)."""
+LAYOUTS: tuple[Layout, ...] = ("bs", "sb")
+
+FORWARD_OUT_LAYOUTS: dict[str, str] = {
+    "token_logits": "[s, b, v] logits",
+    "logits": "[b, s, v] logits",
+    "lm_loss": "[b, s] per-token losses",
+    HIDDEN_STATES_KEY: "hidden states and output_weight, for the fused masked-only head",
+}
+"""The keys a loss reads, with what each holds (the first three are scored as they are)."""
+
+ForwardOutKey = Literal[tuple(FORWARD_OUT_LAYOUTS)]  # type: ignore[valid-type]
+"""The keys of :data:`FORWARD_OUT_LAYOUTS`, as a type."""
+
+_SCORED_AS_GIVEN = tuple(key for key in FORWARD_OUT_LAYOUTS if key != HIDDEN_STATES_KEY)
+
+
+def check_layout(layout: object, name: str = "layout") -> Layout:
+    """``layout`` if it is ``"bs"`` or ``"sb"``; else ``ValueError`` naming ``name``."""
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"{name} must be 'bs' ([b, s, ...], Hugging Face) or 'sb' ([s, b, ...], Megatron), "
+            f"got {layout!r}."
+        )
+    return layout  # type: ignore[return-value]
+
+
+def forward_out_key(forward_out: Mapping[str, Any], key: str | None = None) -> ForwardOutKey:
+    """Which entry of ``forward_out`` to score: ``key``, else the one present.
+
+    Raises:
+        ValueError: On a ``key`` that is not one of :data:`FORWARD_OUT_LAYOUTS`.
+        KeyError: If ``forward_out`` holds several of ``token_logits``, ``logits``,
+            ``lm_loss`` (or none of them and no ``hidden_states``) and no ``key`` says which.
+    """
+    if key is not None:
+        if key not in FORWARD_OUT_LAYOUTS:
+            raise ValueError(
+                f"forward_out_key must be one of {sorted(FORWARD_OUT_LAYOUTS)}, got {key!r}."
+            )
+        return key  # type: ignore[return-value]
+    present = [name for name in _SCORED_AS_GIVEN if name in forward_out]
+    if len(present) == 1:
+        return present[0]  # type: ignore[return-value]
+    if not present and HIDDEN_STATES_KEY in forward_out:
+        return HIDDEN_STATES_KEY
+    raise KeyError(
+        f"forward_out must hold exactly one of {list(_SCORED_AS_GIVEN)} "
+        f"({', '.join(FORWARD_OUT_LAYOUTS[name] for name in _SCORED_AS_GIVEN)}), or "
+        f"{HIDDEN_STATES_KEY!r} with {OUTPUT_WEIGHT_KEY!r}; it has {sorted(forward_out)}. "
+        "Pass forward_out_key= to say which one to use."
+    )
+
+
+def head_logits(forward_out: Mapping[str, Any], layout: Layout = "sb") -> Tensor:
+    """The ``[s, b, v]`` logits of a ``forward_out`` that carries the output layer's inputs.
+
+    For the losses that need every logit (Megatron-Core's cross-entropy).
+
+    Args:
+        forward_out: :data:`HIDDEN_STATES_KEY`, :data:`OUTPUT_WEIGHT_KEY`, optionally
+            :data:`OUTPUT_BIAS_KEY` and :data:`HIDDEN_LAYOUT_KEY`.
+        layout: The hidden states' layout when ``forward_out`` has no ``hidden_layout``.
+
+    Returns:
+        ``F.linear(hidden, weight, bias)``, sequence first.
+    """
+    hidden = forward_out[HIDDEN_STATES_KEY]
+    logits = F.linear(hidden, forward_out[OUTPUT_WEIGHT_KEY], forward_out.get(OUTPUT_BIAS_KEY))
+    return logits.transpose(0, 1) if forward_out.get(HIDDEN_LAYOUT_KEY, layout) == "bs" else logits
