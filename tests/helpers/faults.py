@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bert_reduce.lightning.run_checkpoint import LAST_NAME, RunCheckpoint
-from bert_reduce.recipe import checkpoint_io
+from bert_reduce.recipe import files
+from bert_reduce.recipe.callbacks import LAST_NAME, RunCheckpoint
 from bert_reduce.recipe.csv_logger import AppendingCSVLogger
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,11 +123,11 @@ def install(kind: str, step: int) -> None:
 
         def filling_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
             handle = open(file, mode, *args, **kwargs)
-            if "w" in mode and _current_step == step:
+            if mode == "wb" and _current_step == step:
                 return FillingFile(handle, room=64 * 1024)
             return handle
 
-        checkpoint_io.open = filling_open  # type: ignore[attr-defined]  # the module's open only
+        files.open = filling_open  # type: ignore[attr-defined]  # the module's open only
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_reduce.recipe import checkpoint_io
-from bert_reduce.recipe.checkpoint_io import AtomicCheckpointIO
+from bert_reduce.recipe import files
+from bert_reduce.recipe.files import AtomicCheckpointIO
 from tests.helpers.faults import FillingFile
 
 
@@ -53,7 +53,7 @@ def test_a_full_disk_is_named_with_the_file_and_its_cause(
     def filling_open(file, mode="r", *args, **kwargs):
         return FillingFile(open(file, mode, *args, **kwargs), room=64 * 1024)
 
-    monkeypatch.setattr(checkpoint_io, "open", filling_open, raising=False)
+    monkeypatch.setattr(files, "open", filling_open, raising=False)
     with pytest.raises(OSError) as raised:
         AtomicCheckpointIO().save_checkpoint({"weights": torch.zeros(1 << 16)}, path)
     error = raised.value
