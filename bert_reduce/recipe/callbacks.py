@@ -1,13 +1,9 @@
-"""The recipe's fault tolerance: stop at a step boundary on a signal, checkpoint at step ends.
+"""The recipe's fault tolerance: stop at a step boundary, checkpoint once the step is logged.
 
-Together they make a run that is stopped (``SIGTERM``, ``Ctrl+C``) or killed at any instant
-(``kill -9``, the out-of-memory killer, a lost node) resumable with every logged row exactly
-once and, with dropout, bit-exact. Lightning's own ``SIGTERM`` handler stops wherever its loops
-next check, possibly mid-validation where no checkpoint is taken (and under Lightning 2.6 runs
-a collective inside the signal handler); ``SIGINT`` raises ``KeyboardInterrupt`` anywhere.
-Lightning's ``ModelCheckpoint`` also saves after validation and when training ends, with the
-loops in other states (a ``last.ckpt`` written at ``max_steps`` mid-epoch records that epoch
-as finished), and before the step's metrics are logged.
+A signal stops training at a step boundary; checkpoints are taken at step ends, put in place
+only once the step is logged, and carry every rank's generators. A run stopped or killed at
+any instant then resumes with every logged row exactly once, bit-exact with dropout
+(docs/recipe.md, "Preemptible clusters").
 """
 
 from __future__ import annotations
@@ -50,12 +46,14 @@ LAST_NAME = "last.ckpt"
 class StopOnSignal(Callback):
     """Stop training at the next step boundary after ``SIGTERM``/``SIGINT``, with a checkpoint.
 
-    During training its handler only records the signal. At the end of each step the ranks
-    agree whether any received one (one all-reduce of a flag, only with several ranks); if so
-    :attr:`stop_signal` is set, :class:`RunCheckpoint` saves ``last.ckpt`` for this step,
-    Lightning logs (and validates, if due), and the next step's start raises Lightning's public
-    ``SIGTERMException(128 + stop_signal)`` before any of its work. A second ``SIGINT`` stops at
-    once. Lightning puts the previous handlers back when ``fit`` ends.
+    Lightning's own ``SIGTERM`` handler stops wherever its loops next check, possibly
+    mid-validation where no checkpoint is taken (under Lightning 2.6 it also runs a collective
+    inside the handler), and ``SIGINT`` raises ``KeyboardInterrupt`` anywhere. This handler
+    only records the signal. At the end of each step the ranks agree whether any received one
+    (one all-reduce of a flag); if so :attr:`stop_signal` is set, :class:`RunCheckpoint` saves
+    ``last.ckpt`` for this step, Lightning logs (and validates, if due), and the next step's
+    start raises Lightning's public ``SIGTERMException(128 + stop_signal)``. A second ``SIGINT``
+    stops at once. Lightning puts the previous handlers back when ``fit`` ends.
 
     Args:
         signals: The signals that request a stop.
@@ -77,7 +75,7 @@ class StopOnSignal(Callback):
             signal.Signals(signum).name,
         )
 
-    def _install(self) -> None:
+    def _install(self, *args: Any) -> None:
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
                 signal.signal(signum, self._handle)
@@ -86,13 +84,8 @@ class StopOnSignal(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.received = self.stop_signal = None
 
-    @override
-    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._install()
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._install()
+    # Once Lightning installed its own handlers: at the sanity check, if any, and training.
+    on_sanity_check_start = on_train_start = _install
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -141,20 +134,20 @@ def set_rng_states(states: dict[str, Any]) -> None:
 class RunCheckpoint(Checkpoint):
     """Periodic and ``last.ckpt`` checkpoints at step ends, in place once the step is logged.
 
-    A step's checkpoints are written under temporary names at its end and renamed into place
-    at the next step boundary (the next step's start, the end of training, or a stop by
-    ``SIGTERMException`` outside validation), after the loggers saved: a checkpoint in place
-    is never ahead of the logged rows. ``last.ckpt`` goes last, so a ``last.ckpt`` in place
-    says its step's checkpoints are all in place. Any other failure drops them. ``keep_last``
-    deletes old periodic checkpoints only once a newer one is in place.
+    Checkpoints are taken only at step ends, the one point where resume is exact (Lightning's
+    ``ModelCheckpoint`` also saves after validation and when training ends: a ``last.ckpt``
+    written at ``max_steps`` mid-epoch records that epoch as finished). Lightning logs a
+    step's metrics *after* its checkpoint callbacks run, so a step's checkpoints are written
+    under temporary names and renamed into place at the next step boundary (the next step's
+    start, the end of training, or a ``SIGTERMException`` outside validation), after the
+    loggers saved; ``last.ckpt`` last. Any other failure drops them. ``keep_last`` deletes
+    old periodic checkpoints only once a newer one is in place.
 
-    The checkpoints hold every rank's generator states (:func:`get_rng_states`, gathered:
-    every rank takes part in a save), put back right before the first resumed step, after
-    whatever ran since the load (sanity validation, the data iterator), so that dropout draws
-    the uninterrupted run's masks. Between a save and the next step an uninterrupted run must
-    not draw from the global generators: validation runs without dropout, and the recipe's
-    loaders seed their workers from their own ``generator``. Resumed on another number of
-    ranks, it restores the states it has and logs a warning.
+    Every rank's generator states (:func:`get_rng_states`) travel in the checkpoint and are
+    put back right before the first resumed step, after whatever ran since the load (sanity
+    validation, the data iterator), so that dropout draws the uninterrupted run's masks (the
+    recipe's validation draws nothing, its loaders seed workers from their own generator).
+    Resumed on another number of ranks, it restores the states it has, with a warning.
 
     Args:
         dirpath: Where checkpoints go (``<default_root_dir>/checkpoints`` when ``None``).
