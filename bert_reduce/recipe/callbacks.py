@@ -29,13 +29,7 @@ from typing_extensions import override
 
 from bert_reduce.recipe.files import put_in_place, temporary_name, write_atomically
 
-__all__ = [
-    "LAST_NAME",
-    "RunCheckpoint",
-    "StopOnSignal",
-    "get_rng_states",
-    "set_rng_states",
-]
+__all__ = ["LAST_NAME", "RunCheckpoint", "StopOnSignal"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +97,7 @@ class StopOnSignal(Callback):
             raise SIGTERMException(128 + self.stop_signal)
 
 
-def get_rng_states() -> dict[str, Any]:
+def _get_rng_states() -> dict[str, Any]:
     """This process' generator states, in types a ``weights_only`` checkpoint load accepts.
 
     Returns:
@@ -119,8 +113,8 @@ def get_rng_states() -> dict[str, Any]:
     }
 
 
-def set_rng_states(states: dict[str, Any]) -> None:
-    """Restore what :func:`get_rng_states` returned."""
+def _set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`_get_rng_states` returned."""
     random.setstate(states["python"])
     key, position, has_gauss, cached_gaussian = states["numpy"]
     np.random.set_state(
@@ -143,7 +137,7 @@ class RunCheckpoint(Checkpoint):
     loggers saved; ``last.ckpt`` last. Any other failure drops them. ``keep_last`` deletes
     old periodic checkpoints only once a newer one is in place.
 
-    Every rank's generator states (:func:`get_rng_states`) travel in the checkpoint and are
+    Every rank's generator states (Python, NumPy, torch, CUDA) travel in the checkpoint and are
     put back right before the first resumed step, after whatever ran since the load (sanity
     validation, the data iterator), so that dropout draws the uninterrupted run's masks (the
     recipe's validation draws nothing, its loaders seed workers from their own generator).
@@ -195,10 +189,10 @@ class RunCheckpoint(Checkpoint):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        ranks = [get_rng_states()]
+        ranks = [_get_rng_states()]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, get_rng_states())
+            dist.all_gather_object(ranks, _get_rng_states())
         return {"periodic": [[step, name] for step, name in self.periodic], "rng": ranks}
 
     @override
@@ -254,7 +248,7 @@ class RunCheckpoint(Checkpoint):
                 len(ranks),
                 trainer.world_size,
             )
-        set_rng_states(ranks[trainer.global_rank % len(ranks)])
+        _set_rng_states(ranks[trainer.global_rank % len(ranks)])
 
     @override
     def on_train_batch_end(
