@@ -9,15 +9,12 @@ from bert_reduce.lightning.exact_module import (
     OptimizerFactory,
     split_micro_batches,
 )
-from bert_reduce.lightning.rng_state import RNGStateCheckpoint
-from bert_reduce.lightning.run_checkpoint import RunCheckpoint
 from bert_reduce.lightning.sampling import (
     GlobalBatchSampler,
     ShardedEvalBatchSampler,
     check_no_repeated_samples,
     check_sampler_placement,
 )
-from bert_reduce.lightning.stop_on_signal import StopOnSignal
 from bert_reduce.lightning.validation_perplexity import (
     ValidationPerplexityCallback,
     ValidationResult,
@@ -28,10 +25,7 @@ __all__ = [
     "GlobalBatchSampler",
     "LRSchedulerFactory",
     "OptimizerFactory",
-    "RNGStateCheckpoint",
-    "RunCheckpoint",
     "ShardedEvalBatchSampler",
-    "StopOnSignal",
     "ValidationPerplexityCallback",
     "ValidationResult",
     "check_no_repeated_samples",

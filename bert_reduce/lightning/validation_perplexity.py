@@ -24,6 +24,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from bert_reduce.functional import safe_divide
+from bert_reduce.lightning._lightning_private import (
+    callback_state_key,
+    restart_validation_from_its_start,
+)
 from bert_reduce.lightning.sampling import check_no_repeated_samples
 from bert_reduce.metrics import TokenPerplexity, perplexity_from_sums
 
@@ -67,11 +71,10 @@ class ValidationPerplexityCallback(Callback):
     reach the sync. The last epoch's :class:`ValidationResult` is kept in :attr:`result` and in
     checkpoints.
 
-    Resuming from a checkpoint saved in the middle of a validation epoch, Lightning (2.6) runs
-    that epoch again from the loader's first batch but stops early, as many batches short as
-    were done before the interruption (Lightning-AI/pytorch-lightning#19549). The callback
-    resets that epoch's batch progress when training starts, so the epoch runs whole, and
-    starts every epoch from zero sums: a resumed run reports the values of an uninterrupted one.
+    Resumed from a checkpoint saved in the middle of a validation epoch, the callback runs
+    that epoch whole (:func:`~bert_reduce.lightning._lightning_private.
+    restart_validation_from_its_start`) from zero sums: a resumed run reports the values of an
+    uninterrupted one.
 
     Args:
         loss_key: Name the token-weighted mean validation loss is logged under.
@@ -102,16 +105,11 @@ class ValidationPerplexityCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # The key Lightning's (private) Callback._generate_state_key makes, written out.
-        keys = {"loss_key": self.loss_key, "ppl_key": self.ppl_key}
-        return f"{type(self).__qualname__}{keys!r}"
+        return callback_state_key(self, loss_key=self.loss_key, ppl_key=self.ppl_key)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        # Lightning < 2.5 (NeMo 2 pins 2.4) has no restarted_mid_evaluation.
-        if getattr(val_loop, "restarted_mid_evaluation", False):
-            val_loop.batch_progress.reset_on_run()
+        restart_validation_from_its_start(trainer)
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

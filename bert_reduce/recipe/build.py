@@ -24,11 +24,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from omegaconf import DictConfig, OmegaConf
 
-from bert_reduce.lightning import RNGStateCheckpoint, StopOnSignal
-from bert_reduce.lightning.run_checkpoint import LAST_NAME
-from bert_reduce.recipe.checkpoint_io import AtomicCheckpointIO
+from bert_reduce.recipe.callbacks import LAST_NAME, StopOnSignal
 from bert_reduce.recipe.csv_logger import METRICS_FILE, AppendingCSVLogger, read_metrics
 from bert_reduce.recipe.datamodule import ESMDataModule
+from bert_reduce.recipe.files import AtomicCheckpointIO
 from bert_reduce.recipe.module import ESM2MLMModule
 from bert_reduce.recipe.plot import plot_metrics
 from bert_reduce.recipe.resume import (
@@ -95,18 +94,14 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """One callback per non-null entry of ``cfg.callbacks``.
 
     The progress bar is left out when ``trainer.enable_progress_bar`` is false (Lightning
-    refuses a progress-bar callback then).
-    Always added: :class:`~bert_reduce.lightning.StopOnSignal` (a ``SIGTERM``/``SIGINT``
-    stops training at a step boundary with a checkpoint) and, when checkpointing,
-    :class:`~bert_reduce.lightning.RNGStateCheckpoint` (bit-exact resume with dropout).
+    refuses a progress-bar callback then). Always added:
+    :class:`~bert_reduce.recipe.callbacks.StopOnSignal` (a ``SIGTERM``/``SIGINT`` stops
+    training at a step boundary with a checkpoint).
     """
     nodes = dict(cfg.callbacks)
     if not cfg.trainer.enable_progress_bar:
         nodes.pop("progress_bar", None)
-    callbacks: list[pl.Callback] = [StopOnSignal()]
-    if cfg.trainer.enable_checkpointing and cfg.callbacks.checkpoint is not None:
-        callbacks.append(RNGStateCheckpoint())
-    return callbacks + [instantiate(node) for node in nodes.values() if node is not None]
+    return [StopOnSignal()] + [instantiate(node) for node in nodes.values() if node is not None]
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> list[Logger]:
@@ -174,7 +169,7 @@ def _not_a_tip(record: logging.LogRecord) -> bool:
 def build_trainer(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> pl.Trainer:
     """The Trainer of ``cfg.trainer`` with the callbacks, loggers and resolved precision.
 
-    Checkpoints are written atomically (:class:`~bert_reduce.recipe.checkpoint_io.
+    Checkpoints are written atomically (:class:`~bert_reduce.recipe.files.
     AtomicCheckpointIO`).
     """
     return instantiate(

@@ -205,14 +205,14 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """:class:`bert_reduce.lightning.RunCheckpoint`, in ``checkpoints/`` unless ``dirpath``.
+    """:class:`bert_reduce.recipe.callbacks.RunCheckpoint`, in ``checkpoints/`` unless ``dirpath``.
 
     Every ``every_n_train_steps`` steps; ``last.ckpt`` also at the last step and when a
     signal stops training. ``keep_last``: keep only that many periodic checkpoints, the
     newest (``null``: all); ``last.ckpt`` is always kept.
     """
 
-    _target_: str = "bert_reduce.lightning.RunCheckpoint"
+    _target_: str = "bert_reduce.recipe.callbacks.RunCheckpoint"
     dirpath: str | None = None
     filename: str = "step{step:06d}"
     every_n_train_steps: int = 100

@@ -1,27 +1,24 @@
-"""``metrics.csv`` that a resumed run appends to, each step exactly once, never half-written.
+"""``metrics.csv``: appended to by a resumed run, each step exactly once, never half-written.
 
-Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` as soon as its writer is created
-(``lightning/fabric/loggers/csv_logs.py``, ``_check_log_dir_exists``), rewrites the whole file
-in place when a new column appears (a kill during that rewrite loses the file), and does not
-sync it to the disk. :class:`AppendingCSVLogger` writes the same file format (one row per
+Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` when its writer is created,
+rewrites the whole file in place when a new column appears (a kill then loses the file), and
+does not sync it. :class:`AppendingCSVLogger` writes the same format (one row per
 ``log_metrics`` call, ``step`` and the metric names as sorted columns, empty cells for metrics
-not logged in a row) with Lightning's public ``Logger`` interface only, and:
+not logged in a row) through Lightning's public ``Logger`` interface, and:
 
 * appends to an existing ``metrics.csv``, keeping its columns;
-* a run resumed from step ``k`` first drops the rows after step ``k`` (the interrupted run
-  wrote them after its checkpoint, and the resumed run writes them again) and a last line cut
-  short by a kill, at its first write, so a resume that fails to start changes nothing;
-* rewrites the file only through a temporary file renamed into place, and syncs it to the disk
-  at every save, so a checkpoint put in place after a save (``RunCheckpoint``) is never ahead
-  of the rows on disk.
-
-Whether a run may write into a directory that holds a ``metrics.csv`` at all is decided
-before, by :mod:`bert_reduce.recipe.run_directory`.
+* at its first write, drops the rows after the step the run resumes from (the interrupted run
+  wrote them after its checkpoint; they are trained again) and a last line cut short by a
+  kill, so a resume that fails to start changes nothing;
+* rewrites the file only atomically (:func:`bert_reduce.recipe.files.write_atomically`) and
+  syncs it at every save, so a checkpoint put in place after a save (``RunCheckpoint``) is
+  never ahead of the rows on disk.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 from collections.abc import Mapping
@@ -33,59 +30,51 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from bert_reduce.recipe.files import write_atomically
+
 __all__ = ["METRICS_FILE", "AppendingCSVLogger", "keep_metrics_up_to", "read_metrics"]
 
 METRICS_FILE = "metrics.csv"
 
 
-def _fsync(handle: Any) -> None:
-    handle.flush()
-    os.fsync(handle.fileno())
-
-
-def _write_atomically(path: Path, fieldnames: list[str], rows: list[dict[str, str]]) -> None:
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=fieldnames)
-            writer.writeheader()
-            writer.writerows(rows)
-            _fsync(handle)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
 def read_metrics(metrics_csv: Path) -> tuple[list[str], list[dict[str, str]], bool]:
     """The columns and whole rows of a ``metrics.csv``.
-
-    Args:
-        metrics_csv: The file.
 
     Returns:
         The header, the rows (as ``csv.DictReader`` gives them), and whether a last line cut
         short (no final newline: a write interrupted by a kill) was left out.
+
+    Raises:
+        ValueError: If the file has no ``step`` column.
     """
     text = metrics_csv.read_text()
     cut = bool(text) and not text.endswith("\n")
-    if cut:
-        text = text[: text.rfind("\n") + 1]
-    reader = csv.DictReader(text.splitlines(keepends=True))
+    reader = csv.DictReader(text[: text.rfind("\n") + 1].splitlines(keepends=True))
     rows = list(reader)
-    return list(reader.fieldnames or []), rows, cut
+    fieldnames = list(reader.fieldnames or [])
+    if "step" not in fieldnames:
+        raise ValueError(
+            f"{metrics_csv} has no 'step' column (columns: {fieldnames or None}): it was not "
+            "written by train.py. Move it away to resume in this directory."
+        )
+    return fieldnames, rows, cut
+
+
+def _write(path: Path, fieldnames: list[str], rows: list[dict[str, Any]]) -> None:
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=fieldnames)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomically(path, lambda file: file.write(text.getvalue().encode()))
 
 
 def keep_metrics_up_to(metrics_csv: Path, step: float) -> int:
-    """Drop the rows of ``metrics_csv`` logged after ``step``; the file is replaced atomically.
-
-    A last line cut short by a kill is dropped too.
+    """Drop the rows of ``metrics_csv`` after ``step`` and a line cut short; atomically.
 
     Args:
-        metrics_csv: A ``metrics.csv`` with a ``step`` column; nothing happens if it is
-            missing.
-        step: The optimizer steps done in the checkpoint being resumed (``math.inf``: only
-            drop a cut line).
+        metrics_csv: A ``metrics.csv``; nothing happens if it is missing.
+        step: The optimizer steps of the checkpoint being resumed (``math.inf``: only drop a
+            cut line).
 
     Returns:
         How many rows were dropped (a cut line counts as one).
@@ -96,15 +85,9 @@ def keep_metrics_up_to(metrics_csv: Path, step: float) -> int:
     if not metrics_csv.is_file():
         return 0
     fieldnames, rows, cut = read_metrics(metrics_csv)
-    if "step" not in fieldnames:
-        raise ValueError(
-            f"{metrics_csv} has no 'step' column (columns: {fieldnames or None}): it was not "
-            "written by train.py. Move it away to resume in this directory."
-        )
     kept = [row for row in rows if not row["step"] or float(row["step"]) <= step]
-    if len(kept) == len(rows) and not cut:
-        return 0
-    _write_atomically(metrics_csv, fieldnames, kept)
+    if len(kept) < len(rows) or cut:
+        _write(metrics_csv, fieldnames, kept)
     return len(rows) - len(kept) + cut
 
 
@@ -119,35 +102,19 @@ class AppendingCSVLogger(Logger):
 
     def __init__(self, save_dir: str | os.PathLike[str], keep_steps_up_to: int | None = None):
         super().__init__()
-        self._save_dir = os.fspath(save_dir)
+        self.metrics_file = Path(save_dir) / METRICS_FILE
         self.keep_steps_up_to = keep_steps_up_to
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] | None = None  # the file's header, once this run wrote
 
-    @property
-    @override
-    def name(self) -> str:
-        return ""
-
-    @property
-    @override
-    def version(self) -> str:
-        return ""
+    name = version = ""  # type: ignore[assignment]  # no <name>/<version> subdirectories
 
     @property
     @override
     def save_dir(self) -> str:
-        return self._save_dir
+        return str(self.metrics_file.parent)
 
-    @property
-    @override
-    def log_dir(self) -> str:
-        return self._save_dir
-
-    @property
-    def metrics_file(self) -> Path:
-        """``<save_dir>/metrics.csv``."""
-        return Path(self._save_dir) / METRICS_FILE
+    log_dir = save_dir  # type: ignore[assignment]
 
     @override
     @rank_zero_only
@@ -158,10 +125,7 @@ class AppendingCSVLogger(Logger):
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Record one row: ``metrics`` and ``step`` (written at the next :meth:`save`)."""
-        row = {
-            name: value.item() if isinstance(value, Tensor) else value
-            for name, value in metrics.items()
-        }
+        row = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics.items()}
         row["step"] = len(self._rows) if step is None else step
         self._rows.append(row)
 
@@ -175,19 +139,18 @@ class AppendingCSVLogger(Logger):
         if self._columns is None:  # the first write of this run
             path.parent.mkdir(parents=True, exist_ok=True)
             keep = math.inf if self.keep_steps_up_to is None else self.keep_steps_up_to
-            keep_metrics_up_to(path, keep)  # also drops a line cut short by a kill
+            keep_metrics_up_to(path, keep)
             self._columns = read_metrics(path)[0] if path.is_file() else []
-        exists = bool(self._columns)
         columns = sorted(set(self._columns).union(*self._rows))
-        if exists and columns != self._columns:
-            # A new column: the file is rewritten whole under the new header, atomically.
-            _write_atomically(path, columns, read_metrics(path)[1])
-        with open(path, "a" if exists else "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=columns)
-            if not exists:
-                writer.writeheader()
-            writer.writerows(self._rows)
-            _fsync(handle)
+        if not self._columns or columns != self._columns:
+            # A new file, or a new column: the file is written whole under the new header.
+            old = read_metrics(path)[1] if self._columns else []
+            _write(path, columns, old + self._rows)
+        else:
+            with open(path, "a", newline="") as handle:
+                csv.DictWriter(handle, fieldnames=columns).writerows(self._rows)
+                handle.flush()
+                os.fsync(handle.fileno())
         self._columns = columns
         self._rows = []
 

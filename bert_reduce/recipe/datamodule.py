@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.lightning._lightning_private import training_batches_done
 from bert_reduce.recipe.config import DataConfig, TrainConfig
 from bert_reduce.recipe.data import (
     MLMCollator,
@@ -239,10 +240,6 @@ class ESMDataModule(pl.LightningDataModule):
             return {}
         return {"num_replicas": trainer.world_size, "rank": trainer.global_rank}
 
-    def _progress(self) -> tuple[int, int]:
-        trainer = self.trainer
-        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
     @override
     def train_dataloader(self) -> ResumableDataLoader:
         """This rank's share of each global batch, one share per optimizer step.
@@ -268,7 +265,7 @@ class ESMDataModule(pl.LightningDataModule):
             batch_sampler=EpochKeyedBatchSampler(batch_sampler),
             collate_fn=self.train_collate,
             num_workers=self.num_workers,
-            progress=self._progress,
+            progress=lambda: training_batches_done(self.trainer),
             seed=self.seed,
         )
 

@@ -2,38 +2,12 @@
 
 from __future__ import annotations
 
-import csv
 import os
 from pathlib import Path
 
-__all__ = ["plot_metrics", "read_metrics"]
+from bert_reduce.recipe.csv_logger import read_metrics
 
-
-def read_metrics(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """The ``(step, value)`` points of every metric column of a Lightning ``metrics.csv``.
-
-    Args:
-        path: A CSV written by ``lightning.pytorch.loggers.CSVLogger`` (a ``step`` column and
-            one column per metric, empty where a row does not log it).
-
-    Returns:
-        Metric name to its points, in file order.
-
-    Raises:
-        KeyError: If the file has no ``step`` column.
-    """
-    with open(path, newline="") as handle:
-        reader = csv.DictReader(handle)
-        if reader.fieldnames is None or "step" not in reader.fieldnames:
-            raise KeyError(f"{path} has no 'step' column; its columns are {reader.fieldnames}.")
-        series: dict[str, list[tuple[int, float]]] = {
-            name: [] for name in reader.fieldnames if name not in ("step", "epoch")
-        }
-        for row in reader:
-            for name, points in series.items():
-                if row[name] not in ("", None):
-                    points.append((int(row["step"]), float(row[name])))
-    return series
+__all__ = ["plot_metrics"]
 
 
 def plot_metrics(metrics_csv: str | os.PathLike[str], png: str | os.PathLike[str]) -> Path:
@@ -53,7 +27,11 @@ def plot_metrics(metrics_csv: str | os.PathLike[str], png: str | os.PathLike[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = read_metrics(metrics_csv)
+    columns, rows, _ = read_metrics(Path(metrics_csv))
+    series = {
+        name: [(int(row["step"]), float(row[name])) for row in rows if row[name]]
+        for name in columns
+    }
     figure, (loss_axis, ppl_axis) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     for name, style in (("train_loss", "-"), ("val_loss", "o-")):
         points = series.get(name, [])

@@ -1,19 +1,15 @@
 """The checkpoint a run resumes from: named (``resume=<file>``) or found (``resume=auto``).
 
-Lightning reads the checkpoint only once training starts, and a missing, empty or corrupt
-file then fails with a bare ``FileNotFoundError``, ``EOFError`` or unpickling error. Reading it
-here first (memory-mapped, so large checkpoints cost little) lets ``train.py`` refuse before
-it touches the run directory, name the file, and list the checkpoints next to it.
+Lightning reads the checkpoint only once training starts, and a missing, empty or corrupt file
+then fails with a bare ``FileNotFoundError``, ``EOFError`` or unpickling error. Reading it here
+first (memory-mapped) lets ``train.py`` refuse before it touches the run directory, name the
+file, and list the checkpoints next to it.
 
-``resume=auto`` (:func:`find_resume_checkpoint`) looks in the run's checkpoint directory for
-the checkpoint of the most steps that loads, ``last.ckpt`` when it has as many steps as any:
-the directory's latest state. ``RunCheckpoint`` puts a checkpoint in place only after its
-step's rows are in ``metrics.csv``, so every checkpoint in place is one the run can continue
-from; a periodic checkpoint newer than ``last.ckpt`` is one whose ``last.ckpt`` a kill kept
-from being put in place. (A run resumed from an earlier checkpoint in its own directory moves
-the later ones aside first: :func:`later_checkpoints`.) Without one, the run starts from step
-0. Files that do not load are reported as damaged, for the caller to move aside
-(:func:`move_aside`): never deleted.
+``resume=auto`` takes the loadable checkpoint of the most steps, ``last.ckpt`` among equals.
+Every checkpoint in place is one the run can continue from (``RunCheckpoint`` puts it in
+place only after its step's rows), and a periodic checkpoint newer than ``last.ckpt`` is one
+whose ``last.ckpt`` a kill kept from being put in place. Files that do not load are moved
+aside (:func:`move_aside`), never deleted.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bert_reduce.lightning.run_checkpoint import LAST_NAME
+from bert_reduce.recipe.callbacks import LAST_NAME
 
 __all__ = [
     "AUTO",
@@ -141,6 +137,17 @@ class ResumePoint:
     damaged: tuple[tuple[Path, str], ...] = ()
 
 
+def _loadable(checkpoint_dir: Path) -> tuple[list[tuple[Path, Any]], list[tuple[Path, str]]]:
+    """The ``*.ckpt`` of ``checkpoint_dir`` that load, and those that do not with the reason."""
+    loaded, damaged = [], []
+    for path in sorted(checkpoint_dir.glob("*.ckpt")):
+        try:
+            loaded.append((path, _load(path)))
+        except UnreadableCheckpointError as error:
+            damaged.append((path, str(error)))
+    return loaded, damaged
+
+
 def find_resume_checkpoint(checkpoint_dir: Path, global_batch_size: int) -> ResumePoint:
     """The newest intact checkpoint of ``checkpoint_dir``, for ``resume=auto``. Reads only.
 
@@ -149,28 +156,19 @@ def find_resume_checkpoint(checkpoint_dir: Path, global_batch_size: int) -> Resu
         global_batch_size: This run's ``data.global_batch_size``.
 
     Returns:
-        The loadable ``*.ckpt`` of the most steps (``last.ckpt`` among equals), or no
-        checkpoint; and the files that did not load.
+        The loadable checkpoint of the most steps (``last.ckpt`` among equals), or none; and
+        the files that did not load.
 
     Raises:
         ValueError: If a checkpoint that loads is not a ``train.py`` checkpoint or was trained
             with another global batch size (a configuration to fix, not a damaged file).
     """
-    if not checkpoint_dir.is_dir():
-        return ResumePoint(None, 0)
-    damaged: list[tuple[Path, str]] = []
-    loaded: list[tuple[int, bool, Path]] = []
-    for path in sorted(checkpoint_dir.glob("*.ckpt")):
-        try:
-            checkpoint = _load(path)
-        except UnreadableCheckpointError as error:
-            damaged.append((path, str(error)))
-            continue
-        step = _resume_step(path, checkpoint, global_batch_size)
-        loaded.append((step, path.name == LAST_NAME, path))
-    if not loaded:
-        return ResumePoint(None, 0, tuple(damaged))
-    step, _, path = max(loaded)
+    loaded, damaged = _loadable(checkpoint_dir)
+    steps = [
+        (_resume_step(path, checkpoint, global_batch_size), path.name == LAST_NAME, path)
+        for path, checkpoint in loaded
+    ]
+    step, _, path = max(steps, default=(0, False, None))
     return ResumePoint(path, step, tuple(damaged))
 
 
@@ -178,18 +176,14 @@ def later_checkpoints(checkpoint_dir: Path, step: int) -> list[Path]:
     """The checkpoints of ``checkpoint_dir`` that load and hold more than ``step`` steps.
 
     A run resumed in its own directory from an earlier checkpoint trains those steps again:
-    the later checkpoints are of the abandoned continuation, and ``resume=auto`` must not
-    take them for this run's. Reads only.
+    the later checkpoints are of the abandoned continuation, and ``resume=auto`` must not take
+    them for this run's. Reads only.
     """
-    later = []
-    for path in sorted(checkpoint_dir.glob("*.ckpt")):
-        try:
-            checkpoint = _load(path)
-        except UnreadableCheckpointError:
-            continue
-        if isinstance(checkpoint, dict) and int(checkpoint.get("global_step", -1)) > step:
-            later.append(path)
-    return later
+    return [
+        path
+        for path, checkpoint in _loadable(checkpoint_dir)[0]
+        if isinstance(checkpoint, dict) and int(checkpoint.get("global_step", -1)) > step
+    ]
 
 
 def move_aside(path: Path, reason: str = "damaged") -> Path:

@@ -1,32 +1,27 @@
-"""Run directory safety: a run never overwrites another run's files, and only one runs at a time.
+"""Run directory safety: a run never overwrites another run's files, and one runs at a time.
 
 A run directory holds a run once any of :data:`RUN_OUTPUTS` exists in it (or a checkpoint in
-its checkpoint directory). Starting ``train.py`` on such a directory is allowed in two cases:
-
-* it resumes that run (``resume=auto``, or ``resume=`` names a checkpoint of this directory's
-  checkpoint directory): ``metrics.csv`` keeps its rows up to the resumed step and the resumed
-  run appends the later ones, so every step appears exactly once;
-* the user asked to overwrite it (``overwrite=true``): the previous run's outputs are deleted,
-  but only once the new run has started (the resume checkpoint, data and model are built).
-
+its checkpoint directory). ``train.py`` may start on such a directory only to resume that run
+(``resume=auto``, or ``resume=`` a checkpoint of its checkpoint directory: ``metrics.csv``
+keeps its rows up to that step and gets the later ones) or to replace it (``overwrite=true``:
+the previous outputs are deleted once the new run has loaded its checkpoint, data and model).
 Anything else is refused with :class:`RunDirectoryError` before a file is touched. A lock
-file (:data:`LOCK_NAME`, ``fcntl.flock``, released by the kernel when the process ends, even
-on ``kill -9``) keeps a second run out of a directory while one is running. The run that
-holds it removes the temporary files (``<name>.tmp-<pid>``) that a killed run left behind
-(:func:`remove_leftovers`).
+(:data:`LOCK_NAME`, ``fcntl.flock``, released by the kernel when the process ends, even on
+``kill -9``) keeps a second run out while one is running.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import re
 import shutil
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import IO
+
+from bert_reduce.recipe.files import TEMPORARY, write_atomically
 
 __all__ = [
     "LOCK_NAME",
@@ -52,16 +47,7 @@ class RunDirectoryError(RuntimeError):
 
 
 def existing_outputs(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
-    """The outputs of a previous run in ``run_dir`` and its checkpoints in ``checkpoint_dir``.
-
-    Args:
-        run_dir: The run directory.
-        checkpoint_dir: Where the run's checkpoints go (``run_dir / "checkpoints"`` unless
-            ``callbacks.checkpoint.dirpath`` says otherwise).
-
-    Returns:
-        The existing paths, sorted; empty for a fresh directory.
-    """
+    """A previous run's outputs in ``run_dir`` and checkpoints in ``checkpoint_dir``, sorted."""
     found = {run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()}
     found.discard(run_dir / "checkpoints")  # a directory holding no checkpoint is no run
     if checkpoint_dir.is_dir():
@@ -131,18 +117,11 @@ def remove_outputs(outputs: list[Path]) -> None:
             path.unlink()
 
 
-_TEMPORARY = re.compile(r".+\.tmp-[0-9]+")
-
-
 def remove_leftovers(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
     """Delete the temporary files (``<name>.tmp-<pid>``) that a killed run left behind.
 
-    They are checkpoints and metrics files that were being written, never put in place: their
-    run resumes from the files in place. Call it only while holding the directory's lock.
-
-    Args:
-        run_dir: The run directory (``metrics.csv.tmp-<pid>``, ``config.yaml.tmp-<pid>``).
-        checkpoint_dir: The run's checkpoint directory (``last.ckpt.tmp-<pid>``, ...).
+    Never put in place, they are not the run's: it resumes from the files in place. Call it
+    only while holding the directory's lock.
 
     Returns:
         The deleted files.
@@ -152,7 +131,7 @@ def remove_leftovers(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
         if not directory.is_dir():
             continue
         for path in sorted(directory.iterdir()):
-            if _TEMPORARY.fullmatch(path.name) and path.is_file():
+            if TEMPORARY.fullmatch(path.name) and path.is_file():
                 path.unlink()
                 removed.append(path)
     return removed
@@ -227,7 +206,5 @@ def save_config_keeping_previous(text: str, path: Path) -> Path | None:
         while (kept := path.with_name(f"{path.stem}.{number}{path.suffix}")).exists():
             number += 1
         os.replace(path, kept)
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text)
-    os.replace(temporary, path)  # whole or absent, if the run is killed right now
+    write_atomically(path, lambda file: file.write(text.encode()))
     return kept

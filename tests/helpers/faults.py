@@ -1,22 +1,18 @@
-"""``train.py`` with one fault injected at a chosen step, for the fault tests.
+"""``TEST_FAULT=<kind>@<step> python -m tests.helpers.faults <train.py overrides>``.
 
-    TEST_FAULT=<kind>@<step> python -m tests.helpers.faults <train.py overrides>
+Runs ``train.py`` in this process (other ranks' processes run without the fault) with, at
+training step ``<step>``:
 
-runs ``train.py`` in this process (its processes on other ranks run without the fault) with:
+* ``kill-after-checkpoint-write``: ``SIGKILL`` once the step's checkpoints are written, before
+  its training row (where a checkpoint renamed into place at once would be ahead of
+  ``metrics.csv``);
+* ``kill-after-train-row``: ``SIGKILL`` once its training row is in ``metrics.csv``;
+* ``kill-mid-commit``: ``SIGKILL`` once its periodic checkpoint is in place, before ``last.ckpt``;
+* ``kill-after-commit``: ``SIGKILL`` once its checkpoints are in place;
+* ``enospc``: ``write`` fails with ``ENOSPC`` after 64 KiB of its checkpoint, as on a full file
+  system (``torch.save`` then raises its own ``RuntimeError``, as on a real full disk).
 
-* ``kill-after-checkpoint-write``: ``SIGKILL`` right after the step's checkpoints are written,
-  before the step's training row (the instant where a checkpoint renamed into place at once
-  would be ahead of ``metrics.csv``);
-* ``kill-after-train-row``: ``SIGKILL`` right after the step's training row is in
-  ``metrics.csv``, its checkpoints not yet in place;
-* ``kill-mid-commit``: ``SIGKILL`` right after the step's periodic checkpoint is renamed into
-  place, before its ``last.ckpt``;
-* ``kill-after-commit``: ``SIGKILL`` right after the step's checkpoints are in place;
-* ``enospc``: the disk fills while the step's checkpoint is written: ``write`` fails with
-  ``ENOSPC`` after 64 KiB, as on a full file system (``torch.save`` then raises its own
-  ``RuntimeError``, as it does on a real full disk).
-
-Only this test helper patches the library; the library has no fault hooks.
+The library has no fault hooks: only this helper patches it.
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bert_reduce.lightning.run_checkpoint import LAST_NAME, RunCheckpoint
-from bert_reduce.recipe import checkpoint_io
+from bert_reduce.recipe import files
+from bert_reduce.recipe.callbacks import LAST_NAME, RunCheckpoint
 from bert_reduce.recipe.csv_logger import AppendingCSVLogger
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,11 +119,11 @@ def install(kind: str, step: int) -> None:
 
         def filling_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
             handle = open(file, mode, *args, **kwargs)
-            if "w" in mode and _current_step == step:
+            if mode == "wb" and _current_step == step:
                 return FillingFile(handle, room=64 * 1024)
             return handle
 
-        checkpoint_io.open = filling_open  # type: ignore[attr-defined]  # the module's open only
+        files.open = filling_open  # type: ignore[attr-defined]  # the module's open only
 
 
 def main() -> None:

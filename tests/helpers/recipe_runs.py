@@ -11,7 +11,8 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from tests.helpers.dist_utils import HANG_GUARD_S
@@ -47,18 +48,43 @@ CHECKPOINTED = [  # the default model (dropout 0.1), tiny data, validation every
 WARNING = re.compile(r"\.py:\d+: |Warning: |💡")
 
 
-def run_train_py(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python train.py *args`` on one thread; the test fails, showing its output, if it does."""
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(ROOT)}
+
+
+def run_train_py(
+    *args: str, env: Mapping[str, str] | None = None, fault: str | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    """``python train.py *args`` on one thread (``fault``: under ``tests/helpers/faults.py``).
+
+    With ``check``, the test fails, showing the output, unless the run succeeds.
+    """
     result = subprocess.run(
-        [sys.executable, "train.py", *args],
+        [sys.executable, *(["-m", "tests.helpers.faults"] if fault else ["train.py"]), *args],
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", **(env or {})},
+        env={**ENV, **(env or {}), **({"TEST_FAULT": fault} if fault else {})},
         capture_output=True,
         text=True,
         timeout=HANG_GUARD_S,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not check or result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def start_train_py(*args: str) -> subprocess.Popen[str]:
+    """``python train.py *args`` started, its output (stdout and stderr) in one pipe."""
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=ENV, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def wait_until(done: Callable[[], bool], process: subprocess.Popen[str]) -> None:
+    """Poll ``done()`` while ``process`` runs; the test fails if it ends or hangs first."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not done():
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def train(run_dir: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess:
@@ -70,16 +96,18 @@ def train(run_dir: Path, *overrides: str, multirun: bool = False) -> subprocess.
 def warnings_printed(result: subprocess.CompletedProcess) -> list[str]:
     """The lines of a run's output that are warnings (see ``WARNING``)."""
     lines = (result.stdout + result.stderr).replace("\r", "\n").splitlines()
-    return [
-        line
-        for line in lines
-        if WARNING.search(line)
-    ]
+    return [line for line in lines if WARNING.search(line)]
 
 
 def rows(run_dir: Path) -> list[dict[str, str]]:
+    if not (run_dir / "metrics.csv").is_file():
+        return []
     with open(run_dir / "metrics.csv", newline="") as handle:
         return list(csv.DictReader(handle))
+
+
+def training_steps(run_dir: Path) -> list[int]:
+    return [int(r["step"]) for r in rows(run_dir) if r["train_loss"]]
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:

@@ -12,7 +12,6 @@ run again, as a requeued job is, and ``metrics.csv`` must equal an uninterrupted
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import socket
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist_utils import HANG_GUARD_S
-from tests.helpers.recipe_runs import CHECKPOINTED
+from tests.helpers.recipe_runs import CHECKPOINTED, ENV, training_steps
 
 pytestmark = pytest.mark.slow
 
@@ -95,13 +94,6 @@ def kill_job(process: subprocess.Popen[str]) -> None:
     process.wait(timeout=HANG_GUARD_S)
 
 
-def training_steps(run_dir: Path) -> list[int]:
-    if not (run_dir / "metrics.csv").is_file():
-        return []
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return [int(row["step"]) for row in csv.DictReader(handle) if row["train_loss"]]
-
-
 @pytest.fixture
 def slurm_env(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
@@ -110,10 +102,8 @@ def slurm_env(tmp_path: Path) -> dict[str, str]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     return {
-        **os.environ,
+        **ENV,
         "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
         "SLURM_JOB_ID": "4242",
         "SLURM_NNODES": "2",
         "SLURM_JOB_NODELIST": "node[1-2]",

@@ -27,49 +27,37 @@ def used_run(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def test_fresh_directory_and_empty_checkpoint_folder_hold_no_run(tmp_path: Path) -> None:
+def test_a_used_directory_is_refused_unless_resumed_or_overwritten(tmp_path: Path) -> None:
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / LOCK_NAME).write_text("")
-    assert existing_outputs(tmp_path, tmp_path / "checkpoints") == []
-    assert check_run_directory(tmp_path, tmp_path / "checkpoints", None, False) == []
-
-
-def test_new_run_into_used_directory_is_refused(tmp_path: Path) -> None:
-    checkpoints = used_run(tmp_path)
+    assert check_run_directory(tmp_path, tmp_path / "checkpoints", None, False) == []  # no run
+    checkpoints = used_run(tmp_path / "used")
+    run_dir = checkpoints.parent
     with pytest.raises(RunDirectoryError, match="already holds a run") as error:
-        check_run_directory(tmp_path, checkpoints, None, False)
+        check_run_directory(run_dir, checkpoints, None, False)
     message = str(error.value)
     assert "checkpoints/last.ckpt, config.yaml, metrics.csv" in message
     assert f"resume={checkpoints / 'last.ckpt'}" in message and "overwrite=true" in message
     # Resuming from another directory's checkpoint does not continue this run either.
     with pytest.raises(RunDirectoryError, match="already holds a run"):
-        check_run_directory(tmp_path, checkpoints, tmp_path.parent / "x" / "last.ckpt", False)
-
-
-def test_resume_of_this_run_is_allowed(tmp_path: Path) -> None:
-    checkpoints = used_run(tmp_path)
-    for name in ("last.ckpt", "step000005.ckpt"):
-        assert check_run_directory(tmp_path, checkpoints, checkpoints / name, False) == []
-
-
-def test_overwrite_returns_what_it_deletes(tmp_path: Path) -> None:
-    checkpoints = used_run(tmp_path)
-    (tmp_path / "notes.txt").write_text("mine")
-    previous = check_run_directory(tmp_path, checkpoints, None, True)
+        check_run_directory(run_dir, checkpoints, tmp_path / "x" / "last.ckpt", False)
+    for name in ("last.ckpt", "step000005.ckpt"):  # resuming this run
+        assert check_run_directory(run_dir, checkpoints, checkpoints / name, False) == []
+    with pytest.raises(RunDirectoryError, match="overwrite=true would delete"):
+        check_run_directory(run_dir, checkpoints, checkpoints / "last.ckpt", True)
+    (run_dir / "notes.txt").write_text("mine")
+    previous = check_run_directory(run_dir, checkpoints, None, True)
     assert [p.name for p in previous] == ["last.ckpt", "config.yaml", "metrics.csv"]
     remove_outputs(previous)
-    assert existing_outputs(tmp_path, checkpoints) == []
-    assert (tmp_path / "notes.txt").read_text() == "mine"  # not the recipe's: kept
-
-
-def test_overwrite_cannot_delete_the_checkpoint_it_resumes(tmp_path: Path) -> None:
-    checkpoints = used_run(tmp_path)
-    with pytest.raises(RunDirectoryError, match="overwrite=true would delete"):
-        check_run_directory(tmp_path, checkpoints, checkpoints / "last.ckpt", True)
+    assert existing_outputs(run_dir, checkpoints) == []
+    assert (run_dir / "notes.txt").read_text() == "mine"  # not the recipe's: kept
 
 
 def test_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:
+    (tmp_path / LOCK_NAME).write_text("pid 1 on host h, started ...\n")
     with RunDirectoryLock(tmp_path) as lock:
+        # Unchanged until the holder is recorded: a run refused by the checks leaves it.
+        assert (tmp_path / LOCK_NAME).read_text() == "pid 1 on host h, started ...\n"
         lock.record_holder()
         with (
             pytest.raises(RunDirectoryError, match=f"pid {os.getpid()} on host"),
@@ -78,12 +66,6 @@ def test_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> Non
             pass
     with RunDirectoryLock(tmp_path):  # released
         pass
-
-
-def test_lock_file_unchanged_until_the_holder_is_recorded(tmp_path: Path) -> None:
-    (tmp_path / LOCK_NAME).write_text("pid 1 on host h, started ...\n")
-    with RunDirectoryLock(tmp_path):
-        assert (tmp_path / LOCK_NAME).read_text() == "pid 1 on host h, started ...\n"
 
 
 def test_config_history_is_kept(tmp_path: Path) -> None:
