@@ -187,7 +187,10 @@ CORE = {
     "linear_cross_entropy": 3,
     "packing": 3,
 }
-INTEGRATIONS = {"reduction", "torch_loop", "metrics", "hf", "lightning", "megatron", "nemo"}
+INTEGRATIONS = {
+    *("reduction", "torch_loop", "metrics", "hf", "lightning", "megatron", "nemo"),
+    *("sampling", "evaluation", "accumulation"),
+}
 FRAMEWORKS = {
     *("lightning", "nemo", "transformers", "accelerate", "hydra", "omegaconf", "torchmetrics")
 }

@@ -11,16 +11,16 @@ from bert_reduce.lightning.exact_module import (
 )
 from bert_reduce.lightning.rng_state import RNGStateCheckpoint
 from bert_reduce.lightning.run_checkpoint import RunCheckpoint
-from bert_reduce.lightning.sampling import (
-    GlobalBatchSampler,
-    ShardedEvalBatchSampler,
-    check_no_repeated_samples,
-    check_sampler_placement,
-)
 from bert_reduce.lightning.stop_on_signal import StopOnSignal
 from bert_reduce.lightning.validation_perplexity import (
     ValidationPerplexityCallback,
     ValidationResult,
+)
+from bert_reduce.sampling import (
+    GlobalBatchSampler,
+    ShardedEvalBatchSampler,
+    check_no_repeated_samples,
+    check_sampler_placement,
 )
 
 __all__ = [
