@@ -16,9 +16,9 @@ CPU (gloo) or GPUs (NCCL)::
     torchrun --nproc-per-node 8 examples/torch_fsdp2_loop.py --model-path DIR   # a local checkpoint
 
 The data are random protein-like sequences of varying length, 15% of their tokens masked
-(Hugging Face's convention: labels are -100 where nothing is scored); the first of each batch
-has none, as a short sequence may. Each rank takes its contiguous share of the global batch
-and cuts it into micro-batches.
+(Hugging Face's convention: labels are -100 where nothing is scored); the first of each
+global batch scores nothing, as a short sequence may. Each rank takes its contiguous share of
+the global batch and cuts it into micro-batches.
 """
 
 from __future__ import annotations
@@ -95,7 +95,6 @@ def random_batch(seed: int, size: int, length: int) -> dict[str, torch.Tensor]:
     real = torch.arange(length) < lengths[:, None]
     tokens = torch.where(real, torch.randint(4, 24, (size, length), generator=gen), PAD_ID)
     masked = real & (torch.rand(size, length, generator=gen) < 0.15)
-    masked[0] = False  # a sequence with no masked token: its micro-batch adds 0, not NaN
     return {
         "input_ids": torch.where(masked, MASK_ID, tokens),
         "attention_mask": real.long(),
@@ -105,7 +104,9 @@ def random_batch(seed: int, size: int, length: int) -> dict[str, torch.Tensor]:
 
 def global_batch(step: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """The step's whole global batch, the same on every rank (a real loader shards a dataset)."""
-    return random_batch(args.seed * 100_003 + step, args.global_batch_size, args.max_length)
+    batch = random_batch(args.seed * 100_003 + step, args.global_batch_size, args.max_length)
+    batch["labels"][0] = -100  # a sequence scoring nothing: its micro-batch adds 0, not NaN
+    return batch
 
 
 def validation_set(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
