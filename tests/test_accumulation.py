@@ -15,19 +15,22 @@ def micro_batch(scored: int) -> dict[str, torch.Tensor]:
     return {"labels": torch.tensor([[1 if i < scored else -100 for i in range(2)]])}
 
 
-def test_each_group_is_begun_and_the_loader_ends_before_the_last_runs() -> None:
-    ended = []
+def test_each_group_is_begun_and_never_runs_while_the_loader_is_at_its_end() -> None:
+    handed, finished = [], []
 
     def loader() -> Iterator[dict[str, torch.Tensor]]:
-        yield from (micro_batch(n) for n in (2, 0, 1, 1, 0, 0))
-        ended.append(True)
+        for scored in (2, 0, 1, 1, 0, 0):
+            handed.append(scored)
+            yield micro_batch(scored)
+        finished.append(True)
 
-    loss_fn, seen, shares = GlobalBatchLoss(), [], []
+    loss_fn, at_end, shares = GlobalBatchLoss(), [], []
     for group in accumulation_steps(loader(), loss_fn, 2):
-        seen.append((len(group), bool(ended)))
+        # Accelerate's end_of_dataloader: the last batch handed over, the loader not finished.
+        at_end.append(len(handed) == 6 and not finished)
         shares += [float(loss_fn(LOGITS, mb)) for mb in group]
         loss_fn.end()
-    assert seen == [(2, False), (2, False), (2, True)]
+    assert at_end == [False, False, False] and finished
     # Each share divides by its step's scored tokens: begin() saw both micro-batches.
     log3 = float(torch.tensor(3.0).log())
     assert shares == pytest.approx([log3, 0.0, log3 / 2, log3 / 2, 0.0, 0.0])
