@@ -129,7 +129,8 @@ class ShardedEvalBatchSampler(Sampler[list[int]]):
 
     Rank ``r`` holds indices ``[r * n // w, (r + 1) * n // w)`` in order, cut into batches of
     ``batch_size`` with a smaller last one. Ranks may hold different numbers of batches (or
-    none, when ``n < w``), so nothing in validation may run a collective per batch.
+    none, when ``n < w``): where every forward runs a collective (FSDP2's all-gathers),
+    iterate with :func:`bert_reduce.evaluation.eval_batches`, which evens them out.
 
     Args:
         dataset_size: Number of samples ``n``.
