@@ -139,7 +139,10 @@ CORE = {
     "packing": 3,
     "engine": 4,
 }
-INTEGRATIONS = {"reduction", "torch_loop", "metrics", "hf", "lightning", "megatron", "nemo"}
+INTEGRATIONS = {
+    *("reduction", "torch_loop", "metrics", "hf", "lightning", "megatron", "nemo"),
+    *("sampling", "evaluation", "accumulation"),
+}
 FRAMEWORKS = {
     *("lightning", "nemo", "transformers", "accelerate", "hydra", "omegaconf", "torchmetrics")
 }

@@ -1,6 +1,7 @@
 """Lightning integration: exact global-batch training steps and the samplers that feed them.
 
-Importing this package imports Lightning; ``import bert_reduce`` alone does not.
+Importing this package imports Lightning; ``import bert_reduce`` alone does not. The samplers
+are :mod:`bert_reduce.sampling`'s (plain torch), re-exported here.
 """
 
 from bert_reduce.lightning.exact_module import (
@@ -9,15 +10,15 @@ from bert_reduce.lightning.exact_module import (
     OptimizerFactory,
     split_micro_batches,
 )
-from bert_reduce.lightning.sampling import (
+from bert_reduce.lightning.validation_perplexity import (
+    ValidationPerplexityCallback,
+    ValidationResult,
+)
+from bert_reduce.sampling import (
     GlobalBatchSampler,
     ShardedEvalBatchSampler,
     check_no_repeated_samples,
     check_sampler_placement,
-)
-from bert_reduce.lightning.validation_perplexity import (
-    ValidationPerplexityCallback,
-    ValidationResult,
 )
 
 __all__ = [

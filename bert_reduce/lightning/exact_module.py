@@ -46,10 +46,10 @@ from typing_extensions import override
 
 from bert_reduce import distributed
 from bert_reduce.functional import safe_divide
-from bert_reduce.lightning.sampling import check_sampler_placement
 from bert_reduce.num_scored import NUM_SCORED_KEY
 from bert_reduce.reduction import BERTMLMLossWithReduction, MegatronLossReduction
 from bert_reduce.reports import make_report
+from bert_reduce.sampling import check_sampler_placement
 
 __all__ = [
     "ExactMLMModule",
@@ -325,7 +325,7 @@ class ExactMLMModule(pl.LightningModule):
         """Check that the training sampler hands this rank its own share of each global batch.
 
         Raises:
-            ValueError: See :func:`bert_reduce.lightning.sampling.check_sampler_placement`.
+            ValueError: See :func:`bert_reduce.sampling.check_sampler_placement`.
         """
         loaders = self.trainer.train_dataloader
         if isinstance(loaders, Mapping):

@@ -28,8 +28,8 @@ from bert_reduce.lightning._lightning_private import (
     callback_state_key,
     restart_validation_from_its_start,
 )
-from bert_reduce.lightning.sampling import check_no_repeated_samples
 from bert_reduce.metrics import TokenPerplexity, perplexity_from_sums
+from bert_reduce.sampling import check_no_repeated_samples
 
 __all__ = [
     "ValidationPerplexityCallback",
@@ -82,7 +82,7 @@ class ValidationPerplexityCallback(Callback):
         prog_bar: Also show both values in the progress bar.
         check_sampler: At the start of each validation epoch, raise ``ValueError`` if a
             validation dataloader's ``DistributedSampler`` repeats or drops samples (see
-            :func:`bert_reduce.lightning.sampling.check_no_repeated_samples`).
+            :func:`bert_reduce.sampling.check_no_repeated_samples`).
         process_group: Group the sums are reduced over; see :class:`bert_reduce.TokenPerplexity`.
     """
 

@@ -13,13 +13,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DistributedSampler
 
-from bert_reduce.lightning import (
-    ValidationPerplexityCallback,
-    check_no_repeated_samples,
-)
+from bert_reduce.lightning import ValidationPerplexityCallback
 from tests.helpers.perplexity_helpers import (
     BATCH,
     SIZE,
@@ -123,20 +118,6 @@ def test_validation_step_contract_errors_name_what_is_missing() -> None:
     expected = r"no 'loss_sum_and_microbatch_size' or 'loss_sum_and_ub_size' key; it has \['loss'\]"
     with pytest.raises(KeyError, match=expected):
         trainer([ValidationPerplexityCallback()]).validate(_WrongReport(), loader(data, BATCH))
-
-
-def test_check_no_repeated_samples_names_the_padding() -> None:
-    data = MLMSamples(SIZE)
-    padded = loader(data, BATCH, sampler=DistributedSampler(data, 2, 0, shuffle=False))
-    with pytest.raises(ValueError, match=r"DistributedSampler repeats 1 of the 11 samples"):
-        check_no_repeated_samples(padded)
-    dropping = DistributedSampler(data, 2, 1, shuffle=False, drop_last=True)
-    with pytest.raises(ValueError, match=r"drops 1 of the 11 samples to give each of 2 ranks"):
-        check_no_repeated_samples([loader(data, BATCH, sampler=dropping)])
-    unrepeated = UnrepeatedDistributedSampler(data, 2, 1, shuffle=False)
-    check_no_repeated_samples([loader(data, BATCH, sampler=unrepeated)])
-    even = MLMSamples(12)
-    check_no_repeated_samples(loader(even, BATCH, sampler=DistributedSampler(even, 2, 0)))
 
 
 class _ResultAfterSanityCheck(pl.Callback):

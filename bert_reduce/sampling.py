@@ -10,8 +10,9 @@ Validation: :class:`ShardedEvalBatchSampler` gives each rank a contiguous slice 
 every sample exactly once (no padding with repeated samples as ``DistributedSampler`` does), so
 summing ``(loss_sum, denominator)`` over ranks gives the exact loss of the whole set.
 
-Use both with ``Trainer(use_distributed_sampler=False)`` so that Lightning does not replace
-them, e.g. ``DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), 16, 4))``.
+Plain torch: a loop of one's own uses them as any batch sampler,
+``DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), 16, 4))``; with Lightning,
+pass ``Trainer(use_distributed_sampler=False)`` so that Lightning does not replace them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch.distributed as dist
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 __all__ = [
@@ -65,6 +65,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         ValueError: If ``global_batch_size`` is not divisible by ``micro_batch_size *
             num_replicas``, the dataset holds fewer samples than one global batch, or the rank
             is invalid.
+
+    Example:
+        Rank 1 of 2, in dataset order: its half of each global batch of 4.
+
+        >>> list(GlobalBatchSampler(10, 4, 2, num_replicas=2, rank=1, shuffle=False))
+        [[2, 3], [6, 7]]
     """
 
     def __init__(
@@ -123,7 +129,8 @@ class ShardedEvalBatchSampler(Sampler[list[int]]):
 
     Rank ``r`` holds indices ``[r * n // w, (r + 1) * n // w)`` in order, cut into batches of
     ``batch_size`` with a smaller last one. Ranks may hold different numbers of batches (or
-    none, when ``n < w``), so nothing in validation may run a collective per batch.
+    none, when ``n < w``): where every forward runs a collective (FSDP2's all-gathers),
+    iterate with :func:`bert_reduce.evaluation.eval_batches`, which evens them out.
 
     Args:
         dataset_size: Number of samples ``n``.
@@ -133,6 +140,12 @@ class ShardedEvalBatchSampler(Sampler[list[int]]):
 
     Raises:
         ValueError: On a non-positive ``batch_size`` or an invalid rank.
+
+    Example:
+        Five samples on two ranks: rank 0 holds ``0, 1``, rank 1 ``2, 3, 4``.
+
+        >>> [list(ShardedEvalBatchSampler(5, 2, num_replicas=2, rank=r)) for r in (0, 1)]
+        [[[0, 1]], [[2, 3], [4]]]
     """
 
     def __init__(
@@ -189,31 +202,51 @@ def check_sampler_placement(dataloaders: Iterable[object], world_size: int, rank
                 )
 
 
-def _samplers(dataloader: object) -> list[object]:
+def _placed(dataloader: object) -> tuple[str, int, int] | None:
+    """``(name, samples placed on all ranks, ranks)`` of a sampler that evens out the ranks."""
     samplers = [getattr(dataloader, "sampler", None)]
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     samplers.append(getattr(batch_sampler, "sampler", None))
-    return [sampler for sampler in samplers if sampler is not None]
+    for sampler in samplers:
+        # Lightning's UnrepeatedDistributedSampler sets total_size to the dataset's size.
+        if isinstance(sampler, DistributedSampler):
+            return "DistributedSampler", sampler.total_size, sampler.num_replicas
+    # Accelerate's BatchSamplerShard (what accelerator.prepare gives a DataLoader): with
+    # even_batches every rank yields len() full batches, cycling back to the first samples.
+    if getattr(batch_sampler, "even_batches", False) and batch_sampler.batch_size is not None:
+        ranks = batch_sampler.num_processes
+        per_batch = batch_sampler.batch_size * (1 if batch_sampler.split_batches else ranks)
+        return "Accelerate BatchSamplerShard", len(batch_sampler) * per_batch, ranks
+    return None
 
 
 def check_no_repeated_samples(dataloaders: DataLoader | Iterable[DataLoader] | None) -> None:
-    """Raise ``ValueError`` if a distributed sampler repeats or drops validation samples.
+    """Raise ``ValueError`` if a distributed sampler repeats or drops evaluation samples.
 
     ``torch.utils.data.DistributedSampler`` (which Lightning installs by default under DDP)
     evens out ranks by repeating samples (``drop_last=False``) or by dropping them
-    (``drop_last=True``) when the dataset size is not a multiple of the number of ranks; a
-    repeated sample would be counted twice in the epoch's sums. Lightning's
-    ``UnrepeatedDistributedSampler`` and bert_reduce's ``ShardedEvalBatchSampler`` place every
-    sample on exactly one rank.
+    (``drop_last=True``) when the dataset size is not a multiple of the number of ranks, and
+    so does the batch sampler ``accelerator.prepare`` gives a loader (``even_batches=True``,
+    Accelerate's default); a repeated sample would be counted twice in the sums. Lightning's
+    ``UnrepeatedDistributedSampler``, bert_reduce's :class:`ShardedEvalBatchSampler` and
+    Accelerate with ``even_batches=False`` place every sample on exactly one rank.
 
     Args:
         dataloaders: A dataloader, a collection of them (as ``trainer.val_dataloaders``), or
-            ``None``. Only ``DataLoader``-like objects' ``sampler`` and ``batch_sampler.sampler``
-            are inspected.
+            ``None``. Only ``DataLoader``-like objects' ``sampler``, ``batch_sampler`` and
+            ``batch_sampler.sampler`` are inspected.
 
     Raises:
-        ValueError: Naming the dataset size, the number of ranks and the samples repeated or
-            dropped, and the fix.
+        ValueError: Naming the sampler, the dataset size, the number of ranks and the samples
+            repeated or dropped, and the fix.
+
+    Example:
+        >>> from torch.utils.data import DataLoader, DistributedSampler
+        >>> data = list(range(5))
+        >>> check_no_repeated_samples(DataLoader(data, sampler=DistributedSampler(data, 2, 0)))
+        Traceback (most recent call last):
+        ...
+        ValueError: Evaluation dataloader 0: its DistributedSampler repeats 1 of the 5 samples ...
     """
     if dataloaders is None:
         return
@@ -222,24 +255,21 @@ def check_no_repeated_samples(dataloaders: DataLoader | Iterable[DataLoader] | N
     elif isinstance(dataloaders, Mapping):
         dataloaders = list(dataloaders.values())
     for index, dataloader in enumerate(dataloaders):
-        for sampler in _samplers(dataloader):
-            if not isinstance(sampler, DistributedSampler) or isinstance(
-                sampler, UnrepeatedDistributedSampler
-            ):
-                continue
-            dataset_size = len(sampler.dataset)  # type: ignore[arg-type]
-            if sampler.total_size == dataset_size:
-                continue
-            change = sampler.total_size - dataset_size
-            what = f"repeats {change}" if change > 0 else f"drops {-change}"
-            raise ValueError(
-                f"Validation dataloader {index}: its DistributedSampler {what} of the "
-                f"{dataset_size} samples to give each of {sampler.num_replicas} ranks the same "
-                "number, so the validation loss and perplexity would not be those of the "
-                "validation set. Give the validation DataLoader a sampler that places every "
-                "sample on exactly one rank, e.g. lightning.pytorch.overrides.distributed."
-                "UnrepeatedDistributedSampler(dataset, shuffle=False, "
-                "**trainer.strategy.distributed_sampler_kwargs) or "
-                "bert_reduce.lightning.ShardedEvalBatchSampler (as batch_sampler, with "
-                "Trainer(use_distributed_sampler=False))."
-            )
+        placed = _placed(dataloader)
+        if placed is None or placed[1] == len(dataloader.dataset):  # type: ignore[attr-defined]
+            continue
+        dataset_size = len(dataloader.dataset)  # type: ignore[attr-defined]
+        name, total, ranks = placed
+        change = total - dataset_size
+        what = f"repeats {change}" if change > 0 else f"drops {-change}"
+        raise ValueError(
+            f"Evaluation dataloader {index}: its {name} {what} of the {dataset_size} samples "
+            f"to give each of {ranks} ranks the same number, so the loss and perplexity would "
+            "not be those of the evaluation set. Give the DataLoader a sampler that places "
+            "every sample on exactly one rank: "
+            "batch_sampler=bert_reduce.sampling.ShardedEvalBatchSampler(len(dataset), "
+            "batch_size) (with Lightning, and Trainer(use_distributed_sampler=False)), or "
+            "Lightning's UnrepeatedDistributedSampler; with Accelerate, leave the loader "
+            "unprepared or pass Accelerator(dataloader_config=DataLoaderConfiguration("
+            "even_batches=False))."
+        )

@@ -1,16 +1,27 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
-from lightning.fabric.utilities.data import _set_sampler_epoch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-from bert_reduce.lightning import (
+from bert_reduce.sampling import (
     GlobalBatchSampler,
     ShardedEvalBatchSampler,
+    check_no_repeated_samples,
     check_sampler_placement,
 )
+
+
+def test_imports_with_lightning_absent() -> None:
+    code = (
+        "import sys; sys.modules['lightning'] = None; "
+        "from bert_reduce.sampling import ShardedEvalBatchSampler, check_no_repeated_samples; "
+        "import bert_reduce.evaluation, bert_reduce.accumulation"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def _global_batches(world_size: int, micro_batch_size: int, epoch: int) -> list[list[int]]:
@@ -46,6 +57,9 @@ def test_order_depends_on_seed_and_epoch_only() -> None:
 
 
 def test_lightning_sets_the_epoch_through_the_dataloader() -> None:
+    pytest.importorskip("lightning")
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
     sampler = GlobalBatchSampler(20, 4, 1, num_replicas=1, rank=0, seed=3)
     loader = DataLoader(range(20), batch_sampler=sampler)
     _set_sampler_epoch(loader, 5)
@@ -116,3 +130,48 @@ def test_sampler_placement_is_checked_through_one_wrapper() -> None:
         check_sampler_placement(
             [DataLoader(range(20), batch_sampler=_Wrapper(wrong))], world_size=2, rank=1
         )
+
+
+def test_check_no_repeated_samples_names_the_sampler() -> None:
+    data = list(range(11))
+    padded = DataLoader(data, sampler=DistributedSampler(data, 2, 0, shuffle=False))
+    with pytest.raises(ValueError, match=r"DistributedSampler repeats 1 of the 11 samples"):
+        check_no_repeated_samples(padded)
+    dropping = DistributedSampler(data, 2, 1, shuffle=False, drop_last=True)
+    with pytest.raises(ValueError, match=r"drops 1 of the 11 samples to give each of 2 ranks"):
+        check_no_repeated_samples([DataLoader(data, sampler=dropping)])
+    even = list(range(12))
+    check_no_repeated_samples({"val": DataLoader(even, sampler=DistributedSampler(even, 2, 0))})
+    sharded = ShardedEvalBatchSampler(11, 4, num_replicas=2, rank=1)
+    check_no_repeated_samples(DataLoader(data, batch_sampler=sharded))
+
+
+def test_check_no_repeated_samples_passes_lightnings_unrepeated_sampler() -> None:
+    distributed = pytest.importorskip("lightning.pytorch.overrides.distributed")
+    data = list(range(11))
+    unrepeated = distributed.UnrepeatedDistributedSampler(data, 2, 1, shuffle=False)
+    check_no_repeated_samples(DataLoader(data, sampler=unrepeated))
+
+
+@pytest.mark.parametrize(
+    ("size", "split", "even", "repeated"),
+    [(13, False, True, 3), (16, False, True, 0), (13, True, True, 3), (13, False, False, 0)],
+)
+def test_check_no_repeated_samples_sees_accelerates_even_batches(
+    size: int, split: bool, even: bool, repeated: int
+) -> None:
+    shard = pytest.importorskip("accelerate.data_loader").BatchSamplerShard
+    batches = BatchSampler(SequentialSampler(range(size)), 4, drop_last=False)
+    placed = [
+        i
+        for rank in (0, 1)
+        for batch in shard(batches, 2, rank, split_batches=split, even_batches=even)
+        for i in batch
+    ]
+    assert len(placed) - size == repeated  # what Accelerate itself yields
+    loader = DataLoader(range(size), batch_sampler=shard(batches, 2, 0, split, even_batches=even))
+    if repeated:
+        with pytest.raises(ValueError, match=rf"BatchSamplerShard repeats {repeated} of the 13"):
+            check_no_repeated_samples(loader)
+    else:
+        check_no_repeated_samples(loader)
