@@ -27,6 +27,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.lightning24  # also run under NeMo's Lightning 2.4 (.ci/run)
+
 PACKAGE = Path(__file__).resolve().parents[1] / "bert_reduce"
 KNOWN = {
     ("recipe/hf_esm.py", "_attn_implementation"): "transformers' attention switch (issue 19)",

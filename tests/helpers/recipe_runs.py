@@ -70,11 +70,7 @@ def train(run_dir: Path, *overrides: str, multirun: bool = False) -> subprocess.
 def warnings_printed(result: subprocess.CompletedProcess) -> list[str]:
     """The lines of a run's output that are warnings (see ``WARNING``)."""
     lines = (result.stdout + result.stderr).replace("\r", "\n").splitlines()
-    return [
-        line
-        for line in lines
-        if WARNING.search(line)
-    ]
+    return [line for line in lines if WARNING.search(line)]
 
 
 def rows(run_dir: Path) -> list[dict[str, str]]:

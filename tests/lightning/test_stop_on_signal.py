@@ -19,6 +19,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from bert_reduce.lightning import RunCheckpoint, StopOnSignal
 from tests.helpers.tiny_lightning import TinyModule, tiny_loader, tiny_trainer
 
+pytestmark = pytest.mark.lightning24  # also run under NeMo's Lightning 2.4 (.ci/run)
+
 
 class SignalAtStepEnd(Callback):
     """Sends ``signals`` to this process at the end of training step ``step``."""
