@@ -62,6 +62,7 @@ def _checkpointed_run(out_dir: str, max_steps: int, resume_from: str | None) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # three NeMo runs of 2 processes each
 def test_checkpoint_records_the_loss_and_resume_is_exact() -> None:
     ref_losses = torch.tensor(reference_training(adam_lr=ADAM_LR)[0], dtype=torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
