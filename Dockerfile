@@ -9,7 +9,7 @@ WORKDIR /workspace/bert_reduce
 # The container's torch (a 2.7 pre-release, which satisfies torch>=2.6) stays: the project installs
 # on top of it, without requirements/constraints-cpu.txt (that file pins the CPU wheel), with
 # what train.py imports: the recipe extra (Lightning, Hydra, ...) and hf (model=hf_esm2).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY bert_reduce ./bert_reduce
 RUN pip install --no-cache-dir -e ".[recipe,hf]"
 

@@ -29,6 +29,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.lightning24  # also run under NeMo's Lightning 2.4 (.ci/run)
+
 PACKAGE = Path(__file__).resolve().parents[1] / "bert_reduce"
 PRIVATE_MODULE = "lightning/_lightning_private.py"
 LOOP_STATE = frozenset(

@@ -1,33 +1,60 @@
-"""Run Megatron-Core's real pipeline schedules and ``finalize_model_grads`` on CPU, in tests.
+"""Megatron-Core and NeMo 2 on CPU/gloo, for tests: the one set of CPU stand-ins.
 
-Small shims, nothing in Megatron is modified:
+Inside :func:`megatron_on_cpu` Megatron's schedules, DDP grad buffers, optimizer, gradient
+clipping, sequence-parallel mappings, transformer layers, distributed checkpointing and NeMo 2's
+``MegatronParallel``/``MegatronStrategy`` run as on a GPU; only their CUDA calls are answered
+on the CPU. Nothing else is replaced: the models, the losses, the schedules, DDP,
+``finalize_model_grads``, the optimizer's and the clipping's maths, NeMo's callbacks, logging,
+io context and ``nemo_run``. Lines are those of megatron-core 0.15.3 and nemo-toolkit 2.7.3
+(``requirements/constraints-nemo.txt``), or 0.16.1 (``constraints-cpu.txt``) where marked.
 
-* ``schedule_counter_on_cpu()``: ``forward_backward_no_pipelining`` allocates its token
-  counter once as ``torch.zeros([], dtype=torch.int, device="cuda")``. Inside the context,
-  the ``torch`` name *of the schedules module only* is a proxy whose ``zeros`` turns
-  ``device="cuda"`` into ``device="cpu"``; every other attribute is the real ``torch``.
-* ``GradSyncShell``: ``finalize_model_grads`` calls two methods that Megatron's
-  ``DistributedDataParallel`` provides (and which allocates CUDA buffers). The shell provides
-  them as DDP does for a model without gradient buffers: ``finish_grad_sync`` sums the
-  gradients over the data x context parallel group, after multiplying them by ``1 / dp_cp``
-  unless ``calculate_per_token_loss`` (DDP's ``gradient_scaling_factor``), and
-  ``scale_gradients`` multiplies them in place, as ``grad_data *= scaling_factor`` does.
-* ``single_process_megatron()``: a one-rank gloo group with Megatron's parallel state in the
-  test process itself, torn down afterwards (no spawn).
-* ``sequence_parallel_mappings_on_cpu()``: Megatron's sequence-parallel all-gather and
-  reduce-scatter allocate their outputs on ``torch.cuda.current_device()``; inside the
-  context, that name of the mappings module only gives the CPU.
-* ``megatron_model_on_cpu()``: the forward of Megatron's own transformer layers (local spec):
-  attention's buffer and RNG fork, see its docstring.
+1. :class:`_CpuTorch` replaces the ``torch`` name of the modules in ``_MODULES_WITH_CUDA_CALLS``
+   only: CUDA devices become the CPU (``zeros``/``empty``/``empty_like``/``tensor`` with
+   ``device="cuda"``, ``torch.cuda.current_device()``), ``pin_memory=True`` is dropped and that
+   tensor's ``.to("cuda", non_blocking=True)`` stays on the CPU, CUDA streams and
+   ``synchronize`` do nothing. The calls it answers:
+
+   * ``distributed/param_and_grad_buffer.py:702,719,725``, ``distributed_data_parallel.py:251``;
+   * ``optimizer/optimizer.py:469,477,481,1137``, ``optimizer/clip_grads.py:90,103,115,174,206``;
+   * ``pipeline_parallel/schedules.py:573,963,2114`` (the token counter),
+     ``p2p_communication.py:190-202,242,313,321,398``;
+   * ``utils.py:535`` (0.16.1: ``:631``; attention's buffer), ``timers.py:149,162,286``;
+   * ``tensor_parallel/mappings.py:141,181`` and ``layers.py:552`` (0.16.1: the
+     sequence-parallel all-gather and reduce-scatter outputs);
+   * ``dist_checkpointing/exchange_utils.py:107,113,329``, ``strategies/async_utils.py:163,210,
+     582``, ``filesystem_async.py:230``, ``fully_parallel.py:271-281``,
+     ``state_dict_saver.py:204,252``, ``strategies/torch.py:72``,
+     ``tensor_aware_state_dict.py:304``;
+   * ``nemo/lightning/megatron_parallel.py:348,617,1847,1857``,
+     ``pytorch/strategies/megatron_strategy.py:801,850,881,888``,
+     ``pytorch/plugins/data_sampler.py:192,212``.
+
+2. ``clip_grad_by_total_norm_fp32`` (``optimizer/clip_grads.py:167``) asserts
+   ``param.grad.type() == 'torch.cuda.FloatTensor'``: :func:`_clip_grad_by_total_norm_fp32`
+   scales as upstream does (``:173-178``), without the assertion.
+3. ``Tensor.cuda`` returns the tensor: the tied output weight of the last pipeline stage
+   (``models/common/language_module/language_module.py:233``) and loaded checkpoint shards
+   (``exchange_utils.py:339,502``).
+4. ``ShardedTensor.init_data("cuda")`` (``exchange_utils.py:101,109``) allocates on the CPU.
+5. ``nemo/lightning/io/pl.py:495`` (``_fix_tensors_device``) asserts CUDA is initialized; a CPU
+   checkpoint has no CUDA tensor to move.
+6. Megatron's inference RNG tracker (``tensor_parallel/random.py:282``, a ``fork`` that switches
+   no CUDA state) replaces the CUDA one that attention forks even at dropout 0
+   (``transformer/dot_product_attention.py:207``, 0.16.1: ``:217``); restored afterwards.
+
+:class:`GradSync` stands in for Megatron DDP's two gradient methods where a test drives the
+schedule without DDP. What only a GPU shows is listed in ``docs/nemo.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import os
 import tempfile
 from collections.abc import Iterator
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 from unittest import mock
 
@@ -35,9 +62,80 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+_MODULES_WITH_CUDA_CALLS = (
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+    "megatron.core.utils",
+    "megatron.core.timers",
+    "nemo.lightning.megatron_parallel",
+    "nemo.lightning.pytorch.strategies.megatron_strategy",
+    "nemo.lightning.pytorch.plugins.data_sampler",
+)
 
-class _TorchWithCpuZeros(ModuleType):
-    """``torch``, except that ``zeros(..., device="cuda")`` allocates on the CPU."""
+
+def _cpu(device: Any) -> Any:
+    """``device`` with CUDA replaced by the CPU."""
+    if device is None:
+        return None
+    if isinstance(device, int) or torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CpuTensor(torch.Tensor):
+    """A CPU tensor whose ``.to("cuda", ...)`` stays on the CPU."""
+
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        plain = self.as_subclass(torch.Tensor)
+        if args and isinstance(args[0], str | torch.device | int):
+            args = (_cpu(args[0]), *args[1:])
+        kwargs.pop("non_blocking", None)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        return plain.to(*args, **kwargs)
+
+
+class _CpuCuda:
+    """``torch.cuda``, except the few functions the listed lines call."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    current_device = staticmethod(lambda: torch.device("cpu"))
+    Stream = staticmethod(lambda: None)
+    stream = staticmethod(lambda stream: contextlib.nullcontext())
+    default_stream = staticmethod(lambda: None)
+    synchronize = staticmethod(lambda: None)
+
+
+def _on_cpu(factory: Any) -> Any:
+    def allocate(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs["device"] = _cpu(kwargs.get("device"))
+        return factory(*args, **kwargs)
+
+    return staticmethod(allocate)
+
+
+class _CpuTorch(ModuleType):
+    """``torch``, with CUDA devices mapped to the CPU in the calls the listed lines make."""
+
+    cuda = _CpuCuda()
+    zeros = _on_cpu(torch.zeros)
+    empty = _on_cpu(torch.empty)
+    empty_like = _on_cpu(torch.empty_like)
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -46,52 +144,61 @@ class _TorchWithCpuZeros(ModuleType):
         return getattr(torch, name)
 
     @staticmethod
-    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("device") == "cuda":
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
+    def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs["device"] = _cpu(kwargs.get("device"))
+        kwargs.pop("pin_memory", None)
+        return torch.tensor(data, *args, **kwargs).as_subclass(_CpuTensor)
+
+
+def _clip_grad_by_total_norm_fp32(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assertion."""
+    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_([grad.detach() for grad in grads], clip_coeff)
 
 
 @contextlib.contextmanager
-def schedule_counter_on_cpu() -> Iterator[None]:
-    """Within the context, Megatron's schedules allocate their token counter on the CPU."""
-    from megatron.core.pipeline_parallel import schedules
+def megatron_on_cpu() -> Iterator[None]:
+    """Within the context, the stand-ins 1-6 of the module docstring are in place.
 
-    with mock.patch.object(schedules, "torch", _TorchWithCpuZeros()):
-        yield
-
-
-class GradSyncShell(nn.Module):
-    """Wraps a model with the two gradient methods ``finalize_model_grads`` calls.
-
-    ``config`` and ``model_type`` are found on the wrapped module, through ``.module``, as
-    Megatron's ``get_attr_wrapped_model`` looks for them.
+    NeMo's modules are patched where NeMo is installed (``.venv-nemo``).
     """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.tensor_parallel import random
 
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
+    with contextlib.ExitStack() as stack:
+        for name in _MODULES_WITH_CUDA_CALLS:
+            if importlib.util.find_spec(name.split(".")[0]) is not None:
+                module = importlib.import_module(name)
+                stack.enter_context(mock.patch.object(module, "torch", _CpuTorch()))
+        stack.enter_context(
+            mock.patch.object(
+                megatron_optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32
+            )
+        )
+        stack.enter_context(mock.patch.object(torch.Tensor, "cuda", lambda tensor, *a, **k: tensor))
+        init_data = ShardedTensor.init_data
+        stack.enter_context(
+            mock.patch.object(
+                ShardedTensor,
+                "init_data",
+                lambda self, device, *a, **k: init_data(self, _cpu(device), *a, **k),
+            )
+        )
+        if importlib.util.find_spec("nemo") is not None:
+            from nemo.lightning.io import pl as nemo_io_pl
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        size = dist.get_world_size(group)
-        for param in self.parameters():
-            if param.grad is None:
-                continue
-            if not self.module.config.calculate_per_token_loss:
-                param.grad /= size
-            if size > 1:
-                dist.all_reduce(param.grad, group=group)
-
-    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
-        for param in self.parameters():
-            if param.grad is not None:
-                param.grad *= scaling_factor
+            stack.enter_context(
+                mock.patch.object(nemo_io_pl, "_fix_tensors_device", lambda ckpt: ckpt)
+            )
+        stack.callback(random.initialize_rng_tracker, force_reset=True)
+        random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        yield
 
 
 @contextlib.contextmanager
@@ -111,58 +218,42 @@ def single_process_megatron() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-class _TorchWithCpuCurrentDevice(ModuleType):
-    """``torch``, except that ``torch.cuda.current_device()`` names the CPU."""
+class GradSync:
+    """Megatron DDP's ``finish_grad_sync`` and ``scale_gradients``, for a module without DDP.
 
-    def __init__(self) -> None:
-        super().__init__("torch")
-        self.cuda = SimpleNamespace(current_device=lambda: "cpu")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def sequence_parallel_mappings_on_cpu() -> Iterator[None]:
-    """Megatron-Core's sequence-parallel all-gather and reduce-scatter, on CPU tensors.
-
-    Test-only shim: ``megatron/core/tensor_parallel/mappings.py`` allocates their outputs with
-    ``torch.empty(..., device=torch.cuda.current_device())`` (``_gather_along_first_dim``,
-    line 141, and ``_reduce_scatter_along_first_dim``, line 181, in megatron-core 0.16.1), and
-    so does ``ColumnParallelLinear``'s backward when it all-gathers its sequence-parallel input
-    again (``megatron/core/tensor_parallel/layers.py:552``). Within the context, the ``torch``
-    name of those two modules only is a proxy whose ``cuda.current_device()`` is ``"cpu"``;
-    the collectives themselves are gloo's, unchanged.
+    ``finalize_model_grads`` calls them on each model chunk
+    (``megatron/core/distributed/finalize_model_grads.py``); they do what DDP does for a model
+    without grad buffers: sum over the data x context group (after ``1 / dp_cp`` unless
+    ``calculate_per_token_loss``, DDP's ``gradient_scaling_factor``), then scale in place. The
+    config is found as Megatron's ``get_model_config`` finds it (through ``.module``). Mix in
+    before the module class, or wrap with :class:`GradSyncShell`.
     """
-    from megatron.core.tensor_parallel import layers, mappings
 
-    with (
-        mock.patch.object(mappings, "torch", _TorchWithCpuCurrentDevice()),
-        mock.patch.object(layers, "torch", _TorchWithCpuCurrentDevice()),
-    ):
-        yield
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_model_config
+
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        size = dist.get_world_size(group)
+        per_token = get_model_config(self).calculate_per_token_loss
+        for param in self.parameters():  # type: ignore[attr-defined]
+            if param.grad is not None:
+                if not per_token:
+                    param.grad /= size
+                dist.all_reduce(param.grad, group=group)
+
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        for param in self.parameters():  # type: ignore[attr-defined]
+            if param.grad is not None:
+                param.grad *= scaling_factor
 
 
-@contextlib.contextmanager
-def megatron_model_on_cpu() -> Iterator[None]:
-    """Megatron-Core's transformer layers (local layer spec) run forward and backward on CPU.
+class GradSyncShell(GradSync, nn.Module):
+    """Wraps a model with :class:`GradSync`; ``config`` and ``model_type`` found via ``.module``."""
 
-    Test-only shims, nothing else replaced (line numbers of megatron-core 0.16.1):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
 
-    * ``megatron/core/utils.py:631`` (``GlobalMemoryBuffer.get_tensor``) allocates attention's
-      score buffer on ``torch.cuda.current_device()``: within the context, the ``torch`` name
-      of that module only is the proxy whose ``cuda.current_device()`` is ``"cpu"``;
-    * ``megatron/core/transformer/dot_product_attention.py:217`` forks the CUDA RNG tracker
-      around attention dropout (even at probability 0): Megatron's own inference tracker
-      (``tensor_parallel/random.py``, ``initialize_rng_tracker(inference_rng_tracker=True)``)
-      forks no CUDA state. The CUDA tracker is restored afterwards.
-    """
-    from megatron.core import utils
-    from megatron.core.tensor_parallel import random
-
-    with mock.patch.object(utils, "torch", _TorchWithCpuCurrentDevice()):
-        random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-        try:
-            yield
-        finally:
-            random.initialize_rng_tracker(force_reset=True)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)

@@ -61,11 +61,12 @@ def tiny_loader(num_samples: int = 12, batch_size: int = 2) -> DataLoader:
 
 
 class RecordingLogger(Logger):
-    """Keeps every ``log_metrics`` call as ``(metric names, step)``, in order."""
+    """Keeps every ``log_metrics`` call as ``(metric names, step)``, and each value by name."""
 
     def __init__(self) -> None:
         super().__init__()
         self.rows: list[tuple[frozenset[str], int | None]] = []
+        self.values: dict[str, list[float]] = {}
 
     @property
     def name(self) -> str:
@@ -80,6 +81,8 @@ class RecordingLogger(Logger):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         self.rows.append((frozenset(metrics), step))
+        for name, value in metrics.items():
+            self.values.setdefault(name, []).append(float(value))
 
     def count(self, metric: str) -> int:
         """How many rows hold ``metric``."""

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from tests.helpers import exact_training as et
-from tests.helpers.dist_utils import HANG_GUARD_S, run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +65,5 @@ def _body(world_size: int) -> None:
     dist.barrier()
 
 
-@pytest.mark.timeout(HANG_GUARD_S)
 def test_model_parallel_strategy_training_equals_one_process() -> None:
     run_distributed(_body, 2, 2, megatron=False)

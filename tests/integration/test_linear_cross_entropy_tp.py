@@ -15,7 +15,7 @@ from bert_reduce import BERTMLMLossWithReduction, linear_cross_entropy_token_los
 from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.linear_reference import linear_reference, make_head_batch
-from tests.helpers.megatron_cpu import sequence_parallel_mappings_on_cpu
+from tests.helpers.megatron_cpu import megatron_on_cpu
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 CHUNKS = {"chunk_rows": 4, "chunk_vocab": 3}
@@ -102,7 +102,7 @@ def _sequence_parallel_body() -> None:
     )
     leaves = [hidden[rows].clone(), weight[cols].clone(), bias[cols].clone()]
     leaves = [leaf.requires_grad_(True) for leaf in leaves]
-    with sequence_parallel_mappings_on_cpu():
+    with megatron_on_cpu():
         losses = linear_cross_entropy_token_losses(
             leaves[0], leaves[1], labels, mask, bias=leaves[2], sequence_parallel=True, capacity=0.5
         )
@@ -116,7 +116,7 @@ def _sequence_parallel_body() -> None:
     # The weighted sum on the sequence shard, with the count as an int.
     leaves = [hidden[rows].clone(), weight[cols].clone(), bias[cols].clone()]
     leaves = [leaf.requires_grad_(True) for leaf in leaves]
-    with sequence_parallel_mappings_on_cpu():
+    with megatron_on_cpu():
         total = linear_cross_entropy_weighted_sum(
             leaves[0], leaves[1], labels, coef, bias=leaves[2], sequence_parallel=True,
             num_scored=int(mask.sum()),

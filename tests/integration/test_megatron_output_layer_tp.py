@@ -24,13 +24,9 @@ from torch import nn
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.megatron import output_layer_inputs
-from tests.helpers.dist_utils import HANG_GUARD_S, run_distributed
+from tests.helpers.dist_utils import run_distributed
 from tests.helpers.megatron_bert import HIDDEN, SEQ_LEN, VOCAB, mlm_batch, tiny_bert
-from tests.helpers.megatron_cpu import (
-    megatron_model_on_cpu,
-    sequence_parallel_mappings_on_cpu,
-    single_process_megatron,
-)
+from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +51,7 @@ def _body(reference: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     batch = mlm_batch()
-    with megatron_model_on_cpu(), sequence_parallel_mappings_on_cpu():
+    with megatron_on_cpu():
         model = tiny_bert()
         ref_loss, ref_grads = reference
         for output in ("fused", "logits"):
@@ -138,9 +134,8 @@ def _sequence_parallel_checks(batch: dict, tp_rank: int) -> None:
             torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-13, msg=f"{output} {name}")
 
 
-@pytest.mark.timeout(HANG_GUARD_S)
 def test_tensor_and_sequence_parallel_fused_head_equals_one_process() -> None:
-    with single_process_megatron(), megatron_model_on_cpu():
+    with single_process_megatron(), megatron_on_cpu():
         model = tiny_bert()
         batch = mlm_batch()
         logits, _ = model(batch["text"], batch["attention_mask"])

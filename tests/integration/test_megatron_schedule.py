@@ -3,7 +3,7 @@
 ``forward_backward_no_pipelining`` runs the micro-batches, back-propagates what the loss
 returns and hands the summed token count to the real ``finalize_model_grads``, which
 all-reduces it over data x context ranks and scales the gradients by ``1 / count``
-(see tests/megatron_cpu.py for the two CPU shims). The model is fp64, but
+(CPU stand-ins: tests/helpers/megatron_cpu.py). The model is fp64, but
 ``finalize_model_grads`` computes ``1.0 / num_tokens`` from an int32 tensor, i.e. in fp32 (and
 Megatron's vocab-parallel cross-entropy, when used, computes in fp32). So:
 
@@ -22,12 +22,8 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from bert_reduce import BERTMLMLossWithReduction
-from tests.helpers.dist_utils import HANG_GUARD_S, run_distributed
-from tests.helpers.megatron_cpu import (
-    GradSyncShell,
-    schedule_counter_on_cpu,
-    single_process_megatron,
-)
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.megatron_cpu import GradSyncShell, megatron_on_cpu, single_process_megatron
 from tests.helpers.mode_reference import checked_reduce
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
@@ -115,7 +111,7 @@ def schedule_step(
         loss_fn.setup(micro_batch)
         return model(micro_batch["input_ids"]), loss_fn
 
-    with schedule_counter_on_cpu():
+    with megatron_on_cpu():
         reports = forward_backward_no_pipelining(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
@@ -284,7 +280,7 @@ def _docs_forward_step_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor
     collate = NumScoredCollator(default_collate)
     loader = DataLoader(cp_global_batch(), batch_size=2, collate_fn=collate)
     model = make_model(calculate_per_token_loss=True)
-    with schedule_counter_on_cpu():
+    with megatron_on_cpu():
         reports = forward_backward_no_pipelining(
             forward_step_func=forward_step,
             data_iterator=iter(loader),
@@ -302,7 +298,6 @@ def _docs_forward_step_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(HANG_GUARD_S)
 def test_docs_forward_step_hands_each_cp_shard_its_count() -> None:
     """The count survives Megatron's data path: collator, CP slicing, the move to the device."""
     from megatron.core.transformer import TransformerConfig

@@ -19,17 +19,13 @@ import torch.nn.functional as F
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.megatron import output_layer_inputs
 from tests.helpers.megatron_bert import mlm_batch, tiny_bert
-from tests.helpers.megatron_cpu import (
-    GradSyncShell,
-    megatron_model_on_cpu,
-    single_process_megatron,
-)
+from tests.helpers.megatron_cpu import GradSyncShell, megatron_on_cpu, single_process_megatron
 from tests.helpers.sync_guard import forbid_host_syncs
 
 
 @pytest.fixture
 def megatron() -> Iterator[None]:
-    with single_process_megatron(), megatron_model_on_cpu():
+    with single_process_megatron(), megatron_on_cpu():
         yield
 
 

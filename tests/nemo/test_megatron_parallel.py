@@ -37,9 +37,8 @@ from examples.nemo2_esm2_loss import (
     nemo_trainer,
 )
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.megatron_cpu import single_process_megatron
+from tests.helpers.megatron_cpu import GradSync, megatron_on_cpu, single_process_megatron
 from tests.helpers.reference import reference_loss
-from tests.nemo.cpu_stand_ins import CPUGradSync, megatron_on_cpu
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, MASK_ID = 8, 16, 33, 32
 EMPTY_ROW = 3
@@ -53,7 +52,7 @@ DP_MICRO_BATCHES = {
 }
 
 
-class _RecordingModule(CPUGradSync, MLMLightningModule):
+class _RecordingModule(GradSync, MLMLightningModule):
     """The example module, recording every loss object NeMo asks it for."""
 
     def __init__(self, **kwargs: object) -> None:

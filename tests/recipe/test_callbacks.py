@@ -25,6 +25,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from bert_reduce.recipe.callbacks import RunCheckpoint, StopOnSignal
 from tests.helpers.tiny_lightning import TinyModule, tiny_loader, tiny_trainer
 
+pytestmark = pytest.mark.lightning24  # also run under NeMo's Lightning 2.4 (.ci/run)
+
 
 def files(directory: Path) -> list[str]:
     return sorted(path.name for path in directory.iterdir())

@@ -11,6 +11,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from bert_reduce.recipe.csv_logger import AppendingCSVLogger, keep_metrics_up_to
 
+pytestmark = pytest.mark.lightning24  # also run under NeMo's Lightning 2.4 (.ci/run)
+
 OLD = "lr,step,train_loss,val_loss,val_ppl\n0.1,1,3.5,,\n0.1,2,3.4,,\n,2,,3.3,27.1\n0.1,3,3.2,,\n"
 
 

@@ -1,36 +1,40 @@
-"""A tiny BERT trained by a real NeMo 2 fit with bert_reduce's loss, and its PyTorch reference.
+"""A tiny BERT in real NeMo 2 fits with bert_reduce's loss, and its one-process reference.
 
-The network is Megatron-Core's own ``BertModel`` (local layer spec: it runs on CPU), with tied
-input/output embeddings and pipeline-stage splitting as on a GPU. :class:`TinyBertMLM` is the
-LightningModule NeMo's ``MegatronStrategy`` drives, written the way NeMo's and BioNeMo's BERT
-modules are: ``io.IOMixin`` (its constructor arguments, the loss class included, go to
-``io.json``), ``configure_model``, ``data_step``, ``forward_step`` and loss reductions built
-from ``loss_reduction_class``. :func:`reference_training` trains the same weights in one
-process with plain PyTorch on whole global batches: ``F.cross_entropy`` over their masked
-tokens, ``clip_grad_norm_``, ``torch.optim.SGD``.
+The network is Megatron-Core's own ``BertModel`` (local layer spec) with tied embeddings and
+pipeline-stage splitting as on a GPU. :class:`TinyBertMLM` is the LightningModule NeMo's
+``MegatronStrategy`` drives, written as NeMo's and BioNeMo's BERT modules are (``io.IOMixin``,
+``configure_model``, ``data_step``, ``forward_step``, ``loss_reduction_class``). :func:`fit`
+runs ``nl.Trainer`` + ``MegatronStrategy`` (Megatron DDP, ``average_in_collective=False``) +
+``MegatronOptimizerModule`` (SGD, clipping) on gloo processes under
+:func:`tests.helpers.megatron_cpu.megatron_on_cpu`. :func:`reference_training` trains the same
+weights in one process with plain PyTorch on whole global batches: ``F.cross_entropy`` over
+their masked tokens, ``clip_grad_norm_``, ``torch.optim.SGD``. Import only where NeMo is.
 """
 
 from __future__ import annotations
 
-import os
-import socket
+import functools
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import nemo_run as run
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.num_microbatches_calculator import update_num_microbatches
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo import lightning as nl
 from nemo.lightning import io
 from nemo.lightning.data import WrappedDataLoader
+from nemo.lightning.pytorch.optim import MegatronOptimizerModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -38,6 +42,9 @@ from typing_extensions import override
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.megatron import output_layer_inputs
 from bert_reduce.nemo import ExactValidationDataSampler, num_scored_data_step
+from examples.nemo2_recipe import mlm_pretrain_recipe
+from tests.helpers.dist_utils import load_rank_results, run_launched
+from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
 
 VOCAB, SEQ_LEN, MASK_ID = 32, 12, 3
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
@@ -45,6 +52,7 @@ GLOBAL_BATCH, MICRO_BATCH = 8, 2
 # micro-batch of each step scores nothing (on rank 1 at DP=2, on rank 0 at DP=1).
 EMPTY_IN_GLOBAL_BATCH = (2, 3)
 LR, MOMENTUM, CLIP_GRAD = 0.5, 0.9, 1.0
+STEPS = 3  # optimizer steps of every fit
 
 
 def tiny_bert_config(**overrides: Any) -> TransformerConfig:
@@ -271,33 +279,34 @@ def _plain_data_step(dataloader_iter: Iterator[Any]) -> dict[str, Tensor]:
 
 def reference_val_loss(steps: int, val_samples: int) -> float:
     """After ``steps`` reference steps: the mean NLL over every masked validation token."""
-    model = _reference_model(steps)[0]
-    with torch.no_grad():
-        batch = val_dataset(val_samples).batch(0, val_samples)
-        logits, _ = model(batch["text"], batch["attention_mask"])
-        mask = batch["loss_mask"]
-        return F.cross_entropy(logits[mask].double(), batch["labels"][mask]).item()
+    with single_process_megatron(), megatron_on_cpu():
+        model = _reference_model(steps)[0]
+        with torch.no_grad():
+            batch = val_dataset(val_samples).batch(0, val_samples)
+            logits, _ = model(batch["text"], batch["attention_mask"])
+    mask = batch["loss_mask"]
+    return F.cross_entropy(logits[mask].double(), batch["labels"][mask]).item()
 
 
+@functools.cache
 def reference_training(
-    steps: int, config: TransformerConfig | None = None, adam_lr: float | None = None
+    steps: int = STEPS, adam_lr: float | None = None
 ) -> tuple[list[float], dict[str, Tensor]]:
     """Plain PyTorch, one process: the losses of each step and the final weights.
 
     Each step is one whole global batch: ``F.cross_entropy`` over its masked tokens (fp64 on
     the fp32 logits), backward, ``clip_grad_norm_(CLIP_GRAD)``, ``SGD(LR, MOMENTUM)`` (or, with
     ``adam_lr``, ``torch.optim.AdamW`` with Megatron's default betas and eps and no weight
-    decay: what Megatron's ``adam`` is without Apex/TE). Needs Megatron's parallel state (one
-    rank) to build the model.
+    decay: what Megatron's ``adam`` is without Apex/TE).
     """
-    model, losses = _reference_model(steps, config, adam_lr)
-    return losses, {name: p.detach().clone() for name, p in global_named_parameters(model).items()}
+    with single_process_megatron(), megatron_on_cpu():
+        model, losses = _reference_model(steps, adam_lr)
+        params = global_named_parameters(model)
+    return losses, {name: p.detach().clone() for name, p in params.items()}
 
 
-def _reference_model(
-    steps: int, config: TransformerConfig | None = None, adam_lr: float | None = None
-) -> tuple[BertModel, list[float]]:
-    model = build_bert(config or tiny_bert_config())
+def _reference_model(steps: int, adam_lr: float | None = None) -> tuple[BertModel, list[float]]:
+    model = build_bert(tiny_bert_config())
     if adam_lr is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     else:
@@ -319,31 +328,134 @@ def _reference_model(
     return model, losses
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def assert_matches_reference(results: list[dict[str, Any]], reference: tuple) -> None:
+    """Every rank logged the reference's losses and holds its weights (fp32 tolerances)."""
+    ref_losses, ref_params = reference
+    seen = set()
+    for result in results:
+        # Every rank, first pipeline stage included, logged the exact loss of every step.
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]),
+            torch.tensor(ref_losses, dtype=torch.float32),
+            rtol=1e-6,
+            atol=0,
+        )
+        for name, value in result["params"].items():
+            # The last stage's copy of the tied output weight is the word embedding.
+            ref_name = "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
+            torch.testing.assert_close(value, ref_params[ref_name], rtol=1e-5, atol=1e-6)
+            seen.add(ref_name)
+    assert seen == set(ref_params)
 
 
-def _worker(rank: int, world_size: int, port: int, body: Callable[..., None], args: Any) -> None:
-    # What a launcher (torchrun, SLURM) sets; Lightning then creates no processes itself.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world_size),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
+class ResultSaver(pl.Callback):
+    """Keeps ``reduced_train_loss`` as NeMo logged it after every step; saves at the end.
+
+    ``<out_dir>/rank<r>.pt``: this rank's parameters by global name, its pipeline and data
+    parallel ranks, and the logged losses.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.losses: list[float] = []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["reduced_train_loss"]))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        bert = next(m for m in pl_module.modules() if isinstance(m, BertModel))
+        params = {n: p.detach().clone() for n, p in global_named_parameters(bert).items()}
+        result = {
+            "params": params,
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "losses": self.losses,
+        }
+        torch.save(result, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+
+
+def optimizer_module() -> MegatronOptimizerModule:
+    """Megatron's SGD with momentum and clipping, as :func:`reference_training` runs it."""
+    return MegatronOptimizerModule(
+        OptimizerConfig(
+            optimizer="sgd",
+            lr=LR,
+            sgd_momentum=MOMENTUM,
+            weight_decay=0.0,
+            clip_grad=CLIP_GRAD,
+            use_distributed_optimizer=False,
+        )
     )
-    torch.set_num_threads(1)
-    body(*args)
 
 
-def run_processes(body: Callable[..., None], world_size: int, *args: Any) -> None:
-    """``body(*args)`` in ``world_size`` fresh processes set up as a launcher would."""
-    mp.spawn(_worker, args=(world_size, _free_port(), body, args), nprocs=world_size, join=True)
+def nemo_trainer(world_size: int, steps: int, pp: int = 1, tp: int = 1, **kwargs: Any):
+    """A NeMo 2 trainer with the Megatron flags the exact per-token reduction needs."""
+    strategy = nl.MegatronStrategy(
+        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
+        ddp=DistributedDataParallelConfig(average_in_collective=False),
+        ckpt_load_strictness="log_all",
+    )
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": world_size,
+        "strategy": strategy,
+        "max_steps": steps,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,
+        "enable_checkpointing": False,
+        "logger": False,
+        "plugins": nl.MegatronMixedPrecision(precision="32"),
+        **kwargs,
+    }
+    return nl.Trainer(**options)
 
 
-def scratch_dir() -> tempfile.TemporaryDirectory:
-    """A temporary directory for what the processes write back."""
-    return tempfile.TemporaryDirectory()
+def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str) -> None:
+    trainer = nemo_trainer(world_size, STEPS, pp, tp, callbacks=[ResultSaver(out_dir)])
+    config = tiny_bert_config(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp)
+    model = TinyBertMLM(config, output=output)
+    optimizer_module().connect(model)
+    with megatron_on_cpu():
+        trainer.fit(model, TinyBertDataModule(STEPS))
+
+
+def fit(world_size: int, pp: int = 1, tp: int = 1, output: str = "logits") -> list[dict]:
+    """A :data:`STEPS`-step fit on ``world_size`` processes (DP = ``world_size / (pp * tp)``).
+
+    Returns every rank's :class:`ResultSaver` result.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_launched(_fit_body, world_size, out_dir, world_size, pp, tp, output)
+        return load_rank_results(out_dir, world_size)
+
+
+def recipe(out_dir: str, devices: int) -> run.Partial:
+    """``examples/nemo2_recipe.py``'s recipe around :class:`TinyBertMLM`, as the fits run."""
+    return mlm_pretrain_recipe(
+        model=run.Config(TinyBertMLM, config=run.Config(tiny_bert_config)),
+        data=run.Config(TinyBertDataModule, steps=STEPS),
+        devices=devices,
+        accelerator="cpu",
+        max_steps=STEPS,
+        log_dir=str(Path(out_dir) / "nemo_experiments"),
+        loss_options={"mask_capacity": "all"},
+        optimizer_options={
+            "optimizer": "sgd",
+            "lr": LR,
+            "sgd_momentum": MOMENTUM,
+            "weight_decay": 0.0,
+            "clip_grad": CLIP_GRAD,
+        },
+        trainer_options={
+            "callbacks": [run.Config(ResultSaver, out_dir=out_dir)],
+            "plugins": run.Config(nl.MegatronMixedPrecision, precision="32"),
+            "limit_val_batches": 0,
+            "num_sanity_val_steps": 0,
+            "log_every_n_steps": 1,
+            "enable_checkpointing": False,
+        },
+    )
