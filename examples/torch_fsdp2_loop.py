@@ -124,9 +124,7 @@ def validate(model: torch.nn.Module, loader: DataLoader, device: torch.device) -
     for batch in eval_batches(loader):
         batch = {key: value.to(device) for key, value in batch.items()}
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"]
-        # [b, s, v] logits read as [s, b, v] with the labels transposed: no copy.
-        metric.update_from_logits(logits, labels.t(), (labels != -100).t())
+        metric.update_from_logits(logits, batch["labels"], layout="bs")  # -100: unscored
     model.train()
     return metric.compute()  # one all-gather of (loss_sum, denominator)
 
