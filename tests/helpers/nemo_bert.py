@@ -442,7 +442,7 @@ def recipe(out_dir: str, devices: int) -> run.Partial:
         accelerator="cpu",
         max_steps=STEPS,
         log_dir=str(Path(out_dir) / "nemo_experiments"),
-        loss_options={"mask_capacity": "all"},
+        loss_options={"capacity": "all"},
         optimizer_options={
             "optimizer": "sgd",
             "lr": LR,
