@@ -484,16 +484,10 @@ def _check_shapes(
 
 
 class HeadRows(NamedTuple):
-    """The flat rows one call computes.
+    """The flat rows one call computes, and its chunks.
 
-    Attributes:
-        hidden: ``[positions, h]`` hidden states in memory order (gathered under sequence
-            parallelism).
-        targets: int64 ``[rows]`` target ids of the selected rows.
-        per_row: ``[rows]`` values of the per-position tensor given (mask or weights).
-        selection: The :class:`~bert_reduce._vocab_parallel.RowSelection`.
-        chunks: ``(chunk_rows, chunk_vocab)``.
-        single_pass: Whether one pass over whole-vocabulary chunks computes the weighted sum.
+    ``hidden`` is ``[positions, h]`` (gathered under sequence parallelism); ``targets`` (int64)
+    and ``per_row`` (mask or weights) are the selected rows'.
     """
 
     hidden: Tensor
@@ -522,7 +516,7 @@ def head_rows(
     """Check the arguments and choose the rows and chunks: what every entry point shares.
 
     ``one_pass`` (the weighted sum): one process and ``chunk_vocab`` ``None`` or at least
-    ``v`` take one pass, in chunks of about 2**22 logits; else ``chunk_vocab = min(v, 4096)``
+    ``v`` take one pass, in chunks of 24 MiB of logits; else ``chunk_vocab = min(v, 4096)``
     and about 2**21 logits per chunk.
     """
     _, tp_size, _ = tensor_parallel_placement(tp_group)
