@@ -1,19 +1,8 @@
 """``transformers.Trainer`` with the exact masked-LM loss of every global batch and eval set.
 
-The plain ``Trainer`` takes a mean per micro-batch: gradient accumulation then averages means
-(ESM, whose ``accepts_loss_kwargs`` is ``False``), or skips the division by the accumulation
-steps for a model whose ``forward`` takes ``**kwargs`` but whose loss is still a mean (BERT:
-gradient x steps), DDP averages the ranks' means, an empty micro-batch gives NaN, and
-``evaluate()`` averages batch means. :class:`ExactMLMTrainer` counts first and divides once:
-
-    share(mb) = loss_sum(mb) * world / global_denominator     # back-propagated per micro-batch
-    gradient  = mean over ranks of sum over mb of d share(mb)   # DDP's mean
-              = d (sum of every loss_sum of the step) / global_denominator
-
-where ``global_denominator`` sums every accumulation micro-batch of the optimizer step on
-every process (one all-reduce per step, before the first backward) and ``world`` undoes DDP's
-mean. It uses Trainer's public hooks (the class docstring lists them); see
-``docs/hf_trainer.md``.
+The plain ``Trainer`` averages micro-batch means over accumulation steps and processes (and
+gives NaN on an empty micro-batch); :class:`ExactMLMTrainer` counts first and divides once,
+through :class:`bert_reduce.GlobalBatchLoss` (``docs/hf_trainer.md``).
 """
 
 from __future__ import annotations
@@ -85,39 +74,21 @@ class ExactMLMTrainer(Trainer):
         trainer.train()                 # every step: the gradient of the global batch's mean
         trainer.evaluate()              # eval_loss, eval_perplexity over the whole eval set
 
-    * ``train()``: each optimizer step's gradient is that of the mean over every scored
-      token (or the chosen normalization) of the global batch, all
-      ``gradient_accumulation_steps`` micro-batches on all processes, whatever the sampler,
-      ``average_tokens_across_devices`` (unused) or the model's ``accepts_loss_kwargs``
-      (the model computes no loss: it gets no ``labels``). A micro-batch or process without a
-      scored token adds 0, never NaN. The logged ``loss`` is the exact global-batch loss
-      (averaged over the optimizer steps of a logging interval, as Trainer does).
-    * ``evaluate()`` (and ``predict()`` with labels): ``eval_loss`` is the exact mean over
-      every scored token of the eval set, each sample counted once across processes (the
-      distributed sampler's padding duplicates dropped by ``gather_for_metrics``), and
-      ``eval_perplexity = exp(eval_loss)``. ``compute_metrics`` receives logits and labels
-      as with Trainer.
+    * ``train()``: each optimizer step's gradient is that of the global batch's loss (all
+      ``gradient_accumulation_steps`` micro-batches on all processes), whatever the sampler,
+      ``average_tokens_across_devices`` or the model's ``accepts_loss_kwargs`` (the model
+      gets no ``labels``); the logged ``loss`` is the exact global-batch loss.
+    * ``evaluate()`` (and ``predict()`` with labels): ``eval_loss`` is the exact mean over the
+      eval set, each sample counted once across processes, and
+      ``eval_perplexity = exp(eval_loss)``.
 
-    Trainer hooks used (all public): ``get_batch_samples`` (the step's batches, prefetched by
-    Trainer, give the global denominator: one all-reduce per optimizer step), the
-    ``num_items_in_batch`` it returns (passed by ``training_step`` to ``compute_loss``),
-    ``loss_is_scaled_for_ga = True`` (no division by the accumulation steps),
-    ``model_accepts_loss_kwargs = False`` (Trainer counts nothing itself),
-    ``prediction_step`` / ``evaluation_loop`` (the eval sums; one gather of the last batch
-    and one all-reduce per evaluation). Tested with transformers
-    :data:`TESTED_TRANSFORMERS_VERSIONS`; another version lacking these hooks raises at
-    construction.
-
-    Supported: one process, or data parallelism (``torchrun``/``accelerate launch``: DDP,
-    whose gradient mean ``world`` undoes). Not supported, with an error: ``DataParallel``
-    (several GPUs in one process), tensor/context/sequence parallelism, a
-    ``compute_loss_func``, label smoothing.
-
-    The batch keys the loss reads (``labels``, ``loss_mask``, ``sequence_weight``,
-    ``sequence_start``, ``num_scored``) are not passed to the model; packing keys
-    (``position_ids``, ``cu_seq_lens_q``) are passed to both. A ``loss_mask`` column of the
-    *dataset* (rather than one made by the collator) needs ``remove_unused_columns=False``:
-    Trainer drops dataset columns the model's ``forward`` does not name.
+    It relies on Trainer's public hooks (``get_batch_samples``, ``num_items_in_batch``,
+    ``loss_is_scaled_for_ga``, ``model_accepts_loss_kwargs``, ``prediction_step``,
+    ``evaluation_loop``; ``docs/hf_trainer.md``), tested with transformers
+    :data:`TESTED_TRANSFORMERS_VERSIONS`; a version lacking them raises at construction.
+    Data parallelism only (``torchrun``/``accelerate launch``). The loss's batch keys
+    (:data:`bert_reduce.hf.token_losses.LOSS_ONLY_KEYS`) are not passed to the model; a
+    ``loss_mask`` column of the *dataset* needs ``remove_unused_columns=False``.
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments.
