@@ -166,3 +166,4 @@ def test_bad_forward_outputs_and_batches_are_named() -> None:
     mask = torch.ones(1, 3)
     assert torch.equal(scored_weights({"labels": labels, "loss_mask": mask}), labels != -100)
     assert torch.equal(scored_weights({"labels": labels, "loss_mask": mask}, None), mask)
+    assert torch.equal(scored_weights({"labels": labels}, 2), labels != 2)

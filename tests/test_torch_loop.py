@@ -84,18 +84,6 @@ def test_every_mode_layout_and_split_equals_reference(mode, layout, weights, siz
     torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-15)
 
 
-def test_labels_alone_use_the_ignore_index_and_a_loss_mask_never_scores_it() -> None:
-    logits, labels, mask = make_mlm_batch(6, 9, 5, empty_rows=(1,), mask_prob=0.4)
-    ref_loss, ref_grad = reference_mode_loss_and_grad(logits, labels, mask, "per_token")
-    for loss_mask in (None, torch.ones_like(mask)):  # the ones mask would score -100 labels
-        loss, grad = run_steps(logits, labels, loss_mask, [2, 4])
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
-        torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-15)
-    other = torch.where(labels == -100, 7, labels)
-    loss, _ = run_steps(logits, torch.where(labels == 7, -100, other), None, [6], ignore_index=7)
-    assert torch.isfinite(loss)
-
-
 def test_empty_micro_batches_and_an_empty_step_give_zero_loss_and_zero_grad() -> None:
     logits, labels, mask = make_mlm_batch(4, 6, 5, empty_rows=(0, 1, 2, 3))
     for mode in MODES:
