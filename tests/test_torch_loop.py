@@ -181,8 +181,6 @@ def test_errors_name_what_to_do() -> None:
         loss_fn.end()
     with pytest.raises(ValueError, match=r"must be \[b, s, v\]"):
         loss_fn(logits, {"labels": labels})
-    with pytest.raises(ValueError, match="needs a positive constant_per_sequence"):
-        GlobalBatchLoss(group=None, normalization="constant")
     with pytest.raises(ValueError, match="gradient_sync must be"):
         GlobalBatchLoss(group=None, gradient_sync="avg")  # type: ignore[arg-type]
     loss_fn = GlobalBatchLoss(group=None)

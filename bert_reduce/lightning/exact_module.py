@@ -98,6 +98,11 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
             ``b``, ``b`` is not a multiple of ``micro_batch_size``, or ``num_scored`` is a
             whole batch's ``int`` to split into several micro-batches, or holds per-sample
             counts for another number of samples.
+
+    Example:
+        >>> batch = {"labels": torch.zeros(4, 3), "num_scored": (1, 2, 0, 3)}
+        >>> [mb["num_scored"] for mb in split_micro_batches(batch, 2)]
+        [3, 3]
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
@@ -193,6 +198,11 @@ class ExactMLMModule(pl.LightningModule):
 
     Raises:
         ValueError: On a non-positive ``micro_batch_size`` or an unknown clip algorithm.
+
+    Example:
+        >>> module = ExactMLMModule(torch.nn.Identity(), micro_batch_size=2)
+        >>> [mb["labels"].shape for mb in module.micro_batches({"labels": torch.zeros(4, 3)})]
+        [torch.Size([2, 3]), torch.Size([2, 3])]
     """
 
     def __init__(
