@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ from bert_reduce import distributed
 from bert_reduce.engine import LossOptions, loss_terms, mode_terms, scored_weights, token_losses
 from bert_reduce.functional import safe_divide
 from bert_reduce.hf.lm_head import lm_head_inputs
-from bert_reduce.hf.token_losses import sample_loss_terms, split_model_inputs
+from bert_reduce.normalization import token_loss_sum
+from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.torch_loop import GlobalBatchLoss
 
 try:
@@ -33,10 +34,87 @@ except ModuleNotFoundError as error:  # pragma: no cover - the hf extra is missi
         "pip install 'bert_reduce[hf]'."
     ) from error
 
-__all__ = ["TESTED_TRANSFORMERS_VERSIONS", "ExactMLMTrainer"]
+__all__ = [
+    "LOSS_ONLY_KEYS",
+    "TESTED_TRANSFORMERS_VERSIONS",
+    "ExactMLMTrainer",
+    "sample_loss_terms",
+    "split_model_inputs",
+]
 
 TESTED_TRANSFORMERS_VERSIONS = ("5.24.0",)
 """``transformers`` versions the test suite runs :class:`ExactMLMTrainer` with."""
+
+
+LOSS_ONLY_KEYS = ("labels", "loss_mask", "sequence_weight", "sequence_start", "num_scored")
+"""Batch keys the loss reads and the model is not given. ``labels`` is kept from the model
+so that it computes no loss of its own (and ``[b, s, v]`` logits are not scored twice)."""
+
+
+def split_model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch without :data:`LOSS_ONLY_KEYS`: what the model's ``forward`` receives.
+
+    Packing keys (``position_ids``, ``cu_seq_lens_q``, ...) stay: the model's attention needs
+    them, and the loss reads them from the batch as well.
+    """
+    return {key: value for key, value in batch.items() if key not in LOSS_ONLY_KEYS}
+
+
+def sample_loss_terms(
+    batch: Mapping[str, Any], weights: Tensor, per_token_loss: Tensor, options: LossOptions
+) -> Tensor:
+    """``[n, 2]`` fp64 ``(numerator, denominator)`` of each of a batch's ``n`` samples.
+
+    Their sum over samples is the batch's :func:`bert_reduce.engine.mode_terms`. A sample is a
+    row of a ``[b, s]`` batch, or a sequence of a packed one (in order): the unit a distributed
+    evaluation sampler pads with duplicates and ``accelerate``'s ``gather_for_metrics`` drops
+    again.
+    Reads the number of packed sequences on the host (an evaluation-time sync).
+
+    Args:
+        batch: The batch; its sequences as
+            :func:`bert_reduce.packing.batch_sequence_normalizers` finds them.
+        weights: ``[b, s]`` :func:`bert_reduce.engine.scored_weights`.
+        per_token_loss: ``[b, s]`` losses.
+        options: The loss options (their mode, constant and weight resolution).
+
+    Returns:
+        ``[n, 2]`` fp64, detached.
+    """
+    sequences = batch_sequence_normalizers(batch, weights)
+    per_token_loss = per_token_loss.detach()
+    pairs = []
+    if not sequences:
+        # Each row is one sample (and one sequence).
+        for row in range(weights.size(0)):
+            numerator, denominator = token_loss_sum(
+                per_token_loss[row : row + 1],
+                weights[row : row + 1],
+                options.normalization,
+                constant_per_sequence=options.constant_per_sequence,
+                weight_resolution=options.weight_resolution,
+            )
+            pairs.append(torch.stack([numerator.double(), denominator.double()]))
+    else:
+        sequence_weight, sequence_start = sequences["sequence_weight"], sequences["sequence_start"]
+        start = sequence_start != 0
+        # Sequence id of each token in row-major order (a sequence runs to the next start).
+        sequence_id = start.reshape(-1).cumsum(0).view(start.shape) - 1
+        for index in range(int(start.sum())):
+            inside = sequence_id == index
+            numerator, denominator = token_loss_sum(
+                per_token_loss,
+                torch.where(inside, weights, torch.zeros_like(weights)),
+                options.normalization,
+                sequence_weight=sequence_weight,
+                sequence_start=start & inside,
+                constant_per_sequence=options.constant_per_sequence,
+                weight_resolution=options.weight_resolution,
+            )
+            pairs.append(torch.stack([numerator.double(), denominator.double()]))
+    if not pairs:
+        return torch.zeros(0, 2, dtype=torch.float64, device=weights.device)
+    return torch.stack(pairs)
 
 
 def _check_trainer_hooks() -> None:
@@ -87,7 +165,7 @@ class ExactMLMTrainer(Trainer):
     ``evaluation_loop``; ``docs/hf_trainer.md``), tested with transformers
     :data:`TESTED_TRANSFORMERS_VERSIONS`; a version lacking them raises at construction.
     Data parallelism only (``torchrun``/``accelerate launch``). The loss's batch keys
-    (:data:`bert_reduce.hf.token_losses.LOSS_ONLY_KEYS`) are not passed to the model; a
+    (:data:`LOSS_ONLY_KEYS`) are not passed to the model; a
     ``loss_mask`` column of the *dataset* needs ``remove_unused_columns=False``.
 
     Args:
