@@ -80,26 +80,15 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     """Masked-language-model loss over the masked tokens, exact under any split of the batch.
 
     ``forward(batch, forward_out)`` returns ``(loss_sum, num_tokens, report)``, the three-tuple
-    Megatron-Core's ``forward_step_calc_loss`` understands:
-
-    * ``calculate_per_token_loss=True`` (recommended): Megatron back-propagates ``loss_sum``,
-      adds up ``num_tokens`` over micro-batches, all-reduces it over data x context ranks and
-      divides the summed gradients by it in ``finalize_model_grads``. The gradient is that of
-      the exact mean over every masked token of the global batch, however it is split into
-      micro-batches, DP ranks or CP shards.
-    * ``calculate_per_token_loss=False``: Megatron divides each micro-batch's ``loss_sum`` by
-      ``max(num_tokens, 1)`` and by the number of micro-batches, and DDP averages over ranks:
-      a mean of micro-batch means (BioNeMo's behaviour), never NaN, but not the global mean.
-
-    ``forward`` runs no collective (except the tensor-parallel ones inside the vocab-parallel
-    cross-entropy); when it reads a count on the host is ``docs/fast_path.md``'s table (fed
-    hidden states without ``batch["num_scored"]`` nor a static ``capacity``: once per
-    micro-batch on an accelerator). A micro-batch without masked tokens contributes 0 to the
-    sum and to the count, and a zero gradient. ``reduce`` returns the exact global mean for
-    logging, with one all-reduce, and 0.0 when the whole global batch has no masked token; in
-    validation too, whether the last partial batch is dropped or not. The module keeps no
-    state between calls: NeMo builds a fresh instance per micro-batch and another for
-    ``reduce``.
+    Megatron-Core's ``forward_step_calc_loss`` understands. With
+    ``calculate_per_token_loss=True`` (recommended) the schedule sums ``num_tokens`` over
+    micro-batches and data x context ranks and divides the summed gradients by it once: the
+    gradient of the exact global mean. With ``False`` it divides per micro-batch: a mean of
+    micro-batch means, BioNeMo's behaviour (``docs/megatron.md``). ``forward`` runs no
+    collective but the vocab-parallel kernel's, and syncs only where ``docs/fast_path.md``
+    says; ``reduce`` returns the exact global mean with one all-reduce (0.0 when nothing is
+    scored), in validation too. No state is kept between calls: NeMo builds a fresh
+    instance per micro-batch and another for ``reduce``.
 
     Args:
         validation_step: Whether this instance serves validation (selects which
@@ -169,30 +158,24 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         """Loss sum and masked-token count of one micro-batch on this rank.
 
         Args:
-            batch: ``labels`` (``[b, s]`` int token ids) and ``loss_mask`` (``[b, s]``,
-                non-zero where scored, or float weights; without it, every label other than
-                ``ignore_index`` is scored); under context parallelism, this rank's shard.
-                Optionally ``num_scored`` (:mod:`bert_reduce.num_scored`) and what the mode
-                needs to find sequences.
+            batch: The micro-batch (under context parallelism, this rank's shard), as
+                :func:`bert_reduce.engine.loss_terms` reads it: ``labels`` ``[b, s]``,
+                optionally ``loss_mask``, ``num_scored`` and the mode's sequence keys.
             forward_out: The model output by key (:mod:`bert_reduce.forward_output`:
                 ``token_logits`` ``[s, b, v]``, ``logits`` ``[b, s, v]``, ``lm_loss``
-                ``[b, s]``, or ``hidden_states`` + ``output_weight`` (+ ``output_bias``) for
-                the fused masked-only head), or a bare logits tensor in ``layout``.
+                ``[b, s]``, or the fused head's ``hidden_states`` + ``output_weight``), or a
+                bare logits tensor in ``layout``.
 
         Returns:
-            ``(loss_sum, num_tokens, report)``: the mode's 0-dim numerator in fp32 that carries
-            the gradient (fp64 for fp64 logits, unless a Megatron kernel computes it), its
-            0-dim denominator (int64; fp64 only for a float mask in per-token mode without
-            ``weight_resolution``), and the detached report ``[numerator, denominator]`` for
-            :meth:`reduce`.
+            ``(loss_sum, num_tokens, report)``: :func:`bert_reduce.engine.loss_terms`'
+            numerator (carrying the gradient) and denominator, and the detached report
+            ``[numerator, denominator]`` for :meth:`reduce`.
 
         Raises:
-            KeyError: If a required key is missing (the message names it), or
-                ``forward_out`` holds several of ``token_logits``, ``logits``, ``lm_loss`` (or
-                none of them and no ``hidden_states``) and no ``forward_out_key`` says which.
-            ValueError: On mismatched shapes or devices (the message names both), a Megatron
-                kernel without Megatron-Core's parallel state, or, with ``check_labels``, on
-                masked labels outside the vocabulary or negative weights.
+            KeyError, TypeError, ValueError: As :func:`bert_reduce.engine.loss_terms`: a
+                missing key (named), several candidate outputs without ``forward_out_key``,
+                mismatched shapes, a Megatron kernel without Megatron-Core's parallel state,
+                or (``check_labels``) invalid labels.
         """
         loss_sum, num_tokens = loss_terms(
             batch,

@@ -1,27 +1,9 @@
 """The exact masked-LM loss for a hand-written PyTorch training step (DDP, FSDP2, CP, packing).
 
-Hugging Face's ``outputs.loss`` is the mean over one rank's micro-batch. DDP and FSDP2 then
-average gradients over ranks and gradient accumulation divides by the number of steps: a
-mean of means, which is not the mean over the scored tokens of the global batch when ranks
-or micro-batches hold different numbers of them (and NaN on a rank that holds none).
-:class:`GlobalBatchLoss` counts first and divides once:
-
-    loss = sum over micro-batches and ranks of loss_sum / global_denominator
-
-1. ``begin(micro_batches)`` adds up this rank's denominators and all-reduces that one number
-   over the data (x context) parallel group: ``global_denominator`` (the same all-reduce
-   carries every rank's number of micro-batches when they must be equal, as under FSDP2);
-2. ``loss_fn(output, mb)`` returns this micro-batch's share,
-   ``loss_sum * world_size / global_denominator`` (``world_size`` undoes the gradient
-   averaging of DDP/FSDP2; 1 when gradients are summed); back-propagating every share gives,
-   after the ranks' gradient averaging, the gradient of the global mean;
-3. ``end()`` all-reduces the summed ``(loss_sum, denominator)`` reports once: the exact
-   global loss, for logging.
-
-No collective runs per micro-batch and, given each micro-batch's ``num_scored``, nothing is
-read back to the host (the micro-batch count check reads its counts once per step). A
-micro-batch, or a whole rank, without a scored token contributes 0 and a zero gradient; a
-global batch without one gives loss 0, never NaN.
+:class:`GlobalBatchLoss` counts first and divides once: ``begin`` all-reduces the step's
+denominators, each micro-batch back-propagates ``loss_sum * world_size / global_denominator``
+and ``end`` all-reduces the reports for logging (``docs/pytorch_loop.md``; the algebra,
+``docs/guarantees.md``).
 """
 
 from __future__ import annotations
@@ -49,33 +31,15 @@ _DEFAULT_GROUP: Any = object()
 class GlobalBatchLoss:
     """Exact masked-LM loss of a global batch, fed micro-batch by micro-batch in your own loop.
 
-    Example (DDP or FSDP2; ``micro_batches`` is this rank's share of one global batch)::
-
-        loss_fn = GlobalBatchLoss()
-        loss_fn.begin(micro_batches)
-        for mb in micro_batches:
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            loss_fn(logits, mb).backward()
-        step_loss = loss_fn.end()
-        optimizer.step()
-
-    Instead of logits, the loss takes any model output of :mod:`bert_reduce.forward_output`,
-    e.g. the output layer's inputs, for the fused masked-only head (the logits of the scored
-    positions only, gradients accumulated in the forward) of a Hugging Face
-    ``EsmForMaskedLM`` or ``BertForMaskedLM``::
-
-        loss_fn(lm_head_inputs(model, input_ids=..., attention_mask=...), mb).backward()
-
-    (:func:`bert_reduce.hf.lm_head_inputs`). A micro-batch's ``num_scored``
-    (:mod:`bert_reduce.num_scored`, counted on the host) sizes the work of either path with
-    no device sync (``docs/fast_path.md``).
-
-    Gradient accumulation needs no division: every share is already divided by the global
-    denominator. Under DDP, wrap all but the last backward in ``model.no_sync()`` as usual;
-    under FSDP2, ``model.set_requires_gradient_sync(last)``. FSDP2 all-gathers parameters in
-    every forward, so there every rank must run the same number of micro-batches (one whose
-    labels are all ``ignore_index`` contributes nothing): ``equal_micro_batch_counts=True``
-    checks it in :meth:`begin` and raises instead of hanging.
+    In a step, ``begin(micro_batches)`` with this rank's share of one global batch, then
+    ``loss_fn(output, mb).backward()`` for each micro-batch (under DDP all but the last in
+    ``model.no_sync()``, under FSDP2 ``model.set_requires_gradient_sync(last)``), then
+    ``end()`` and the optimizer step (``docs/pytorch_loop.md``). The output is logits or any
+    model output of :mod:`bert_reduce.forward_output`, e.g. the fused masked-only head's
+    inputs (:func:`bert_reduce.hf.lm_head_inputs`); a micro-batch's ``num_scored`` sizes the
+    work with no device sync (``docs/fast_path.md``). FSDP2 all-gathers parameters in every
+    forward, so every rank must run as many micro-batches as the others
+    (``equal_micro_batch_counts`` checks it).
 
     A micro-batch is a mapping with ``labels`` (``[b, s]`` token ids, ``ignore_index`` where
     unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights;
@@ -108,6 +72,15 @@ class GlobalBatchLoss:
     Raises:
         ValueError: On a bad option (:class:`bert_reduce.LossOptions`), layout or gradient
             sync.
+
+    Example:
+        >>> loss_fn = GlobalBatchLoss(group=None)
+        >>> mb = {"labels": torch.tensor([[1, -100, 2]])}
+        >>> loss_fn.begin([mb])
+        tensor(2., dtype=torch.float64)
+        >>> loss_fn(torch.zeros(1, 3, 4, requires_grad=True), mb).backward()  # [b, s, v]
+        >>> loss_fn.end()
+        tensor(1.3863, dtype=torch.float64)
     """
 
     def __init__(

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss, LossOptions, TokenPerplexity
 from bert_reduce.engine import loss_terms, scored_weights
 from bert_reduce.hf import ExactMLMTrainer, lm_head_inputs
-from bert_reduce.hf.token_losses import split_model_inputs
+from bert_reduce.hf.exact_trainer import split_model_inputs
 from tests.helpers import hf_trainer as H
 from tests.helpers.megatron_cpu import single_process_megatron
 from tests.helpers.mode_reference import reference_mode_loss
@@ -166,3 +166,4 @@ def test_bad_forward_outputs_and_batches_are_named() -> None:
     mask = torch.ones(1, 3)
     assert torch.equal(scored_weights({"labels": labels, "loss_mask": mask}), labels != -100)
     assert torch.equal(scored_weights({"labels": labels, "loss_mask": mask}, None), mask)
+    assert torch.equal(scored_weights({"labels": labels}, 2), labels != 2)

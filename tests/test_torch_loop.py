@@ -5,8 +5,6 @@ Multi-process runs (DDP, FSDP2) are in tests/integration/test_torch_loop_distrib
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -43,15 +41,19 @@ def weighted(mask: torch.Tensor, seed: int = 1) -> torch.Tensor:
 
 
 def run_steps(
-    logits_sbv: torch.Tensor,
+    inputs: tuple[torch.Tensor, ...],
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None,
     sizes: list[int],
     layout: str = "bs",
     **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drive GlobalBatchLoss over row micro-batches in one process; loss and [s, b, v] grad."""
-    leaf = logits_sbv.detach().clone().requires_grad_(True)
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Drive GlobalBatchLoss over row micro-batches in one process; the loss, the inputs' grads.
+
+    ``inputs``: ``([s, b, v] logits,)``, or the output layer's ``([s, b, h] hidden states,
+    [v, h] weight, [v] bias)`` for the fused head.
+    """
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     micro_batches, start = [], 0
     for size in sizes:
         mb = {"labels": labels[start : start + size]}
@@ -62,45 +64,52 @@ def run_steps(
     loss_fn = GlobalBatchLoss(group=None, layout=layout, **kwargs)
     loss_fn.begin([mb for _, mb in micro_batches])
     for rows, mb in micro_batches:
-        logits = leaf[:, rows]
-        loss_fn(logits.transpose(0, 1) if layout == "bs" else logits, mb).backward()
-    return loss_fn.end(), leaf.grad
+        part = leaves[0][:, rows]
+        output = part.transpose(0, 1) if layout == "bs" else part
+        if len(leaves) == 3:  # the layout follows layout unless the mapping says otherwise
+            output = {"hidden_states": output, "output_weight": leaves[1], "output_bias": leaves[2]}
+        loss_fn(output, mb).backward()
+    return loss_fn.end(), [leaf.grad for leaf in leaves]
+
+
+def head_inputs(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``[s, b, h]`` hidden states, a ``[v, h]`` weight and a ``[v]`` bias (fp64) for logits'
+    ``[s, b, v]`` shape; a non-zero bias, so that a lost bias gradient would show."""
+    (s, b, v), h = logits.shape, 6
+    gen = torch.Generator().manual_seed(2)
+    return tuple(
+        torch.randn(x, generator=gen, dtype=torch.float64) for x in ((s, b, h), (v, h), (v,))
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", ["bs", "sb"])
 @pytest.mark.parametrize("weights", [False, True])
 @pytest.mark.parametrize("sizes", [[8], [1, 3, 2, 2], [3, 0, 5], [1] * 8])
-def test_every_mode_layout_and_split_equals_reference(mode, layout, weights, sizes) -> None:
+@pytest.mark.parametrize("output", ["logits", "fused head"])
+def test_every_output_mode_layout_and_split_equals_reference(
+    mode, layout, weights, sizes, output
+) -> None:
     logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.3)
     loss_mask = weighted(mask) if weights else mask
-    loss, grad = run_steps(
-        logits, labels, loss_mask, sizes, layout, normalization=mode, **mode_kwargs(mode)
+    inputs = head_inputs(logits) if output == "fused head" else (logits,)
+    loss, grads = run_steps(
+        inputs, labels, loss_mask, sizes, layout, normalization=mode, **mode_kwargs(mode)
     )
-    ref_loss, ref_grad = reference_mode_loss_and_grad(
-        logits, labels, loss_mask, mode, **mode_kwargs(mode)
-    )
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-15)
-
-
-def test_labels_alone_use_the_ignore_index_and_a_loss_mask_never_scores_it() -> None:
-    logits, labels, mask = make_mlm_batch(6, 9, 5, empty_rows=(1,), mask_prob=0.4)
-    ref_loss, ref_grad = reference_mode_loss_and_grad(logits, labels, mask, "per_token")
-    for loss_mask in (None, torch.ones_like(mask)):  # the ones mask would score -100 labels
-        loss, grad = run_steps(logits, labels, loss_mask, [2, 4])
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
-        torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-15)
-    other = torch.where(labels == -100, 7, labels)
-    loss, _ = run_steps(logits, torch.where(labels == 7, -100, other), None, [6], ignore_index=7)
-    assert torch.isfinite(loss)
+    refs = [t.clone().requires_grad_(True) for t in inputs]
+    ref_logits = torch.nn.functional.linear(*refs) if len(refs) == 3 else refs[0]
+    ref_loss = reference_mode_loss(ref_logits, labels, loss_mask, mode, **mode_kwargs(mode))
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
+    for grad, ref in zip(grads, refs, strict=True):
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-10, atol=1e-15)
 
 
 def test_empty_micro_batches_and_an_empty_step_give_zero_loss_and_zero_grad() -> None:
     logits, labels, mask = make_mlm_batch(4, 6, 5, empty_rows=(0, 1, 2, 3))
     for mode in MODES:
-        loss, grad = run_steps(
-            logits, labels, mask, [1, 3], normalization=mode, **mode_kwargs(mode)
+        loss, (grad,) = run_steps(
+            (logits,), labels, mask, [1, 3], normalization=mode, **mode_kwargs(mode)
         )
         assert float(loss) == 0.0
         assert torch.equal(grad, torch.zeros_like(grad))
@@ -121,9 +130,11 @@ def test_mean_of_micro_batch_means_would_differ() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_no_host_sync_and_no_collective_per_micro_batch(mode) -> None:
+@pytest.mark.parametrize("output", ["logits", "fused head"])
+def test_no_host_sync_and_no_collective_per_micro_batch(mode, output) -> None:
     logits, labels, mask = make_mlm_batch(4, 8, 9)
-    bsv = logits.transpose(0, 1).detach().requires_grad_(True)
+    hidden, weight, bias = head_inputs(logits)
+    bsv = (hidden if output == "fused head" else logits).transpose(0, 1).requires_grad_(True)
     loss_fn = GlobalBatchLoss(group=None, normalization=mode, **mode_kwargs(mode))
     mbs = [{"labels": labels[:2], "loss_mask": weighted(mask[:2])}, {"labels": labels[2:]}]
     for mb in mbs:  # the collator's host count: the kernels size their work without a sync
@@ -131,51 +142,12 @@ def test_no_host_sync_and_no_collective_per_micro_batch(mode) -> None:
     with forbid_host_syncs(), count_collectives() as calls:
         loss_fn.begin(mbs)
         for rows, mb in zip((slice(0, 2), slice(2, 4)), mbs, strict=True):
-            loss_fn(bsv[rows], mb).backward()
+            out = bsv[rows]
+            if output == "fused head":
+                out = {"hidden_states": out, "output_weight": weight, "output_bias": bias}
+            loss_fn(out, mb).backward()
         loss_fn.end()
     assert sum(calls.values()) == 0
-
-
-def head_batch(b: int = 8, s: int = 10, h: int = 6, v: int = 7):
-    """``[s, b, h]`` hidden states, a ``[v, h]`` weight, a ``[v]`` bias (fp64) and a batch."""
-    _, labels, mask = make_mlm_batch(b, s, v, empty_rows=(0, 3, 4), mask_prob=0.3)
-    gen = torch.Generator().manual_seed(2)
-    shapes = ((s, b, h), (v, h), (v,))
-    hidden, weight, bias = (torch.randn(x, generator=gen, dtype=torch.float64) for x in shapes)
-    return hidden, weight, bias, labels, mask
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", ["bs", "sb"])
-@pytest.mark.parametrize("counted", [False, True])
-def test_hidden_states_and_the_output_layer_equal_the_reference(mode, layout, counted) -> None:
-    """The fused head through GlobalBatchLoss: F.linear + F.cross_entropy on the whole batch."""
-    hidden, weight, bias, labels, mask = head_batch()
-    loss_mask = weighted(mask)
-    ref_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    ref_loss = reference_mode_loss(
-        torch.nn.functional.linear(*ref_leaves), labels, loss_mask, mode, **mode_kwargs(mode)
-    )
-    ref_loss.backward()
-
-    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    splits = [slice(0, 3), slice(3, 3), slice(3, 8)]
-    micro_batches = [{"labels": labels[rows], "loss_mask": loss_mask[rows]} for rows in splits]
-    if counted:  # the host count of a collator: the work is sized with no sync
-        for mb in micro_batches:
-            mb["num_scored"] = int(mb["loss_mask"].count_nonzero())
-    loss_fn = GlobalBatchLoss(group=None, layout=layout, normalization=mode, **mode_kwargs(mode))
-    loss_fn.begin(micro_batches)
-    for rows, mb in zip(splits, micro_batches, strict=True):
-        part = leaves[0][:, rows]
-        # The layout follows layout unless the mapping says otherwise.
-        output = {"hidden_states": part.transpose(0, 1) if layout == "bs" else part}
-        output |= {"output_weight": leaves[1], "output_bias": leaves[2]}
-        with forbid_host_syncs() if counted else contextlib.nullcontext():
-            loss_fn(output, mb).backward()
-    torch.testing.assert_close(loss_fn.end(), ref_loss.detach(), rtol=1e-12, atol=0)
-    for leaf, ref in zip(leaves, ref_leaves, strict=True):
-        torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-10, atol=1e-15)
 
 
 def test_errors_name_what_to_do() -> None:
@@ -193,8 +165,6 @@ def test_errors_name_what_to_do() -> None:
         loss_fn.end()
     with pytest.raises(ValueError, match=r"must be \[b, s, v\]"):
         loss_fn(logits, {"labels": labels})
-    with pytest.raises(ValueError, match="needs a positive constant_per_sequence"):
-        GlobalBatchLoss(group=None, normalization="constant")
     with pytest.raises(ValueError, match="gradient_sync must be"):
         GlobalBatchLoss(group=None, gradient_sync="avg")  # type: ignore[arg-type]
     loss_fn = GlobalBatchLoss(group=None)

@@ -1,19 +1,8 @@
 """``transformers.Trainer`` with the exact masked-LM loss of every global batch and eval set.
 
-The plain ``Trainer`` takes a mean per micro-batch: gradient accumulation then averages means
-(ESM, whose ``accepts_loss_kwargs`` is ``False``), or skips the division by the accumulation
-steps for a model whose ``forward`` takes ``**kwargs`` but whose loss is still a mean (BERT:
-gradient x steps), DDP averages the ranks' means, an empty micro-batch gives NaN, and
-``evaluate()`` averages batch means. :class:`ExactMLMTrainer` counts first and divides once:
-
-    share(mb) = loss_sum(mb) * world / global_denominator     # back-propagated per micro-batch
-    gradient  = mean over ranks of sum over mb of d share(mb)   # DDP's mean
-              = d (sum of every loss_sum of the step) / global_denominator
-
-where ``global_denominator`` sums every accumulation micro-batch of the optimizer step on
-every process (one all-reduce per step, before the first backward) and ``world`` undoes DDP's
-mean. It uses Trainer's public hooks (the class docstring lists them); see
-``docs/hf_trainer.md``.
+The plain ``Trainer`` averages micro-batch means over accumulation steps and processes (and
+gives NaN on an empty micro-batch); :class:`ExactMLMTrainer` counts first and divides once,
+through :class:`bert_reduce.GlobalBatchLoss` (``docs/hf_trainer.md``).
 """
 
 from __future__ import annotations
@@ -21,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,7 +21,8 @@ from bert_reduce import distributed
 from bert_reduce.engine import LossOptions, loss_terms, mode_terms, scored_weights, token_losses
 from bert_reduce.functional import safe_divide
 from bert_reduce.hf.lm_head import lm_head_inputs
-from bert_reduce.hf.token_losses import sample_loss_terms, split_model_inputs
+from bert_reduce.normalization import token_loss_sum
+from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.torch_loop import GlobalBatchLoss
 
 try:
@@ -44,10 +34,87 @@ except ModuleNotFoundError as error:  # pragma: no cover - the hf extra is missi
         "pip install 'bert_reduce[hf]'."
     ) from error
 
-__all__ = ["TESTED_TRANSFORMERS_VERSIONS", "ExactMLMTrainer"]
+__all__ = [
+    "LOSS_ONLY_KEYS",
+    "TESTED_TRANSFORMERS_VERSIONS",
+    "ExactMLMTrainer",
+    "sample_loss_terms",
+    "split_model_inputs",
+]
 
 TESTED_TRANSFORMERS_VERSIONS = ("5.24.0",)
 """``transformers`` versions the test suite runs :class:`ExactMLMTrainer` with."""
+
+
+LOSS_ONLY_KEYS = ("labels", "loss_mask", "sequence_weight", "sequence_start", "num_scored")
+"""Batch keys the loss reads and the model is not given. ``labels`` is kept from the model
+so that it computes no loss of its own (and ``[b, s, v]`` logits are not scored twice)."""
+
+
+def split_model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch without :data:`LOSS_ONLY_KEYS`: what the model's ``forward`` receives.
+
+    Packing keys (``position_ids``, ``cu_seq_lens_q``, ...) stay: the model's attention needs
+    them, and the loss reads them from the batch as well.
+    """
+    return {key: value for key, value in batch.items() if key not in LOSS_ONLY_KEYS}
+
+
+def sample_loss_terms(
+    batch: Mapping[str, Any], weights: Tensor, per_token_loss: Tensor, options: LossOptions
+) -> Tensor:
+    """``[n, 2]`` fp64 ``(numerator, denominator)`` of each of a batch's ``n`` samples.
+
+    Their sum over samples is the batch's :func:`bert_reduce.engine.mode_terms`. A sample is a
+    row of a ``[b, s]`` batch, or a sequence of a packed one (in order): the unit a distributed
+    evaluation sampler pads with duplicates and ``accelerate``'s ``gather_for_metrics`` drops
+    again.
+    Reads the number of packed sequences on the host (an evaluation-time sync).
+
+    Args:
+        batch: The batch; its sequences as
+            :func:`bert_reduce.packing.batch_sequence_normalizers` finds them.
+        weights: ``[b, s]`` :func:`bert_reduce.engine.scored_weights`.
+        per_token_loss: ``[b, s]`` losses.
+        options: The loss options (their mode, constant and weight resolution).
+
+    Returns:
+        ``[n, 2]`` fp64, detached.
+    """
+    sequences = batch_sequence_normalizers(batch, weights)
+    per_token_loss = per_token_loss.detach()
+    pairs = []
+    if not sequences:
+        # Each row is one sample (and one sequence).
+        for row in range(weights.size(0)):
+            numerator, denominator = token_loss_sum(
+                per_token_loss[row : row + 1],
+                weights[row : row + 1],
+                options.normalization,
+                constant_per_sequence=options.constant_per_sequence,
+                weight_resolution=options.weight_resolution,
+            )
+            pairs.append(torch.stack([numerator.double(), denominator.double()]))
+    else:
+        sequence_weight, sequence_start = sequences["sequence_weight"], sequences["sequence_start"]
+        start = sequence_start != 0
+        # Sequence id of each token in row-major order (a sequence runs to the next start).
+        sequence_id = start.reshape(-1).cumsum(0).view(start.shape) - 1
+        for index in range(int(start.sum())):
+            inside = sequence_id == index
+            numerator, denominator = token_loss_sum(
+                per_token_loss,
+                torch.where(inside, weights, torch.zeros_like(weights)),
+                options.normalization,
+                sequence_weight=sequence_weight,
+                sequence_start=start & inside,
+                constant_per_sequence=options.constant_per_sequence,
+                weight_resolution=options.weight_resolution,
+            )
+            pairs.append(torch.stack([numerator.double(), denominator.double()]))
+    if not pairs:
+        return torch.zeros(0, 2, dtype=torch.float64, device=weights.device)
+    return torch.stack(pairs)
 
 
 def _check_trainer_hooks() -> None:
@@ -85,39 +152,21 @@ class ExactMLMTrainer(Trainer):
         trainer.train()                 # every step: the gradient of the global batch's mean
         trainer.evaluate()              # eval_loss, eval_perplexity over the whole eval set
 
-    * ``train()``: each optimizer step's gradient is that of the mean over every scored
-      token (or the chosen normalization) of the global batch, all
-      ``gradient_accumulation_steps`` micro-batches on all processes, whatever the sampler,
-      ``average_tokens_across_devices`` (unused) or the model's ``accepts_loss_kwargs``
-      (the model computes no loss: it gets no ``labels``). A micro-batch or process without a
-      scored token adds 0, never NaN. The logged ``loss`` is the exact global-batch loss
-      (averaged over the optimizer steps of a logging interval, as Trainer does).
-    * ``evaluate()`` (and ``predict()`` with labels): ``eval_loss`` is the exact mean over
-      every scored token of the eval set, each sample counted once across processes (the
-      distributed sampler's padding duplicates dropped by ``gather_for_metrics``), and
-      ``eval_perplexity = exp(eval_loss)``. ``compute_metrics`` receives logits and labels
-      as with Trainer.
+    * ``train()``: each optimizer step's gradient is that of the global batch's loss (all
+      ``gradient_accumulation_steps`` micro-batches on all processes), whatever the sampler,
+      ``average_tokens_across_devices`` or the model's ``accepts_loss_kwargs`` (the model
+      gets no ``labels``); the logged ``loss`` is the exact global-batch loss.
+    * ``evaluate()`` (and ``predict()`` with labels): ``eval_loss`` is the exact mean over the
+      eval set, each sample counted once across processes, and
+      ``eval_perplexity = exp(eval_loss)``.
 
-    Trainer hooks used (all public): ``get_batch_samples`` (the step's batches, prefetched by
-    Trainer, give the global denominator: one all-reduce per optimizer step), the
-    ``num_items_in_batch`` it returns (passed by ``training_step`` to ``compute_loss``),
-    ``loss_is_scaled_for_ga = True`` (no division by the accumulation steps),
-    ``model_accepts_loss_kwargs = False`` (Trainer counts nothing itself),
-    ``prediction_step`` / ``evaluation_loop`` (the eval sums; one gather of the last batch
-    and one all-reduce per evaluation). Tested with transformers
-    :data:`TESTED_TRANSFORMERS_VERSIONS`; another version lacking these hooks raises at
-    construction.
-
-    Supported: one process, or data parallelism (``torchrun``/``accelerate launch``: DDP,
-    whose gradient mean ``world`` undoes). Not supported, with an error: ``DataParallel``
-    (several GPUs in one process), tensor/context/sequence parallelism, a
-    ``compute_loss_func``, label smoothing.
-
-    The batch keys the loss reads (``labels``, ``loss_mask``, ``sequence_weight``,
-    ``sequence_start``, ``num_scored``) are not passed to the model; packing keys
-    (``position_ids``, ``cu_seq_lens_q``) are passed to both. A ``loss_mask`` column of the
-    *dataset* (rather than one made by the collator) needs ``remove_unused_columns=False``:
-    Trainer drops dataset columns the model's ``forward`` does not name.
+    It relies on Trainer's public hooks (``get_batch_samples``, ``num_items_in_batch``,
+    ``loss_is_scaled_for_ga``, ``model_accepts_loss_kwargs``, ``prediction_step``,
+    ``evaluation_loop``; ``docs/hf_trainer.md``), tested with transformers
+    :data:`TESTED_TRANSFORMERS_VERSIONS`; a version lacking them raises at construction.
+    Data parallelism only (``torchrun``/``accelerate launch``). The loss's batch keys
+    (:data:`LOSS_ONLY_KEYS`) are not passed to the model; a
+    ``loss_mask`` column of the *dataset* needs ``remove_unused_columns=False``.
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments.

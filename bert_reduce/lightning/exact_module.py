@@ -1,28 +1,11 @@
 """A LightningModule whose optimizer step is exactly that of the whole global batch.
 
-Lightning's ``accumulate_grad_batches`` divides each micro-batch's (mean) loss by the number of
-micro-batches and DDP averages gradients over ranks: the result is a mean of means, which is not
-the mean over the masked tokens of the global batch when micro-batches hold different numbers
-of masked tokens. :class:`ExactMLMModule` instead receives this rank's share of ONE global batch
-per ``training_step`` and, in the spirit of Megatron-Core's ``finalize_model_grads``:
-
-1. splits it into micro-batches and back-propagates each micro-batch's loss *numerator* (a sum,
-   not a mean) with gradient synchronization off (public switches: DDP's ``no_sync``
-   through Lightning's ``strategy.block_backward_sync()``, torch's FSDP2
-   ``set_requires_gradient_sync(False)``), so gradients accumulate locally, except for
-   the last micro-batch, whose backward runs the one gradient reduction of the step;
-2. sums the numerators and denominators of all micro-batches locally and over the data-parallel
-   group in ONE all-reduce of two fp64 numbers, with no host sync;
-3. multiplies the gradients (the local shards of DTensor gradients under FSDP2) by
-   ``dp_size / global_denominator``: ``dp_size`` (DDP's world, or the ``data_parallel``
-   dimension of the device mesh under ``ModelParallelStrategy``) undoes the gradient
-   averaging, and the division happens once, by the global count;
-4. clips (optionally), steps the optimizer and the learning-rate scheduler.
-
-The gradients are scaled after backward rather than the losses before it because the
-denominator of a micro-batch is only known once the loss has seen the micro-batch (it is what
-the loss object's ``forward`` returns), so this works for every normalization the loss object
-implements, and the denominator's all-reduce needs no extra pass over the data.
+Each ``training_step`` splits this rank's share of one global batch into micro-batches,
+back-propagates each loss numerator with gradient synchronization off but for the last,
+all-reduces the summed ``(numerator, denominator)`` once and scales the gradients by
+``dp_size / global_denominator``: after backward, because a micro-batch's denominator is
+known only once the loss object has seen it. The algebra: ``docs/guarantees.md``; the
+strategies and switches: ``docs/lightning.md``.
 """
 
 from __future__ import annotations
@@ -115,6 +98,11 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
             ``b``, ``b`` is not a multiple of ``micro_batch_size``, or ``num_scored`` is a
             whole batch's ``int`` to split into several micro-batches, or holds per-sample
             counts for another number of samples.
+
+    Example:
+        >>> batch = {"labels": torch.zeros(4, 3), "num_scored": (1, 2, 0, 3)}
+        >>> [mb["num_scored"] for mb in split_micro_batches(batch, 2)]
+        [3, 3]
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
@@ -178,33 +166,15 @@ class ExactMLMModule(pl.LightningModule):
     numbers, and reads no device value on the host.
 
     Use it with ``Trainer(strategy="ddp" | "auto" | ModelParallelStrategy(...),
-    use_distributed_sampler=False)`` and neither
-    ``accumulate_grad_batches`` nor ``gradient_clip_val`` on the Trainer (micro-batching and
-    clipping happen here; Lightning refuses both under manual optimization anyway).
-    ``trainer.global_step`` counts optimizer steps, so ``max_steps`` counts global batches.
-    Mixed precision: ``"bf16-mixed"`` and ``"32-true"``/``"64-true"`` are supported;
-    ``"16-mixed"`` works without clipping (its loss scaler would have to unscale before the
-    clip, which Lightning's manual optimization does not do).
-
-    Under ``ModelParallelStrategy`` (FSDP2), :meth:`configure_model` shards the model over the
-    mesh's ``data_parallel`` dimension as one ``fully_shard`` unit; override it for finer units
-    (one per transformer layer) or tensor parallelism. FSDP2 all-gathers parameters in every
-    forward, so every rank must run the same number of micro-batches per step (equal shares of
-    the global batch, as :class:`bert_reduce.lightning.GlobalBatchSampler` gives).
-
-    The masked-only kernels compute exactly the scored rows, with no device sync, when each
-    micro-batch carries its count as host data: give the loader per-sample counts
-    (``collate_fn=bert_reduce.num_scored.NumScoredCollator(collate, per_sample=True)``, a
-    tuple of ints that the batch transfer leaves on the host); :func:`split_micro_batches`
-    hands each micro-batch's loss their ``int`` sum.
-
-    The model maps a micro-batch dict to ``{"token_logits": [s, b, v]}``; pass it to the
-    constructor or override :meth:`forward`. Subclasses may override :meth:`micro_batches` to
-    split differently (packed sequences, say).
-
-    Logged once per step, from the same all-reduce: ``train_loss``, the loss of the whole global
-    batch in the loss object's normalization (``global numerator / global denominator``), i.e.
-    the mean over every masked token of the global batch with the default per-token loss.
+    use_distributed_sampler=False)`` and neither ``accumulate_grad_batches`` nor
+    ``gradient_clip_val`` on the Trainer (micro-batching and clipping happen here);
+    ``max_steps`` counts global batches. Precisions, FSDP2 sharding (:meth:`configure_model`;
+    every rank runs as many micro-batches) and per-sample ``num_scored`` counts (split by
+    :func:`split_micro_batches` into each micro-batch's ``int``, so the masked-only kernels
+    need no device sync): ``docs/lightning.md``. The model maps a micro-batch dict to
+    ``{"token_logits": [s, b, v]}``; pass it or override :meth:`forward`; override
+    :meth:`micro_batches` to split differently. Logged once per step: ``train_loss``, the
+    global batch's loss in the loss object's normalization.
 
     Args:
         model: Maps a micro-batch dict to a mapping with ``token_logits`` of shape ``[s, b, v]``.
@@ -228,6 +198,11 @@ class ExactMLMModule(pl.LightningModule):
 
     Raises:
         ValueError: On a non-positive ``micro_batch_size`` or an unknown clip algorithm.
+
+    Example:
+        >>> module = ExactMLMModule(torch.nn.Identity(), micro_batch_size=2)
+        >>> [mb["labels"].shape for mb in module.micro_batches({"labels": torch.zeros(4, 3)})]
+        [torch.Size([2, 3]), torch.Size([2, 3])]
     """
 
     def __init__(

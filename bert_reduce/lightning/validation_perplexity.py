@@ -1,16 +1,8 @@
 """Exact validation loss and perplexity over a whole validation epoch, as a Lightning callback.
 
-NeMo 2 and most Lightning recipes log ``val_loss`` as the mean over validation steps of each
-step's mean loss, which weights a batch with few masked tokens as much as one with many.
-:class:`ValidationPerplexityCallback` instead adds up the ``(loss_sum, denominator)`` the loss
-reduction already produced for every validation batch, sums them over ranks once at the end of
-the epoch and divides once: ``val_loss`` is the mean NLL over every masked token of the
-validation set and ``val_ppl = exp(val_loss)``.
-
-The contract with the LightningModule: ``validation_step`` returns the loss report, a mapping
-in the format of :mod:`bert_reduce.reports` (a ``[2]`` tensor ``(loss_sum, denominator)``, as
-:class:`bert_reduce.BERTMLMLossWithReduction` reports it), or a sequence of such reports (one
-per micro-batch). :class:`bert_reduce.lightning.ExactMLMModule` does.
+The LightningModule's ``validation_step`` returns the loss report (:mod:`bert_reduce.reports`,
+as :class:`bert_reduce.lightning.ExactMLMModule` does), or a sequence of them; the callback
+sums them over the epoch and the ranks and divides once (``docs/perplexity.md``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Every run is one optimizer step with lr 0 (or one ``evaluate()``) of a tiny fp64
 masked LM; the gradient is read at ``on_pre_optimizer_step``. The references
 (``tests/helpers/hf_trainer.py``) run ``F.cross_entropy`` over the whole global batch in one
 process. Each test also runs the plain ``Trainer`` where it gets the value wrong, so that the
-error this class removes is measured beside it. Two processes: tests/integration.
+error this class removes is measured beside it. Last, the batch keys the model is given and
+the per-sample terms of evaluation batches. Two processes: tests/integration.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ pytest.importorskip("transformers")
 
 from transformers import DataCollatorWithFlattening, Trainer
 
+from bert_reduce.engine import LossOptions, mode_terms, scored_weights
 from bert_reduce.hf import ExactMLMTrainer
+from bert_reduce.hf.exact_trainer import sample_loss_terms, split_model_inputs
 from tests.helpers import hf_trainer as H
 
 EXACT = 1e-9  # relative, fp64
@@ -285,10 +288,6 @@ def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch) -> No
         model = H.tiny_model("esm")
         with pytest.raises(ValueError, match="compute_loss_func"):
             ExactMLMTrainer(model=model, args=args, compute_loss_func=lambda *a, **k: 0)
-        with pytest.raises(ValueError, match="constant_per_sequence"):
-            ExactMLMTrainer(model=model, args=args, normalization="constant")
-        with pytest.raises(ValueError, match="per_batch"):
-            ExactMLMTrainer(model=model, args=args, normalization="per_batch")
         with pytest.raises(TypeError, match="fused_head=True supports"):
             ExactMLMTrainer(model=torch.nn.Linear(2, 2), args=args, fused_head=True)
         with pytest.raises(ValueError, match="label_smoothing_factor"):
@@ -303,3 +302,67 @@ def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.delattr(Trainer, "loss_is_scaled_for_ga")
         with pytest.raises(RuntimeError, match=r"tested with transformers 5\.24"):
             ExactMLMTrainer(model=model, args=args)
+
+
+# --- The model's inputs, and the per-sample terms of evaluation batches -----------------------
+
+
+def _options(mode: str) -> LossOptions:
+    return LossOptions(normalization=mode, constant_per_sequence=7)
+
+
+def _terms(batch, weights, losses, mode):
+    return mode_terms(batch, weights, losses, _options(mode))
+
+
+def test_model_inputs_leave_out_the_loss_keys() -> None:
+    batch = {
+        **H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)),
+        "loss_mask": torch.ones(8, 1),
+        "num_scored": 36,
+    }
+    assert sorted(split_model_inputs(batch)) == ["attention_mask", "input_ids"]
+
+
+@pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
+def test_sample_terms_of_rows(mode: str) -> None:
+    batch = H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
+    weights = scored_weights(batch)
+    losses = torch.rand(weights.shape, dtype=torch.float64)
+    samples = sample_loss_terms(batch, weights, losses, _options(mode))
+    assert samples.shape == (8, 2)
+    numerator, denominator = _terms(batch, weights, losses, mode)
+    torch.testing.assert_close(samples.sum(0), torch.stack([numerator, denominator.double()]))
+    for row in range(8):
+        alone = {key: value[row : row + 1] for key, value in batch.items()}
+        pair = _terms(alone, weights[row : row + 1], losses[row : row + 1], mode)
+        torch.testing.assert_close(samples[row], torch.stack([pair[0], pair[1].double()]))
+
+
+@pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
+@pytest.mark.parametrize("boundaries", ["position_ids", "cu_seq_lens_q"])
+def test_sample_terms_of_packed_sequences(mode: str, boundaries: str) -> None:
+    # DataCollatorWithFlattening's [1, T] row: each packed sequence is one sample, with the
+    # terms it has as a row of its own.
+    from transformers import DataCollatorWithFlattening
+
+    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
+    features = [
+        {"input_ids": row["input_ids"][:n].tolist(), "labels": [-100, *row["labels"][1:n].tolist()]}
+        for row, n in zip(rows, H.TRAIN_LENGTHS, strict=True)
+    ]
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=boundaries == "cu_seq_lens_q")
+    packed = collator(features)
+    if boundaries == "cu_seq_lens_q":
+        del packed["position_ids"]
+    weights = scored_weights(packed)
+    losses = torch.rand(weights.shape, dtype=torch.float64)
+    samples = sample_loss_terms(packed, weights, losses, _options(mode))
+    assert samples.shape == (8, 2)
+    start = 0
+    for index, length in enumerate(H.TRAIN_LENGTHS):
+        part = slice(start, start + length)
+        alone = {"labels": packed["labels"][:, part]}
+        pair = _terms(alone, weights[:, part], losses[:, part], mode)
+        torch.testing.assert_close(samples[index], torch.stack([pair[0], pair[1].double()]))
+        start += length

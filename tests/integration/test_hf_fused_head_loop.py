@@ -4,8 +4,9 @@ Hugging Face ``EsmForMaskedLM`` and ``BertForMaskedLM`` (fp64) on 2 gloo ranks w
 masked counts (35 and 5) and two micro-batches per rank, each carrying its host count. The
 step's loss and every parameter gradient equal one process back-propagating
 ``F.cross_entropy`` over every masked token of the whole global batch (and the logits path).
-And under FSDP2, ranks given different numbers of micro-batches get a clear error from
-``begin()`` instead of a silent hang.
+Hugging Face's ``outputs.loss`` divided by the accumulation steps is shown off under FSDP2
+(a mean of means). And under FSDP2, ranks given different numbers of micro-batches get a
+clear error from ``begin()`` instead of a silent hang.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _step(model, micro_batches, head: str, **loss_kwargs) -> torch.Tensor:
     from bert_reduce.hf import lm_head_inputs
 
     loss_fn = GlobalBatchLoss(**loss_kwargs)
-    loss_fn.begin(micro_batches)
+    # outputs.loss goes around the loss: begin() then has no micro-batch of its own.
+    loss_fn.begin([] if head == "outputs.loss" else micro_batches)
     for index, mb in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         if isinstance(model, DistributedDataParallel):
@@ -87,6 +89,9 @@ def _step(model, micro_batches, head: str, **loss_kwargs) -> torch.Tensor:
             sync = contextlib.nullcontext()
         inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
         with sync:
+            if head == "outputs.loss":  # what a Hugging Face loop does: the mean, over steps
+                (model(**inputs, labels=mb["labels"]).loss / len(micro_batches)).backward()
+                continue
             output = lm_head_inputs(model, **inputs) if head == "fused" else model(**inputs).logits
             loss_fn(output, mb).backward()
     return loss_fn.end()
@@ -111,22 +116,23 @@ def _body(out_path: str) -> None:
         ref_loss = F.cross_entropy(logits[scored], whole["labels"][scored])
         ref_loss.backward()
         ref_grads = _full_grads(reference)
-        for wrapper in ("ddp", "ddp_find_unused", "fsdp2"):
-            for head in ("fused", "logits"):
-                model = _wrap(_model(kind), kind, wrapper, None)
-                loss = _step(model, micro_batches, head)
+        cases = [(w, h) for w in ("ddp", "ddp_find_unused", "fsdp2") for h in ("fused", "logits")]
+        for wrapper, head in [*cases, ("fsdp2", "outputs.loss")] if kind == "esm" else cases:
+            model = _wrap(_model(kind), kind, wrapper, None)
+            loss = _step(model, micro_batches, head)
+            if head != "outputs.loss":
                 torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
-                worst = 0.0
-                for name, grad in _full_grads(model).items():
-                    ref = ref_grads[name]
-                    if ref is None:
-                        assert grad is None, name
-                        continue
-                    # Attention's key bias has a zero gradient (softmax ignores a shift of a
-                    # whole row): ~1e-22 of round-off on both sides, measured against 1e-6.
-                    scale = max(float(ref.abs().max()), 1e-6)
-                    worst = max(worst, float((grad - ref).abs().max()) / scale)
-                errors[f"{kind} {wrapper} {head}"] = worst
+            worst = 0.0
+            for name, grad in _full_grads(model).items():
+                ref = ref_grads[name]
+                if ref is None:
+                    assert grad is None, name
+                    continue
+                # Attention's key bias has a zero gradient (softmax ignores a shift of a
+                # whole row): ~1e-22 of round-off on both sides, measured against 1e-6.
+                scale = max(float(ref.abs().max()), 1e-6)
+                worst = max(worst, float((grad - ref).abs().max()) / scale)
+            errors[f"{kind} {wrapper} {head}"] = worst
     _refused_wrappings(micro_batches[0])
     dist.barrier()
     if rank == 0:
@@ -148,10 +154,11 @@ def _refused_wrappings(mb: dict) -> None:
         lm_head_inputs(untied, **inputs)
 
 
-def test_fused_head_under_ddp_and_fsdp2_equals_one_process(tmp_path) -> None:
+def test_ddp_and_fsdp2_equal_one_process_and_outputs_loss_does_not(tmp_path) -> None:
     out_path = str(tmp_path / "errors.pt")
     run_distributed(_body, 2, out_path, megatron=False)
     errors = torch.load(out_path)
+    assert errors.pop("esm fsdp2 outputs.loss") > 0.1
     assert len(errors) == 12
     for case, error in errors.items():
         assert error < 1e-10, (case, error)

@@ -3,7 +3,8 @@
 Every rank builds the same global batch, takes its share (rows for DP, load-balanced sequence
 chunks for CP, a vocab slice for TP), runs the loss per micro-batch as Megatron would, and
 checks the reduced loss and its own slice of d(loss)/d(logits) against
-``F.cross_entropy`` on the whole, unsplit batch.
+``F.cross_entropy`` on the whole, unsplit batch; forward and backward of every micro-batch run
+no host sync and (outside TP) no collective, ``reduce`` one all-reduce.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _local_view(
     return local[..., tp_rank * shard : (tp_rank + 1) * shard]
 
 
-def _check_against_single_process(validation_step: bool) -> None:
+def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
     dp_rank, dp_size, tp_rank, tp_size, cp_rank, cp_size = _ranks()
     logits, labels, mask = make_mlm_batch(
         GLOBAL_BATCH, SEQ_LEN, VOCAB, empty_rows=EMPTY_ROWS, mask_prob=0.2, seed=7
@@ -79,11 +80,17 @@ def _check_against_single_process(validation_step: bool) -> None:
                 assert torch.equal(batch[key], expected[key]), key
         leaf = _local_view(logits, rows, (tp_rank, tp_size), (cp_rank, cp_size)).clone()
         leaf.requires_grad_(True)
-        loss_fn = BERTMLMLossWithReduction(validation_step=validation_step, val_drop_last=False)
-        loss_fn.setup(batch)
-        loss_sum, num_tokens, report = loss_fn({"token_logits": leaf})
+        loss_fn = BERTMLMLossWithReduction(
+            validation_step=validation_step, val_drop_last=False, **loss_kwargs
+        )
+        with forbid_host_syncs(), count_collectives() as calls:
+            loss_fn.setup(batch)
+            loss_sum, num_tokens, report = loss_fn({"token_logits": leaf})
+            if not validation_step:
+                loss_sum.backward()
+        if tp_size == 1:  # under TP, the kernel's: tests/integration/test_cross_entropy_tp.py
+            assert dict(calls) == {}, dict(calls)
         if not validation_step:
-            loss_sum.backward()
             grads.append(leaf.grad)
         leaves.append(rows)
         local_tokens += num_tokens
@@ -110,6 +117,7 @@ def _check_against_single_process(validation_step: bool) -> None:
 
 def _body() -> None:
     _check_against_single_process(validation_step=False)
+    _check_against_single_process(validation_step=False, capacity=0.7)
     _check_against_single_process(validation_step=True)
 
 
@@ -153,8 +161,11 @@ def _megatron_cross_entropy_body() -> None:
         loss_fn = BERTMLMLossWithReduction(cross_entropy="megatron_fused" if fused else "megatron")
         loss_fn.setup({"labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.bool)})
         leaf = before.clone().requires_grad_(True)
-        loss_sum, _, _ = loss_fn({"token_logits": leaf})
-        loss_sum.backward()
+        with count_collectives() as calls:
+            loss_sum, _, _ = loss_fn({"token_logits": leaf})
+            loss_sum.backward()
+        if not fused:  # Megatron-Core's path runs three all-reduces, even at TP = 1
+            assert dict(calls) == {"all_reduce": 3}, dict(calls)
         torch.testing.assert_close(loss_sum, per_token.detach().sum(), rtol=1e-6, atol=0)
         torch.testing.assert_close(leaf.grad, local.grad, rtol=1e-6, atol=1e-7)
 

@@ -13,11 +13,23 @@ from tests.helpers import exact_training as et
 
 
 @pytest.mark.parametrize("micro_batch_size", [8, 4, 2, 1])
-def test_single_device_training_equals_the_global_batch(micro_batch_size: int) -> None:
+@pytest.mark.parametrize("count_scored", [False, True])
+def test_single_device_training_equals_the_global_batch(
+    micro_batch_size: int, count_scored: bool
+) -> None:
+    # count_scored: each micro-batch's loss gets its own count as an int.
     expected, expected_losses = et.reference_train(et.sgd(), clip=None)
     run = et.lightning_train(
-        micro_batch_size=micro_batch_size, optimizer=et.sgd(), clip=None, strategy="auto", devices=1
+        micro_batch_size=micro_batch_size,
+        optimizer=et.sgd(),
+        clip=None,
+        strategy="auto",
+        devices=1,
+        count_scored=count_scored,
     )
+    if count_scored:
+        et.assert_each_loss_got_its_micro_batch_count()
+        assert len(et.CountRecordingLoss.seen) == et.STEPS * et.GLOBAL_BATCH // micro_batch_size
     et.assert_params_close(run.params, expected)
     torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
 
@@ -51,23 +63,6 @@ def test_lower_precisions_train_close_to_the_fp64_reference(
     torch.testing.assert_close(run.losses, expected_losses, rtol=loss_rtol, atol=0)
     for name, value in expected.items():
         torch.testing.assert_close(run.params[name].double(), value, rtol=0, atol=param_atol)
-
-
-@pytest.mark.parametrize("micro_batch_size", [4, 2, 1])
-def test_each_micro_batch_loss_gets_its_count_as_an_int(micro_batch_size: int) -> None:
-    expected, expected_losses = et.reference_train(et.sgd(), clip=None)
-    run = et.lightning_train(
-        micro_batch_size=micro_batch_size,
-        optimizer=et.sgd(),
-        clip=None,
-        strategy="auto",
-        devices=1,
-        count_scored=True,
-    )
-    et.assert_each_loss_got_its_micro_batch_count()
-    assert len(et.CountRecordingLoss.seen) == et.STEPS * et.GLOBAL_BATCH // micro_batch_size
-    et.assert_params_close(run.params, expected)
-    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
 
 
 def test_per_sample_counts_survive_the_batch_transfer_and_split_into_ints() -> None:
