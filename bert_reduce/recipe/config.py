@@ -255,17 +255,10 @@ class TrainConfig:
 
     Attributes:
         seed: Seeds the model initialization, data order, crops and masks.
-        resume: ``auto``: continue the run of the run directory from its newest intact
-            checkpoint if it has one, else start it (the way to run on a preemptible cluster:
-            the same command, restarted, finishes the run once; needs a fixed
-            ``hydra.run.dir``). Or a checkpoint to resume from (e.g. ``<run
-            dir>/checkpoints/last.ckpt``). Into the same run directory, the run continues
-            there: ``metrics.csv`` keeps its rows up to the checkpoint's step and gets the
-            later ones.
+        resume: ``auto`` (continue the run directory's run, or start it) or a checkpoint
+            file; docs/recipe.md, "Resume".
         overwrite: Allow a new run in a run directory that holds another run, deleting that
-            run's outputs (``metrics.csv``, ``config.yaml``, ``curves.png``,
-            ``tensorboard/``, checkpoints) once the new run has loaded its data and model.
-            Without it, such a run is refused and nothing is changed.
+            run's outputs; docs/recipe.md, "The run directory".
         validate_at_end: Validate after training unless the last step was just validated.
         tensorboard: Also log to TensorBoard when it is installed.
         plot: Write ``curves.png`` at the end.

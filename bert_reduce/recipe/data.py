@@ -338,7 +338,6 @@ class MLMCollator:
     Args:
         pad_id: The ``<pad>`` id.
         pad_to_multiple_of: Round ``s`` up to a multiple of this (8 suits tensor cores).
-        pad_to_length: Pad every batch to exactly this length instead of the longest sample.
 
     Returns (when called):
         ``input_ids`` (``[b, s]`` int64, padded with ``pad_id``), ``attention_mask`` (``[b, s]``
@@ -351,23 +350,16 @@ class MLMCollator:
         (:mod:`bert_reduce.num_scored`).
     """
 
-    def __init__(
-        self, pad_id: int = 1, pad_to_multiple_of: int = 1, pad_to_length: int | None = None
-    ) -> None:
+    def __init__(self, pad_id: int = 1, pad_to_multiple_of: int = 1) -> None:
         self.pad_id = pad_id
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.pad_to_length = pad_to_length
 
     def __call__(self, samples: Sequence[Mapping[str, Tensor]]) -> dict[str, Any]:
         """Pad ``samples`` into one batch; see the class docstring."""
         if not samples:
             raise ValueError("Cannot collate an empty list of samples.")
         longest = max(sample["input_ids"].numel() for sample in samples)
-        length = (
-            self.pad_to_length or -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        )
-        if longest > length:
-            raise ValueError(f"A sample of {longest} tokens exceeds pad_to_length={length}.")
+        length = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch_size = len(samples)
         batch = {
             "input_ids": torch.full((batch_size, length), self.pad_id, dtype=torch.int64),

@@ -3,13 +3,8 @@
 Lightning reads the checkpoint only once training starts, and a missing, empty or corrupt file
 then fails with a bare ``FileNotFoundError``, ``EOFError`` or unpickling error. Reading it here
 first (memory-mapped) lets ``train.py`` refuse before it touches the run directory, name the
-file, and list the checkpoints next to it.
-
-``resume=auto`` takes the loadable checkpoint of the most steps, ``last.ckpt`` among equals.
-Every checkpoint in place is one the run can continue from (``RunCheckpoint`` puts it in
-place only after its step's rows), and a periodic checkpoint newer than ``last.ckpt`` is one
-whose ``last.ckpt`` a kill kept from being put in place. Files that do not load are moved
-aside (:func:`move_aside`), never deleted.
+file, and list the checkpoints next to it. Which checkpoint ``resume=auto`` takes, and why:
+docs/recipe.md, "Preemptible clusters".
 """
 
 from __future__ import annotations

@@ -153,15 +153,9 @@ def test_collator_pads() -> None:
     assert (batch["input_ids"][1, 4:] == 1).all()
     assert batch["loss_mask"].sum(1).tolist() == [5, 2]
     assert not batch["loss_mask"][~batch["attention_mask"]].any()
-    fixed = MLMCollator(pad_to_length=12)([dataset[0]])
-    assert fixed["input_ids"].shape == (1, 12)
-    with pytest.raises(ValueError, match="pad_to_length=6"):
-        MLMCollator(pad_to_length=6)([dataset[0]])
 
 
 def test_packed_micro_batches_hold_the_same_tokens() -> None:
-    from bert_reduce.recipe.data import PackedMicroBatchCollator
-
     dataset = MLMDataset(synthetic_proteins(6, seed=2), max_length=40, seed=0)
     samples = [dataset[(0, i)] for i in range(6)]
     packed = PackedMicroBatchCollator(micro_batch_size=4)(samples)["micro_batches"]

@@ -6,27 +6,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from bert_reduce.recipe.config import register_configs
 from tests.helpers.mode_reference import checked_reduce
+from tests.helpers.recipe_runs import compose_config
 
 pytest.importorskip("transformers")
 
 from bert_reduce.recipe.hf_esm import HFEsm2Model
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
 TINY = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.ffn_size=32"]
-
-register_configs()
 
 
 def make(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("config", overrides=["model=hf_esm2", *overrides])
+    return compose_config("model=hf_esm2", *overrides)
 
 
 def test_defaults_are_esm2_8m_and_typed() -> None:
