@@ -163,7 +163,7 @@ def read_table(path: str | os.PathLike[str], column: str = "sequence") -> list[s
     tokenizer = ESMTokenizer()
     sequences = []
     for offset, value in enumerate(values):
-        where = f"{path}, row {first_row + offset}" if first_row else f"{path}, row {offset}"
+        where = f"{path}, row {first_row + offset}"
         sequence = value.strip()
         if not sequence:
             raise ValueError(f"{where}: empty sequence in column {column!r}.")
@@ -342,12 +342,8 @@ class MLMCollator:
     Returns (when called):
         ``input_ids`` (``[b, s]`` int64, padded with ``pad_id``), ``attention_mask`` (``[b, s]``
         bool, false on padding), ``labels`` (``[b, s]`` int64), ``loss_mask`` (``[b, s]``
-        bool, false on padding) and ``num_scored`` (a tuple of ``b`` ints, each sample's
-        number of scored positions). ``num_scored`` is counted here, on the host, so that the
-        loss computes exactly the scored rows without reading the mask back from the device;
-        as Python ints, no device transfer touches it, and
-        :class:`~bert_reduce.lightning.ExactMLMModule` sums each micro-batch's share
-        (:mod:`bert_reduce.num_scored`).
+        bool, false on padding) and ``num_scored`` (a tuple of ``b`` Python ints, each
+        sample's number of scored positions, counted on the host: :mod:`bert_reduce.num_scored`).
     """
 
     def __init__(self, pad_id: int = 1, pad_to_multiple_of: int = 1) -> None:
