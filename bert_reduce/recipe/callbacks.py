@@ -48,13 +48,9 @@ class StopOnSignal(Callback):
     ``last.ckpt`` for this step, Lightning logs (and validates, if due), and the next step's
     start raises Lightning's public ``SIGTERMException(128 + stop_signal)``. A second ``SIGINT``
     stops at once. Lightning puts the previous handlers back when ``fit`` ends.
-
-    Args:
-        signals: The signals that request a stop.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
-        self.signals = signals
+    def __init__(self) -> None:
         self.received: int | None = None
         self.stop_signal: int | None = None
         """The signal that stopped training (``None`` if none did)."""
@@ -71,7 +67,7 @@ class StopOnSignal(Callback):
 
     def _install(self, *args: Any) -> None:
         if threading.current_thread() is threading.main_thread():
-            for signum in self.signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, self._handle)
 
     @override

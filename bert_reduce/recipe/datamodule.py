@@ -201,16 +201,13 @@ class ESMDataModule(pl.LightningDataModule):
 
     def _sequences(self) -> tuple[list[str], list[str]]:
         if self.train_path is None:
-            train = synthetic_proteins(self.num_train_sequences, seed=self.corpus_seed)
-            val = (
-                load_sequences(self.val_path, self.column)
-                if self.val_path is not None
-                else synthetic_proteins(self.num_val_sequences, seed=self.corpus_seed + 1)
-            )
-            return train, val
-        sequences = load_sequences(self.train_path, self.column)
+            sequences = synthetic_proteins(self.num_train_sequences, seed=self.corpus_seed)
+        else:
+            sequences = load_sequences(self.train_path, self.column)
         if self.val_path is not None:
             return sequences, load_sequences(self.val_path, self.column)
+        if self.train_path is None:
+            return sequences, synthetic_proteins(self.num_val_sequences, seed=self.corpus_seed + 1)
         num_val = round(len(sequences) * self.val_fraction)
         if not 0 < num_val < len(sequences):
             raise ValueError(

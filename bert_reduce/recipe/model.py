@@ -54,7 +54,7 @@ class RotaryEmbedding(nn.Module):
         Args:
             q: Queries.
             k: Keys.
-            positions: ``[s]`` or ``[b, s]`` integer positions; ``0 .. s - 1`` when ``None``.
+            positions: ``[s]`` integer positions; ``0 .. s - 1`` when ``None``.
 
         Returns:
             The rotated ``(q, k)``.
@@ -63,8 +63,6 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(q.size(-2), device=q.device)
         angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
-        if angles.dim() == 3:
-            angles = angles[:, None]  # [b, 1, s, head_dim]: one rotation for every head
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

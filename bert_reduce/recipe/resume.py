@@ -21,7 +21,6 @@ from bert_reduce.recipe.callbacks import LAST_NAME
 __all__ = [
     "AUTO",
     "DATAMODULE_STATE_KEY",
-    "ZIP_MAGIC",
     "ResumePoint",
     "UnreadableCheckpointError",
     "find_resume_checkpoint",
@@ -33,7 +32,7 @@ __all__ = [
 AUTO = "auto"
 """``resume=auto``: resume from the run directory's newest intact checkpoint, if any."""
 
-ZIP_MAGIC = b"PK\x03\x04"
+_ZIP_MAGIC = b"PK\x03\x04"
 """The first bytes of every ``torch.save`` file (a zip archive)."""
 
 DATAMODULE_STATE_KEY = "ESMDataModule"
@@ -58,7 +57,7 @@ def _load(path: Path) -> Any:
             "the file is empty (0 bytes), e.g. from a write that was cut off"
         )
     with open(path, "rb") as handle:
-        if handle.read(4) != ZIP_MAGIC:
+        if handle.read(4) != _ZIP_MAGIC:
             raise UnreadableCheckpointError(
                 "not a PyTorch checkpoint (it does not start as torch.save's zip archive does): "
                 "a corrupt file or another kind of file"
