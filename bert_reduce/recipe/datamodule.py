@@ -1,14 +1,8 @@
 """The recipe's LightningDataModule: the same global batches on any number of ranks.
 
-Training batches come from :class:`bert_reduce.lightning.GlobalBatchSampler`: one dataloader
-batch is this rank's share of one global batch, which :class:`bert_reduce.lightning.
-ExactMLMModule` cuts into micro-batches. Each index travels with its epoch, so a sample's crop
-and mask depend on ``(seed, epoch, index)`` only. Validation batches come from
-:class:`bert_reduce.lightning.ShardedEvalBatchSampler`: every validation sample on exactly one
-rank, none repeated. Run with ``Trainer(use_distributed_sampler=False)``.
-
-The training loader is resumable: a checkpoint stores how many global batches of the epoch
-were consumed, and a resumed run skips exactly those.
+One training dataloader batch is this rank's share of one global batch, which
+:class:`bert_reduce.lightning.ExactMLMModule` cuts into micro-batches; every validation sample
+is on exactly one rank. Run with ``Trainer(use_distributed_sampler=False)``.
 """
 
 from __future__ import annotations

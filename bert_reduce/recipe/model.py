@@ -3,10 +3,7 @@
 Like ESM-2: token embeddings without absolute positions, rotary position embeddings on the
 queries and keys, pre-LN blocks with a GELU feed-forward, a final LayerNorm, and a
 ``dense -> GELU -> LayerNorm -> decoder`` language-model head whose decoder weight is tied to
-the embeddings by default. Like Megatron, the output is ``{"token_logits": [s, b, v]}``, or,
-in training with the fused head (the default), the decoder's inputs for
-:func:`bert_reduce.linear_cross_entropy_loss_sum`, so that the loss computes the logits of the
-masked positions only and ``[s, b, v]`` logits never exist.
+the embeddings by default. The outputs: :meth:`ESM2Model.forward`.
 """
 
 from __future__ import annotations
