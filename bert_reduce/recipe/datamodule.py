@@ -295,20 +295,9 @@ class ESMDataModule(pl.LightningDataModule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """``{"global_batch_size": ...}``: checkpoints count global batches of this size."""
-        return {"global_batch_size": self.global_batch_size}
+        """``{"global_batch_size": ...}``: checkpoints count global batches of this size.
 
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check that the checkpoint was trained with this global batch size.
-
-        Raises:
-            ValueError: If it was not: the batches to skip would be counted in other units.
+        A resume with another size is refused before training starts, by
+        :func:`bert_reduce.recipe.resume.read_resume_step` and ``find_resume_checkpoint``.
         """
-        saved = state_dict["global_batch_size"]
-        if saved != self.global_batch_size:
-            raise ValueError(
-                f"The checkpoint was trained with data.global_batch_size={saved}, this run has "
-                f"data.global_batch_size={self.global_batch_size}: keep the global batch size "
-                "to resume, or start a new run."
-            )
+        return {"global_batch_size": self.global_batch_size}
