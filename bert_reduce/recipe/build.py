@@ -213,16 +213,9 @@ def _checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
 def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dict[str, Any]:
     """Train, validate at the end, and write the run's outputs to ``run_dir``.
 
-    Outputs: ``metrics.csv`` (``step``, ``train_loss``, ``val_loss``, ``val_ppl``, ...),
-    ``checkpoints/``, ``config.yaml`` (resolved) and ``curves.png``.
-
     Before anything is written, the data, the model and the ``resume`` checkpoint are loaded
-    and the run directory is checked and locked (:mod:`bert_reduce.recipe.run_directory`): a
-    run never mixes with or overwrites another run's files unless it resumes that run or
-    ``overwrite`` is set, and a run that fails to start changes nothing. ``resume=auto``
-    continues from the directory's newest intact checkpoint, or from step 0 without one
-    (:func:`~bert_reduce.recipe.resume.find_resume_checkpoint`); checkpoints that do not load
-    are kept as ``<name>.damaged``. Temporary files of a killed run are removed.
+    and the run directory is checked and locked. The outputs, and what a run may do to a run
+    directory: docs/recipe.md, "The run directory" and "Resume".
 
     Args:
         cfg: A config composed from ``conf/config.yaml``.

@@ -48,13 +48,9 @@ class StopOnSignal(Callback):
     ``last.ckpt`` for this step, Lightning logs (and validates, if due), and the next step's
     start raises Lightning's public ``SIGTERMException(128 + stop_signal)``. A second ``SIGINT``
     stops at once. Lightning puts the previous handlers back when ``fit`` ends.
-
-    Args:
-        signals: The signals that request a stop.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
-        self.signals = signals
+    def __init__(self) -> None:
         self.received: int | None = None
         self.stop_signal: int | None = None
         """The signal that stopped training (``None`` if none did)."""
@@ -71,7 +67,7 @@ class StopOnSignal(Callback):
 
     def _install(self, *args: Any) -> None:
         if threading.current_thread() is threading.main_thread():
-            for signum in self.signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, self._handle)
 
     @override
@@ -130,18 +126,12 @@ class RunCheckpoint(Checkpoint):
 
     Checkpoints are taken only at step ends, the one point where resume is exact (Lightning's
     ``ModelCheckpoint`` also saves after validation and when training ends: a ``last.ckpt``
-    written at ``max_steps`` mid-epoch records that epoch as finished). Lightning logs a
-    step's metrics *after* its checkpoint callbacks run, so a step's checkpoints are written
-    under temporary names and renamed into place at the next step boundary (the next step's
-    start, the end of training, or a ``SIGTERMException`` outside validation), after the
-    loggers saved; ``last.ckpt`` last. Any other failure drops them. ``keep_last`` deletes
-    old periodic checkpoints only once a newer one is in place.
-
-    Every rank's generator states (Python, NumPy, torch, CUDA) travel in the checkpoint and are
-    put back right before the first resumed step, after whatever ran since the load (sanity
-    validation, the data iterator), so that dropout draws the uninterrupted run's masks (the
-    recipe's validation draws nothing, its loaders seed workers from their own generator).
-    Resumed on another number of ranks, it restores the states it has, with a warning.
+    written at ``max_steps`` mid-epoch records that epoch as finished). A step's checkpoints
+    are renamed into place at the next step boundary (the next step's start, the end of
+    training, or a ``SIGTERMException`` outside validation), ``last.ckpt`` last; any other
+    failure drops them. Every rank's generator states are put back right before the first
+    resumed step, after whatever ran since the load (sanity validation, the data iterator).
+    Why: docs/recipe.md, "Resume" and "Preemptible clusters".
 
     Args:
         dirpath: Where checkpoints go (``<default_root_dir>/checkpoints`` when ``None``).

@@ -62,11 +62,7 @@ class ModelConfig:
 
 @dataclass
 class HFEsm2ModelConfig:
-    """:class:`bert_reduce.recipe.hf_esm.HFEsm2Model`: Hugging Face's ``EsmForMaskedLM``.
-
-    The shape defaults are ESM-2 8M's (``esm2_t6_8M_UR50D``). ``pretrained_path`` loads a
-    local Hugging Face checkpoint directory instead (its own shape; nothing is downloaded).
-    """
+    """:class:`bert_reduce.recipe.hf_esm.HFEsm2Model` (ESM-2 8M's shape); see its arguments."""
 
     _target_: str = "bert_reduce.recipe.hf_esm.HFEsm2Model"
     pretrained_path: str | None = None
@@ -178,9 +174,8 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
-    """``lightning.pytorch.Trainer``.
+    """``lightning.pytorch.Trainer``; ``precision: auto``: see ``build.resolve_precision``.
 
-    ``precision: auto`` means ``bf16-mixed`` on a GPU that supports it, else ``32-true``.
     ``use_distributed_sampler`` stays false: the data module's samplers shard the data.
     """
 
@@ -205,12 +200,7 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """:class:`bert_reduce.recipe.callbacks.RunCheckpoint`, in ``checkpoints/`` unless ``dirpath``.
-
-    Every ``every_n_train_steps`` steps; ``last.ckpt`` also at the last step and when a
-    signal stops training. ``keep_last``: keep only that many periodic checkpoints, the
-    newest (``null``: all); ``last.ckpt`` is always kept.
-    """
+    """:class:`bert_reduce.recipe.callbacks.RunCheckpoint`; see its arguments."""
 
     _target_: str = "bert_reduce.recipe.callbacks.RunCheckpoint"
     dirpath: str | None = None
@@ -255,17 +245,10 @@ class TrainConfig:
 
     Attributes:
         seed: Seeds the model initialization, data order, crops and masks.
-        resume: ``auto``: continue the run of the run directory from its newest intact
-            checkpoint if it has one, else start it (the way to run on a preemptible cluster:
-            the same command, restarted, finishes the run once; needs a fixed
-            ``hydra.run.dir``). Or a checkpoint to resume from (e.g. ``<run
-            dir>/checkpoints/last.ckpt``). Into the same run directory, the run continues
-            there: ``metrics.csv`` keeps its rows up to the checkpoint's step and gets the
-            later ones.
+        resume: ``auto`` (continue the run directory's run, or start it) or a checkpoint
+            file; docs/recipe.md, "Resume".
         overwrite: Allow a new run in a run directory that holds another run, deleting that
-            run's outputs (``metrics.csv``, ``config.yaml``, ``curves.png``,
-            ``tensorboard/``, checkpoints) once the new run has loaded its data and model.
-            Without it, such a run is refused and nothing is changed.
+            run's outputs; docs/recipe.md, "The run directory".
         validate_at_end: Validate after training unless the last step was just validated.
         tensorboard: Also log to TensorBoard when it is installed.
         plot: Write ``curves.png`` at the end.

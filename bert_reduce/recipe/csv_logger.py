@@ -4,15 +4,9 @@ Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` when its writer is
 rewrites the whole file in place when a new column appears (a kill then loses the file), and
 does not sync it. :class:`AppendingCSVLogger` writes the same format (one row per
 ``log_metrics`` call, ``step`` and the metric names as sorted columns, empty cells for metrics
-not logged in a row) through Lightning's public ``Logger`` interface, and:
-
-* appends to an existing ``metrics.csv``, keeping its columns;
-* at its first write, drops the rows after the step the run resumes from (the interrupted run
-  wrote them after its checkpoint; they are trained again) and a last line cut short by a
-  kill, so a resume that fails to start changes nothing;
-* rewrites the file only atomically (:func:`bert_reduce.recipe.files.write_atomically`) and
-  syncs it at every save, so a checkpoint put in place after a save (``RunCheckpoint``) is
-  never ahead of the rows on disk.
+not logged in a row) through Lightning's public ``Logger`` interface, appends to an existing
+file, rewrites it only atomically and syncs it at every save (docs/recipe.md, "Exactly-once
+rows").
 """
 
 from __future__ import annotations

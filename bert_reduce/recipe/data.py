@@ -163,7 +163,7 @@ def read_table(path: str | os.PathLike[str], column: str = "sequence") -> list[s
     tokenizer = ESMTokenizer()
     sequences = []
     for offset, value in enumerate(values):
-        where = f"{path}, row {first_row + offset}" if first_row else f"{path}, row {offset}"
+        where = f"{path}, row {first_row + offset}"
         sequence = value.strip()
         if not sequence:
             raise ValueError(f"{where}: empty sequence in column {column!r}.")
@@ -338,36 +338,24 @@ class MLMCollator:
     Args:
         pad_id: The ``<pad>`` id.
         pad_to_multiple_of: Round ``s`` up to a multiple of this (8 suits tensor cores).
-        pad_to_length: Pad every batch to exactly this length instead of the longest sample.
 
     Returns (when called):
         ``input_ids`` (``[b, s]`` int64, padded with ``pad_id``), ``attention_mask`` (``[b, s]``
         bool, false on padding), ``labels`` (``[b, s]`` int64), ``loss_mask`` (``[b, s]``
-        bool, false on padding) and ``num_scored`` (a tuple of ``b`` ints, each sample's
-        number of scored positions). ``num_scored`` is counted here, on the host, so that the
-        loss computes exactly the scored rows without reading the mask back from the device;
-        as Python ints, no device transfer touches it, and
-        :class:`~bert_reduce.lightning.ExactMLMModule` sums each micro-batch's share
-        (:mod:`bert_reduce.num_scored`).
+        bool, false on padding) and ``num_scored`` (a tuple of ``b`` Python ints, each
+        sample's number of scored positions, counted on the host: :mod:`bert_reduce.num_scored`).
     """
 
-    def __init__(
-        self, pad_id: int = 1, pad_to_multiple_of: int = 1, pad_to_length: int | None = None
-    ) -> None:
+    def __init__(self, pad_id: int = 1, pad_to_multiple_of: int = 1) -> None:
         self.pad_id = pad_id
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.pad_to_length = pad_to_length
 
     def __call__(self, samples: Sequence[Mapping[str, Tensor]]) -> dict[str, Any]:
         """Pad ``samples`` into one batch; see the class docstring."""
         if not samples:
             raise ValueError("Cannot collate an empty list of samples.")
         longest = max(sample["input_ids"].numel() for sample in samples)
-        length = (
-            self.pad_to_length or -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        )
-        if longest > length:
-            raise ValueError(f"A sample of {longest} tokens exceeds pad_to_length={length}.")
+        length = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch_size = len(samples)
         batch = {
             "input_ids": torch.full((batch_size, length), self.pad_id, dtype=torch.int64),

@@ -1,14 +1,8 @@
 """The recipe's LightningDataModule: the same global batches on any number of ranks.
 
-Training batches come from :class:`bert_reduce.lightning.GlobalBatchSampler`: one dataloader
-batch is this rank's share of one global batch, which :class:`bert_reduce.lightning.
-ExactMLMModule` cuts into micro-batches. Each index travels with its epoch, so a sample's crop
-and mask depend on ``(seed, epoch, index)`` only. Validation batches come from
-:class:`bert_reduce.lightning.ShardedEvalBatchSampler`: every validation sample on exactly one
-rank, none repeated. Run with ``Trainer(use_distributed_sampler=False)``.
-
-The training loader is resumable: a checkpoint stores how many global batches of the epoch
-were consumed, and a resumed run skips exactly those.
+One training dataloader batch is this rank's share of one global batch, which
+:class:`bert_reduce.lightning.ExactMLMModule` cuts into micro-batches; every validation sample
+is on exactly one rank. Run with ``Trainer(use_distributed_sampler=False)``.
 """
 
 from __future__ import annotations
@@ -201,16 +195,13 @@ class ESMDataModule(pl.LightningDataModule):
 
     def _sequences(self) -> tuple[list[str], list[str]]:
         if self.train_path is None:
-            train = synthetic_proteins(self.num_train_sequences, seed=self.corpus_seed)
-            val = (
-                load_sequences(self.val_path, self.column)
-                if self.val_path is not None
-                else synthetic_proteins(self.num_val_sequences, seed=self.corpus_seed + 1)
-            )
-            return train, val
-        sequences = load_sequences(self.train_path, self.column)
+            sequences = synthetic_proteins(self.num_train_sequences, seed=self.corpus_seed)
+        else:
+            sequences = load_sequences(self.train_path, self.column)
         if self.val_path is not None:
             return sequences, load_sequences(self.val_path, self.column)
+        if self.train_path is None:
+            return sequences, synthetic_proteins(self.num_val_sequences, seed=self.corpus_seed + 1)
         num_val = round(len(sequences) * self.val_fraction)
         if not 0 < num_val < len(sequences):
             raise ValueError(
@@ -304,20 +295,9 @@ class ESMDataModule(pl.LightningDataModule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """``{"global_batch_size": ...}``: checkpoints count global batches of this size."""
-        return {"global_batch_size": self.global_batch_size}
+        """``{"global_batch_size": ...}``: checkpoints count global batches of this size.
 
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check that the checkpoint was trained with this global batch size.
-
-        Raises:
-            ValueError: If it was not: the batches to skip would be counted in other units.
+        A resume with another size is refused before training starts, by
+        :func:`bert_reduce.recipe.resume.read_resume_step` and ``find_resume_checkpoint``.
         """
-        saved = state_dict["global_batch_size"]
-        if saved != self.global_batch_size:
-            raise ValueError(
-                f"The checkpoint was trained with data.global_batch_size={saved}, this run has "
-                f"data.global_batch_size={self.global_batch_size}: keep the global batch size "
-                "to resume, or start a new run."
-            )
+        return {"global_batch_size": self.global_batch_size}

@@ -1,12 +1,9 @@
 """Hugging Face ``EsmForMaskedLM`` as a recipe model: ``python train.py model=hf_esm2``.
 
 The model is built from an ``EsmConfig`` (ESM-2 8M's shape by default) or loaded from a local
-checkpoint directory (``save_pretrained``'s; nothing is downloaded). Like the recipe's own
-:class:`~bert_reduce.recipe.model.ESM2Model` it returns ``{"token_logits": [s, b, v]}``, so
-the same exact loss trains it. With ``fused_head=True`` (as the recipe's own model) it
-returns in training mode what the loss's masked-only fused head consumes,
-:func:`bert_reduce.hf.lm_head_inputs` (``hidden_states`` ``[b, s, h]``, ``output_weight``,
-``output_bias``), without computing the ``[s, b, v]`` logits.
+checkpoint directory (``save_pretrained``'s; nothing is downloaded). Its outputs are those of
+the recipe's own :class:`~bert_reduce.recipe.model.ESM2Model` (the fused head's inputs from
+:func:`bert_reduce.hf.lm_head_inputs`), so the same exact loss trains it.
 
 Needs ``transformers`` (the ``hf`` extra); it is imported when the model is built.
 """
@@ -45,9 +42,7 @@ class HFEsm2Model(nn.Module):
         mask_id: The ``<mask>`` id (used by ``token_dropout``).
         init_std: Standard deviation of the weight initialization.
         attn_implementation: ``"sdpa"`` or ``"eager"`` (Hugging Face's choices).
-        fused_head: In training mode, return the decoder's inputs (see the module
-            docstring) instead of ``token_logits``, for the loss's masked-only fused head; in
-            eval mode, and with ``False``, return the logits.
+        fused_head: As :class:`~bert_reduce.recipe.model.ESM2Model`'s.
 
     Raises:
         FileNotFoundError: If ``pretrained_path`` is not a directory with a ``config.json``.
@@ -123,20 +118,10 @@ class HFEsm2Model(nn.Module):
         cu_seqlens_padded: Tensor | None = None,
         logits: bool | None = None,
     ) -> dict[str, Any]:
-        """``{"token_logits": [s, b, v]}`` of a padded ``[b, s]`` batch (or the head's inputs).
+        """:meth:`ESM2Model.forward <bert_reduce.recipe.model.ESM2Model.forward>` of a padded batch.
 
-        Args:
-            input_ids: ``[b, s]`` int token ids.
-            attention_mask: ``[b, s]``, 1 for real tokens and 0 for padding.
-            cu_seqlens: Packed rows are not supported here (Hugging Face's ESM has no
-                variable-length attention on CPU); given only to name the problem.
-            cu_seqlens_padded: As ``cu_seqlens``.
-            logits: Return ``token_logits`` (``True``) or the decoder's inputs (``False``);
-                ``None``: the inputs in training mode with ``fused_head``, else the logits.
-
-        Returns:
-            ``{"token_logits": [s, b, v]}``; or ``{"hidden_states": [b, s, h],
-            "hidden_layout": "bs", "output_weight": [v, h], "output_bias": [v]}``.
+        Packed rows (``cu_seqlens``, ``cu_seqlens_padded``) are refused: Hugging Face's ESM has
+        no variable-length attention on CPU.
 
         Raises:
             ValueError: On a packed batch.

@@ -3,10 +3,7 @@
 Like ESM-2: token embeddings without absolute positions, rotary position embeddings on the
 queries and keys, pre-LN blocks with a GELU feed-forward, a final LayerNorm, and a
 ``dense -> GELU -> LayerNorm -> decoder`` language-model head whose decoder weight is tied to
-the embeddings by default. Like Megatron, the output is ``{"token_logits": [s, b, v]}``, or,
-in training with the fused head (the default), the decoder's inputs for
-:func:`bert_reduce.linear_cross_entropy_loss_sum`, so that the loss computes the logits of the
-masked positions only and ``[s, b, v]`` logits never exist.
+the embeddings by default. The outputs: :meth:`ESM2Model.forward`.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ class RotaryEmbedding(nn.Module):
         Args:
             q: Queries.
             k: Keys.
-            positions: ``[s]`` or ``[b, s]`` integer positions; ``0 .. s - 1`` when ``None``.
+            positions: ``[s]`` integer positions; ``0 .. s - 1`` when ``None``.
 
         Returns:
             The rotated ``(q, k)``.
@@ -63,8 +60,6 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(q.size(-2), device=q.device)
         angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
-        if angles.dim() == 3:
-            angles = angles[:, None]  # [b, 1, s, head_dim]: one rotation for every head
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

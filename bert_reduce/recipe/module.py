@@ -33,10 +33,7 @@ class ESM2MLMModule(ExactMLMModule):
 
     @override
     def forward(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The model's outputs for a padded or a packed micro-batch.
-
-        ``{"token_logits": [s, b, v]}``, or in training with the model's fused head the
-        decoder's inputs, from which the loss computes the masked positions' logits only.
+        """:meth:`ESM2Model.forward <bert_reduce.recipe.model.ESM2Model.forward>` of a micro-batch.
 
         Padded: ``input_ids`` and ``attention_mask`` of shape ``[b, s]``. Packed: one
         ``[1, T]`` row of ``input_ids`` with ``cu_seqlens`` (and ``cu_seqlens_padded``).

@@ -3,13 +3,8 @@
 Lightning reads the checkpoint only once training starts, and a missing, empty or corrupt file
 then fails with a bare ``FileNotFoundError``, ``EOFError`` or unpickling error. Reading it here
 first (memory-mapped) lets ``train.py`` refuse before it touches the run directory, name the
-file, and list the checkpoints next to it.
-
-``resume=auto`` takes the loadable checkpoint of the most steps, ``last.ckpt`` among equals.
-Every checkpoint in place is one the run can continue from (``RunCheckpoint`` puts it in
-place only after its step's rows), and a periodic checkpoint newer than ``last.ckpt`` is one
-whose ``last.ckpt`` a kill kept from being put in place. Files that do not load are moved
-aside (:func:`move_aside`), never deleted.
+file, and list the checkpoints next to it. Which checkpoint ``resume=auto`` takes, and why:
+docs/recipe.md, "Preemptible clusters".
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ from bert_reduce.recipe.callbacks import LAST_NAME
 __all__ = [
     "AUTO",
     "DATAMODULE_STATE_KEY",
-    "ZIP_MAGIC",
     "ResumePoint",
     "UnreadableCheckpointError",
     "find_resume_checkpoint",
@@ -38,7 +32,7 @@ __all__ = [
 AUTO = "auto"
 """``resume=auto``: resume from the run directory's newest intact checkpoint, if any."""
 
-ZIP_MAGIC = b"PK\x03\x04"
+_ZIP_MAGIC = b"PK\x03\x04"
 """The first bytes of every ``torch.save`` file (a zip archive)."""
 
 DATAMODULE_STATE_KEY = "ESMDataModule"
@@ -63,7 +57,7 @@ def _load(path: Path) -> Any:
             "the file is empty (0 bytes), e.g. from a write that was cut off"
         )
     with open(path, "rb") as handle:
-        if handle.read(4) != ZIP_MAGIC:
+        if handle.read(4) != _ZIP_MAGIC:
             raise UnreadableCheckpointError(
                 "not a PyTorch checkpoint (it does not start as torch.save's zip archive does): "
                 "a corrupt file or another kind of file"

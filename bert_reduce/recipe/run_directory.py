@@ -1,13 +1,6 @@
 """Run directory safety: a run never overwrites another run's files, and one runs at a time.
 
-A run directory holds a run once any of :data:`RUN_OUTPUTS` exists in it (or a checkpoint in
-its checkpoint directory). ``train.py`` may start on such a directory only to resume that run
-(``resume=auto``, or ``resume=`` a checkpoint of its checkpoint directory: ``metrics.csv``
-keeps its rows up to that step and gets the later ones) or to replace it (``overwrite=true``:
-the previous outputs are deleted once the new run has loaded its checkpoint, data and model).
-Anything else is refused with :class:`RunDirectoryError` before a file is touched. A lock
-(:data:`LOCK_NAME`, ``fcntl.flock``, released by the kernel when the process ends, even on
-``kill -9``) keeps a second run out while one is running.
+What holds a run, what may start on it and the lock: docs/recipe.md, "The run directory".
 """
 
 from __future__ import annotations

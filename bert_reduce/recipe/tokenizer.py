@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 __all__ = ["AMINO_ACIDS", "ESM_ALPHABET", "ESMTokenizer"]
@@ -36,7 +35,7 @@ class ESMTokenizer:
 
     Attributes:
         vocab: Token string to id.
-        cls_id, pad_id, eos_id, unk_id, mask_id: Ids of the special tokens.
+        cls_id, pad_id, eos_id, mask_id: Ids of the special tokens.
         residue_ids: Ids of the 20 standard amino acids (what random replacement draws from).
     """
 
@@ -45,15 +44,9 @@ class ESMTokenizer:
         self.cls_id = self.vocab["<cls>"]
         self.pad_id = self.vocab["<pad>"]
         self.eos_id = self.vocab["<eos>"]
-        self.unk_id = self.vocab["<unk>"]
         self.mask_id = self.vocab["<mask>"]
         self.residue_ids: tuple[int, ...] = tuple(self.vocab[aa] for aa in AMINO_ACIDS)
         self._char_ids = {t: i for t, i in self.vocab.items() if len(t) == 1}
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of tokens (33)."""
-        return len(self.vocab)
 
     def invalid_characters(self, sequence: str) -> list[str]:
         """The distinct characters of ``sequence`` that are not in the alphabet, in order."""
@@ -63,15 +56,14 @@ class ESMTokenizer:
                 seen[char] = None
         return list(seen)
 
-    def encode(self, sequence: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``sequence``, wrapped in ``<cls> ... <eos>`` by default.
+    def encode(self, sequence: str) -> list[int]:
+        """Token ids of ``sequence``, wrapped in ``<cls> ... <eos>``.
 
         Args:
             sequence: Residues, one character each (case-insensitive).
-            add_special_tokens: Prepend ``<cls>`` and append ``<eos>``.
 
         Returns:
-            ``len(sequence)`` ids, plus 2 with special tokens.
+            ``len(sequence) + 2`` ids.
 
         Raises:
             ValueError: Naming the characters outside the alphabet.
@@ -84,34 +76,10 @@ class ESMTokenizer:
                 f"Sequence has character(s) {bad} outside the ESM alphabet "
                 f"{''.join(t for t in ESM_ALPHABET if len(t) == 1)!r}."
             ) from None
-        if add_special_tokens:
-            return [self.cls_id, *ids, self.eos_id]
-        return ids
+        return [self.cls_id, *ids, self.eos_id]
 
     def decode(self, ids: Sequence[int] | Tensor) -> str:
         """The tokens of ``ids`` joined into one string (special tokens written out)."""
         if isinstance(ids, Tensor):
             ids = ids.tolist()
         return "".join(ESM_ALPHABET[i] for i in ids)
-
-    def pad(self, sequences: Sequence[Sequence[int]], length: int | None = None) -> Tensor:
-        """Right-pad token id lists with ``<pad>`` into a ``[b, s]`` int64 tensor.
-
-        Args:
-            sequences: ``b`` lists of token ids.
-            length: ``s``; the longest sequence's length when ``None``.
-
-        Returns:
-            ``[b, s]`` int64 ids.
-
-        Raises:
-            ValueError: If a sequence is longer than ``length``.
-        """
-        longest = max((len(seq) for seq in sequences), default=0)
-        length = longest if length is None else length
-        if longest > length:
-            raise ValueError(f"A sequence of {longest} tokens does not fit length={length}.")
-        out = torch.full((len(sequences), length), self.pad_id, dtype=torch.int64)
-        for row, seq in enumerate(sequences):
-            out[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.int64)
-        return out

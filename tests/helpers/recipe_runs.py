@@ -1,8 +1,4 @@
-"""Run ``python train.py`` as a user does (a subprocess from the repository root), read its rows.
-
-For the end-to-end recipe tests (tests/recipe/test_train_e2e.py, test_train_hf_esm_e2e.py,
-test_fault_tolerance.py, tests/integration/test_slurm_requeue_example.py).
-"""
+"""Compose ``conf/`` as ``train.py`` does; run ``python train.py`` as a user does, read its rows."""
 
 from __future__ import annotations
 
@@ -15,6 +11,10 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from bert_reduce.recipe.config import register_configs
 from tests.helpers.dist_utils import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +46,15 @@ CHECKPOINTED = [  # the default model (dropout 0.1), tiny data, validation every
 # A warning as Python prints it ("file.py:12: UserWarning: ..." or, for Lightning's own,
 # "file.py:12: message"), and Lightning's advertisements.
 WARNING = re.compile(r"\.py:\d+: |Warning: |💡")
+
+
+register_configs()
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """The config ``python train.py *overrides`` composes (Hydra's compose API)."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(ROOT)}

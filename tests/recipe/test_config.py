@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import TQDMProgressBar
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.lightning import ValidationPerplexityCallback
@@ -27,7 +26,6 @@ from bert_reduce.recipe.config import (
     NormalizationName,
     SchedulerConfig,
     TrainConfig,
-    register_configs,
 )
 from bert_reduce.recipe.csv_logger import AppendingCSVLogger
 from bert_reduce.recipe.datamodule import ESMDataModule
@@ -35,27 +33,17 @@ from bert_reduce.recipe.files import AtomicCheckpointIO
 from bert_reduce.recipe.hf_esm import HFEsm2Model
 from bert_reduce.recipe.model import ESM2Model
 from bert_reduce.recipe.optim import warmup_cosine_schedule
-
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
-
-register_configs()
+from tests.helpers.recipe_runs import compose_config as make
 
 
-def make(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
-def test_defaults_compose() -> None:
+def test_defaults_and_the_documented_overrides_compose() -> None:
     cfg = make()
     assert cfg.model.hidden_size == 64 and cfg.trainer.devices == 1
     assert cfg.loss.normalization is NormalizationName.per_token
     assert cfg.optim.scheduler.total_steps == cfg.trainer.max_steps
     assert cfg.data.seed == cfg.seed
     assert cfg.trainer.use_distributed_sampler is False
-
-
-def test_issue_overrides() -> None:
+    # docs/recipe.md, "Overrides"
     cfg = make(
         "trainer.devices=2",
         "data.micro_batch_size=4",
@@ -64,11 +52,8 @@ def test_issue_overrides() -> None:
         "trainer.max_steps=50",
         "model=esm2_8m",
     )
-    assert (cfg.trainer.devices, cfg.data.micro_batch_size, cfg.data.global_batch_size) == (
-        2,
-        4,
-        16,
-    )
+    assert cfg.trainer.devices == 2 and cfg.data.micro_batch_size == 4
+    assert cfg.data.global_batch_size == 16
     assert cfg.loss.normalization is NormalizationName.per_sequence
     assert cfg.optim.scheduler.total_steps == 50
     assert cfg.model.hidden_size == 320
@@ -173,17 +158,6 @@ def test_recipe_classes_take_their_defaults_from_the_configs(
     defaults = {name: p.default for name, p in parameters.items() if p.default is not empty}
     assert set(defaults) <= fields, "a default the config cannot override"
     assert defaults == {name: resolved[name] for name in defaults}
-
-
-def test_model_defaults_are_the_config_defaults() -> None:
-    # The issue's case: ESM2Model() had dropout 0.0 while the config (and train.py) had 0.1.
-    model, configured = ESM2Model(), instantiate(ModelConfig())
-    dropouts = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
-    assert dropouts == {m.p for m in configured.modules() if isinstance(m, torch.nn.Dropout)}
-    assert dropouts == {ModelConfig.dropout} == {0.1}
-    assert model.layers[0].attn.dropout == ModelConfig.dropout
-    shapes = {name: p.shape for name, p in model.state_dict().items()}
-    assert shapes == {name: p.shape for name, p in configured.state_dict().items()}
 
 
 def test_normalization_names_are_the_modes() -> None:

@@ -153,16 +153,10 @@ def test_collator_pads() -> None:
     assert (batch["input_ids"][1, 4:] == 1).all()
     assert batch["loss_mask"].sum(1).tolist() == [5, 2]
     assert not batch["loss_mask"][~batch["attention_mask"]].any()
-    fixed = MLMCollator(pad_to_length=12)([dataset[0]])
-    assert fixed["input_ids"].shape == (1, 12)
-    with pytest.raises(ValueError, match="pad_to_length=6"):
-        MLMCollator(pad_to_length=6)([dataset[0]])
 
 
-def test_packed_micro_batches_hold_the_same_tokens() -> None:
-    from bert_reduce.recipe.data import PackedMicroBatchCollator
-
-    dataset = MLMDataset(synthetic_proteins(6, seed=2), max_length=40, seed=0)
+def test_packed_micro_batches_hold_the_same_tokens_and_host_counts() -> None:
+    dataset = MLMDataset(synthetic_proteins(6, seed=2), max_length=40, seed=0, mask_prob=0.4)
     samples = [dataset[(0, i)] for i in range(6)]
     packed = PackedMicroBatchCollator(micro_batch_size=4)(samples)["micro_batches"]
     assert len(packed) == 2  # 4 + 2 samples
@@ -174,16 +168,9 @@ def test_packed_micro_batches_hold_the_same_tokens() -> None:
             0,
             *np.cumsum([len(s["labels"]) for s in chunk]),
         ]
-
-
-def test_collators_count_the_scored_positions_on_the_host() -> None:
-    dataset = MLMDataset(["MKVLAAGIWQ", "MSTNPKPQRKTKRNTNRRPQD", "MAL", "MGSSHH"], mask_prob=0.4)
-    samples = [dataset[index] for index in range(4)]
-    batch = MLMCollator()(samples)
-    # Python ints, which no device transfer touches: per sample in a padded batch (split into
-    # micro-batches later), the row's total in a packed micro-batch.
-    assert batch["num_scored"] == tuple(int(s["loss_mask"].sum()) for s in samples)
-    assert all(type(count) is int for count in batch["num_scored"])
-    for micro_batch in PackedMicroBatchCollator(2)(samples)["micro_batches"]:
+        # A Python int, which no device transfer touches: the packed row's total.
         assert type(micro_batch["num_scored"]) is int
         assert micro_batch["num_scored"] == int(micro_batch["loss_mask"].sum())
+    batch = MLMCollator()(samples)  # padded: one count per sample (split into micro-batches later)
+    assert batch["num_scored"] == tuple(int(s["loss_mask"].sum()) for s in samples)
+    assert all(type(count) is int for count in batch["num_scored"])

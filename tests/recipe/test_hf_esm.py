@@ -6,27 +6,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from bert_reduce.recipe.config import register_configs
-from tests.helpers.mode_reference import checked_reduce
+from tests.helpers.recipe_runs import compose_config
 
 pytest.importorskip("transformers")
 
 from bert_reduce.recipe.hf_esm import HFEsm2Model
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
 TINY = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.ffn_size=32"]
-
-register_configs()
 
 
 def make(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("config", overrides=["model=hf_esm2", *overrides])
+    return compose_config("model=hf_esm2", *overrides)
 
 
 def test_defaults_are_esm2_8m_and_typed() -> None:
@@ -59,22 +53,6 @@ def test_instantiated_model_gives_sbv_logits_and_fused_head_inputs() -> None:
     assert "token_logits" in model(ids, mask, logits=True)
     model.fused_head = False
     assert "token_logits" in model(ids, mask)
-
-
-def test_fused_head_loss_equals_logits_loss() -> None:
-    from bert_reduce import BERTMLMLossWithReduction
-
-    torch.manual_seed(0)
-    model = instantiate(make(*TINY).model).double()
-    ids = torch.randint(4, 24, (3, 9))
-    batch = {"labels": ids, "loss_mask": torch.rand(3, 9) < 0.3}
-    values = []
-    for logits in (True, False):
-        loss_fn = BERTMLMLossWithReduction()
-        loss_fn.setup(batch)
-        _, _, report = loss_fn(model(ids, torch.ones_like(ids), logits=logits))
-        values.append(checked_reduce([report]))
-    torch.testing.assert_close(values[0], values[1], rtol=1e-12, atol=0)
 
 
 def test_pretrained_path_loads_a_local_checkpoint(tmp_path: Path) -> None:

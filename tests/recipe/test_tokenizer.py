@@ -1,4 +1,4 @@
-"""The ESM-2 tokenizer: its alphabet, encoding and padding."""
+"""The ESM-2 tokenizer: its alphabet and encoding."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from bert_reduce.recipe.tokenizer import ESM_ALPHABET, ESMTokenizer
 def test_alphabet_matches_esm2_ids() -> None:
     # Ids of esm.data.Alphabet.from_architecture("ESM-1b"), the ESM-2 alphabet.
     tokenizer = ESMTokenizer()
-    assert tokenizer.vocab_size == len(ESM_ALPHABET) == 33
+    assert len(tokenizer.vocab) == len(ESM_ALPHABET) == 33
     expected = {"<cls>": 0, "<pad>": 1, "<eos>": 2, "<unk>": 3, "L": 4, "A": 5, "G": 6,
                 "M": 20, "C": 23, "X": 24, "-": 30, "<mask>": 32}  # fmt: skip
     assert {token: tokenizer.vocab[token] for token in expected} == expected
@@ -21,11 +21,3 @@ def test_alphabet_matches_esm2_ids() -> None:
     )
     with pytest.raises(ValueError, match=r"\['J', '1'\]"):
         tokenizer.encode("MKJ1J")
-
-
-def test_pad_rejects_overlong() -> None:
-    tokenizer = ESMTokenizer()
-    padded = tokenizer.pad([[0, 5, 2], [0, 2]])
-    assert padded.tolist() == [[0, 5, 2], [0, 2, 1]]
-    with pytest.raises(ValueError, match="length=2"):
-        tokenizer.pad([[0, 5, 2]], length=2)
