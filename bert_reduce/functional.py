@@ -20,7 +20,6 @@ __all__ = [
     "mask_weights",
     "safe_divide",
     "token_denominator",
-    "token_weighted_sum",
     "validate_masked_labels",
 ]
 
@@ -129,27 +128,6 @@ def token_denominator(loss_mask: Tensor) -> Tensor:
         A 0-dim int64 sum for bool/integer masks (exact at any size), fp64 for float masks.
     """
     return mask_weights(loss_mask).sum()
-
-
-def token_weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor) -> Tensor:
-    """``[b, s]`` losses, weights and ``scored`` -> 0-dim ``sum(weights * loss)`` over ``scored``.
-
-    A negative weight makes the sum NaN, as an out-of-vocabulary label does: a weight is a
-    count of how often a token is scored, and checking its sign on the host would cost a
-    device sync (``check_labels=True`` does that check, with a clear error).
-
-    Args:
-        per_token_loss: ``[b, s]`` per-token losses.
-        weights: ``[b, s]`` float weights; their dtype is the accumulation dtype.
-        scored: ``[b, s]`` bool; only these positions reach the sum and the gradient.
-
-    Returns:
-        The 0-dim weighted sum, carrying gradients.
-    """
-    terms = torch.where(weights < 0, torch.nan, per_token_loss.to(weights.dtype) * weights)
-    # `where` rather than a product: a NaN or inf loss on an unscored position (padding
-    # labels, say) must not leak into the sum, nor into the gradient.
-    return torch.where(scored, terms, 0).sum()
 
 
 def validate_masked_labels(labels: Tensor, loss_mask: Tensor, vocab_size: int) -> None:
