@@ -1,20 +1,8 @@
 """Packed sequences (THD): a ``[b, s]`` BERT batch as one ``[1, T]`` row with ``cu_seqlens``.
 
-Packing drops every padding token of the ``[b, s]`` batch, so padding can never be scored.
-When sequences are padded to a multiple of ``2 * cp_size`` for load-balanced context
-parallelism (as Transformer Engine's THD attention requires), the packed row holds each
-sequence followed by its own padding: ``cu_seqlens`` gives the real boundaries (what attention
-uses), ``cu_seqlens_padded`` the padded ones (where each sequence starts in the row).
-
-Context parallelism then splits every padded sequence by the one CP rule of
-:mod:`bert_reduce.context_parallel`; ``cu_seqlens`` stay global on every rank.
-
-Packing reads the lengths on the host: it belongs to the data pipeline, not the step.
-
-Which tokens form a sequence (for the per-sequence and constant normalizations) is read from a
-batch by :func:`batch_sequence_normalizers`, the one lookup every loss path uses. It knows
-this library's key names (``cu_seqlens``, ``cu_seqlens_padded``) and Hugging Face's
-(``DataCollatorWithFlattening``: ``cu_seq_lens_q``, ``cu_seq_lens_q_padded``, ``position_ids``).
+Packing, its padded boundaries for context parallelism and the data-pipeline place it
+belongs to: ``docs/packing.md``. :func:`batch_sequence_normalizers` is the one lookup of
+where a batch's sequences start, for every loss path.
 """
 
 from __future__ import annotations
@@ -71,16 +59,11 @@ def _lengths_from_attention_mask(attention_mask: Tensor) -> Tensor:
     return lengths
 
 
-def _packing_indices(
-    lengths: Sequence[int], pad_to_multiple_of: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    padded = [-(-n // pad_to_multiple_of) * pad_to_multiple_of for n in lengths]
-    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-    cu_seqlens_padded = torch.tensor([0, *padded], dtype=torch.int64).cumsum(0)
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    cols = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0)
-    dest = cu_seqlens_padded[rows] + cols
-    return rows, cols.long(), dest, torch.stack([cu_seqlens, cu_seqlens_padded])
+def _token_indices(lengths: Sequence[int], starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(row, col, position)`` of every real token: ``position = starts[row] + col``."""
+    rows = torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths, dtype=torch.long))
+    cols = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0).long()
+    return rows, cols, starts.long().cpu()[rows] + cols
 
 
 def pack_batch(
@@ -95,8 +78,7 @@ def pack_batch(
     Every tensor whose first two dims are ``[b, s]`` is packed (sequence ``i`` keeps its
     first ``lengths[i]`` tokens); other values pass through, except ``attention_mask``, which
     ``cu_seqlens`` replace. With a ``loss_mask``, the result also holds ``sequence_weight``
-    and ``sequence_start`` (see :func:`bert_reduce.normalization.sequence_normalizers`) so that the
-    per-sequence and constant normalizations stay exact after context-parallel slicing.
+    and ``sequence_start`` (:func:`bert_reduce.normalization.sequence_normalizers`).
 
     Args:
         batch: e.g. ``input_ids``, ``labels`` and ``loss_mask`` of shape ``[b, s]``.
@@ -116,6 +98,12 @@ def pack_batch(
             outside ``[1, s]``, a non right-padded ``attention_mask``, no lengths at all, or
             ``pad_to_multiple_of < 1``.
         TypeError: On lengths that are not integers (floats are not truncated).
+
+    Example:
+        >>> batch = {"labels": torch.tensor([[5, 6, -100], [7, -100, -100]])}
+        >>> packed = pack_batch(batch, [2, 1])
+        >>> packed["labels"], packed["cu_seqlens"]
+        (tensor([[5, 6, 7]]), tensor([0, 2, 3], dtype=torch.int32))
     """
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}.")
@@ -158,9 +146,11 @@ def pack_batch(
             f"lengths must be {batch_size} values in [1, {seq_len}] for a [b, s] = "
             f"{[batch_size, seq_len]} batch, got {lengths_list}."
         )
-    rows, cols, dest, boundaries = _packing_indices(lengths_list, pad_to_multiple_of)
-    rows, cols, dest = rows.to(device), cols.to(device), dest.to(device)
-    total = int(boundaries[1, -1])
+    padded = [-(-n // pad_to_multiple_of) * pad_to_multiple_of for n in lengths_list]
+    cu_seqlens = torch.tensor([0, *lengths_list]).cumsum(0)
+    cu_seqlens_padded = torch.tensor([0, *padded]).cumsum(0)
+    rows, cols, dest = (t.to(device) for t in _token_indices(lengths_list, cu_seqlens_padded))
+    total = int(cu_seqlens_padded[-1])
     fill = {**_PAD_VALUES, **(pad_values or {})}
 
     packed: dict[str, Any] = {}
@@ -172,9 +162,9 @@ def pack_batch(
             out[dest] = value[rows, cols]
             value = out.unsqueeze(0)
         packed[key] = value
-    packed["cu_seqlens"] = boundaries[0].to(device=device, dtype=torch.int32)
-    packed["cu_seqlens_padded"] = boundaries[1].to(device=device, dtype=torch.int32)
-    packed["max_seqlen"] = int(boundaries[1].diff().max())
+    packed["cu_seqlens"] = cu_seqlens.to(device=device, dtype=torch.int32)
+    packed["cu_seqlens_padded"] = cu_seqlens_padded.to(device=device, dtype=torch.int32)
+    packed["max_seqlen"] = max(padded)
     if "loss_mask" in packed:
         weight, start = sequence_normalizers(packed["loss_mask"], packed["cu_seqlens_padded"])
         packed["sequence_weight"], packed["sequence_start"] = weight, start
@@ -229,12 +219,9 @@ def unpack_sequences(
     lengths = [int(n) for n in cu_seqlens.diff()]
     if any(n > seq_len for n in lengths):
         raise ValueError(f"A sequence of length {max(lengths)} does not fit seq_len={seq_len}.")
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    cols = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0).long()
-    starts = (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded).long().cpu()
-    dest = (starts[rows] + cols).to(flat.device)
+    rows, cols, dest = (t.to(flat.device) for t in _token_indices(lengths, boundaries))
     out = flat.new_full((len(lengths), seq_len, *flat.shape[1:]), pad_value)
-    out = out.index_put((rows.to(flat.device), cols.to(flat.device)), flat[dest])
+    out = out.index_put((rows, cols), flat[dest])
     return out.transpose(0, 1) if seq_dim == 0 else out
 
 
