@@ -40,8 +40,7 @@ def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
 def check_same_shape(
     first: Tensor, second: Tensor, names: tuple[str, str], layout: str = ""
 ) -> None:
-    """``ValueError`` naming both tensors (``names``), their shapes and the expected ``layout``
-    (e.g. ``"[b, s]"``) unless the shapes are equal."""
+    """``ValueError`` naming both tensors, their shapes and ``layout`` unless shapes match."""
     if first.shape != second.shape:
         expected = f"the same {layout} shape" if layout else "the same shape"
         raise ValueError(
@@ -60,8 +59,7 @@ def check_same_device(first: Tensor, second: Tensor, names: tuple[str, str]) -> 
 
 
 def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
-    """``ValueError`` unless logits are ``[s, b, v]`` and labels ``[b, s]`` integer ids
-    (any integer dtype), on one device; reads no device value."""
+    """``ValueError`` unless logits are ``[s, b, v]``, labels ``[b, s]`` integers, on one device."""
     if logits.dim() != 3:
         raise ValueError(
             f"Expected token_logits of shape [s, b, v], got {tuple(logits.shape)} "
@@ -84,8 +82,7 @@ def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
 
 
 def mask_weights(loss_mask: Tensor) -> Tensor:
-    """The loss mask as exact weights: int64 for bool/integer masks (``2`` counts a token
-    twice), fp64 for float ones."""
+    """The loss mask as exact weights: int64 for bool/integer masks, fp64 for float ones."""
     if loss_mask.dtype.is_floating_point:
         return loss_mask.to(torch.float64)
     return loss_mask.to(torch.int64)

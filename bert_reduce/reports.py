@@ -65,9 +65,10 @@ class DataParallelGroupLossAndIO(PerTokenLossDict):
 
 
 class SameSizeLossDict(TypedDict):
-    """A legacy report (BioNeMo's and NeMo's older reductions): a mean that has lost its
-    denominator, so it is averaged as NeMo does (exact only for equal token counts);
-    bert_reduce never produces one.
+    """A legacy report of BioNeMo's and NeMo's older reductions: a mean, without denominator.
+
+    It is averaged as NeMo does (exact only for equal token counts); bert_reduce never
+    produces one.
 
     Attributes:
         avg: ``[1]`` or 0-dim loss.
