@@ -206,19 +206,9 @@ def normalization_weights(
     """Each token's coefficient in a mode's numerator, and its denominator, before any loss.
 
     ``sum(token_weights * per_token_loss)`` over ``token_weights != 0`` is
-    :func:`token_loss_sum`'s numerator: a weighted sum whose weights the mask and the
-    sequence boundaries fix in the forward, which is what lets
-    :func:`bert_reduce.linear_cross_entropy_weighted_sum` accumulate the
-    gradients during the forward. No host sync, no collective.
-
-    Args:
-        loss_mask: ``[b, s]`` bool/integer (0/1) or float weights; non-zero where scored.
-        normalization: The mode (a :class:`Normalization` or its string value).
-        dtype: The coefficients' dtype: the loss's accumulation dtype (fp32, fp64 for fp64).
-        sequence_weight: As in :func:`token_loss_sum`.
-        sequence_start: As in :func:`token_loss_sum`.
-        constant_per_sequence: As in :func:`token_loss_sum`.
-        weight_resolution: As in :func:`token_loss_sum`.
+    :func:`token_loss_sum`'s numerator, with weights fixed before the forward (what lets the
+    fused head accumulate its gradients in the forward). No host sync, no collective. The
+    arguments are :func:`token_loss_sum`'s, and ``dtype``, the coefficients' dtype.
 
     Returns:
         ``(token_weights, denominator)``: ``[b, s]`` coefficients in ``dtype``, exactly 0

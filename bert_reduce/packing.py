@@ -31,13 +31,12 @@ SEQUENCE_BOUNDARY_KEYS = (
     "cu_seqlens",
     "cu_seq_lens_q",
 )
-"""Keys of ``[n + 1]`` sequence boundaries within a packed ``[1, T]`` row, in the order they are
-looked up: padded boundaries (where each sequence starts in the row) before real ones. The
-``cu_seq_lens_q*`` names are Hugging Face's (``DataCollatorWithFlattening``, flash attention)."""
+"""Keys of a packed ``[1, T]`` row's ``[n + 1]`` sequence boundaries, looked up in this order:
+padded before real ones; ``cu_seq_lens_q*`` are Hugging Face's names."""
 
+# Key prefixes of a packed batch (Hugging Face's, Transformer Engine's) that say nothing this
+# library can read about where its sequences start.
 _PACKING_HINT_PREFIXES = ("cu_seq", "max_length_", "max_seqlen", "seq_idx")
-"""Key prefixes of a packed batch (Hugging Face's, Transformer Engine's) that say nothing
-this library can read about where its sequences start."""
 
 _PAD_VALUES: dict[str, int | float] = {"labels": -100}
 
@@ -228,20 +227,12 @@ def unpack_sequences(
 def position_sequence_normalizers(loss_mask: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`~bert_reduce.normalization.sequence_normalizers` of rows whose positions restart.
 
-    Hugging Face's ``DataCollatorWithFlattening`` packs sequences into one ``[1, T]`` row and
-    marks where each starts by restarting ``position_ids`` at 0. A sequence starts at every 0
-    and at the first token of every row. No host sync.
-
-    Args:
-        loss_mask: ``[b, s]`` bool, integer or float weights.
-        position_ids: ``[b, s]`` position of each token within its sequence.
-
-    Returns:
-        ``(sequence_weight, sequence_start)``, as
-        :func:`~bert_reduce.normalization.sequence_normalizers` returns them.
+    A sequence starts at every ``position_ids == 0`` (how Hugging Face's
+    ``DataCollatorWithFlattening`` marks them) and at the first token of every row. No host
+    sync.
 
     Raises:
-        ValueError: If the two shapes differ or are not ``[b, s]``.
+        ValueError: If ``loss_mask`` and ``position_ids`` are not of one ``[b, s]`` shape.
     """
     if loss_mask.dim() != 2 or position_ids.shape != loss_mask.shape:
         raise ValueError(
@@ -263,32 +254,25 @@ def batch_sequence_normalizers(
 ) -> dict[str, Tensor]:
     """``sequence_weight`` and ``sequence_start`` of a batch, from what it says about sequences.
 
-    The one lookup behind the per-sequence and constant normalizations of every loss path
-    (:class:`bert_reduce.BERTMLMLossWithReduction`, :class:`bert_reduce.GlobalBatchLoss`), in
-    this order:
-
-    1. ``batch["sequence_weight"]`` and ``batch["sequence_start"]``, as given (computed on the
-       unsliced batch; the only way under context parallelism);
-    2. the first of :data:`SEQUENCE_BOUNDARY_KEYS` the batch holds, for a packed ``[1, T]``
-       row (:func:`~bert_reduce.normalization.sequence_normalizers`);
-    3. ``batch["position_ids"]`` of a ``[1, T]`` row (:func:`position_sequence_normalizers`);
-    4. otherwise each ``[b, s]`` row is one sequence: an empty dict.
+    The one lookup of every loss path's per-sequence and constant modes, in this order:
+    ``batch["sequence_weight"]`` and ``batch["sequence_start"]`` as given (the only way under
+    context parallelism); the first of :data:`SEQUENCE_BOUNDARY_KEYS` the batch holds; the
+    ``position_ids`` of a ``[1, T]`` row (:func:`position_sequence_normalizers`); else each
+    row is one sequence (``{}``).
 
     Args:
         batch: The micro-batch (or this rank's shard of it).
         loss_mask: Its ``[b, s]`` loss mask (bool, integer or float weights).
-        context_parallel_size: How many shards each sequence is split into; above 1, only
-            step 1 is valid (a shard never sees whole sequences).
+        context_parallel_size: How many shards each sequence is split into.
 
     Returns:
-        ``{"sequence_weight": ..., "sequence_start": ...}`` (``[b, s]`` each), or ``{}`` when
-        each row is one sequence.
+        ``{"sequence_weight": ..., "sequence_start": ...}`` (``[b, s]`` each), or ``{}``.
 
     Raises:
         KeyError: If only one of ``sequence_weight`` and ``sequence_start`` is present.
         ValueError: Under context parallelism without both; or for a ``[1, T]`` row that
-            looks packed (a key such as ``cu_seq_lens_k`` or ``max_length_q``) but holds none
-            of the boundary keys above, whose sequences would otherwise silently count as one.
+            looks packed (``cu_seq_lens_k``, ``max_length_q``, ...) but holds no boundary key,
+            whose sequences would otherwise silently count as one.
     """
     if "sequence_weight" in batch or "sequence_start" in batch:
         if "sequence_weight" not in batch or "sequence_start" not in batch:
