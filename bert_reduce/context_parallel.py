@@ -38,9 +38,8 @@ def packed_context_parallel_indices(
     ``[cu_seqlens_padded[i], cu_seqlens_padded[i + 1])``.
 
     Args:
-        cu_seqlens_padded: ``[n + 1]`` boundaries; every length a multiple of ``2 * cp_size``
-            and ``cu_seqlens_padded[-1] == total``.
-        total: ``T``, the row's length.
+        cu_seqlens_padded: ``[n + 1]`` boundaries, every length a multiple of ``2 * cp_size``.
+        total: ``T``, the row's length (``cu_seqlens_padded[-1]``).
         cp_size: Context-parallel world size.
         cp_rank: This rank, in ``[0, cp_size)``.
 

@@ -63,13 +63,9 @@ class _Rows:
     def chunks(self) -> list[tuple[int, int]]:
         return [(a, min(a + self.chunk, self.count)) for a in range(0, self.count, self.chunk)]
 
-    def _rows(self, start: int, end: int, device: torch.device) -> Tensor:
-        if self.index is None:
-            return torch.arange(start, end, device=device)
-        return self.index[start:end]
-
     def _coordinates(self, start: int, end: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        rows = self._rows(start, end, device)
+        index = self.index
+        rows = torch.arange(start, end, device=device) if index is None else index[start:end]
         return rows.div(self.batch_size, rounding_mode="floor"), rows.remainder(self.batch_size)
 
     def read(self, tensor: Tensor, start: int, end: int) -> Tensor:
@@ -82,11 +78,7 @@ class _Rows:
         return flat.index_select(0, self.index[start:end])
 
     def scratch(self, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """A ``[chunk, v]`` buffer for one call's chunks: allocated once, not once per chunk.
-
-        One chunk-sized allocation per call keeps the allocator (and, on the CPU, the kernel's
-        page faults on fresh memory) out of the loop.
-        """
+        """A ``[chunk, v]`` buffer allocated once per call, not once per chunk."""
         return torch.empty(min(self.chunk, self.count), self.vocab, dtype=dtype, device=device)
 
     def read_into(self, tensor: Tensor, start: int, end: int, scratch: Tensor) -> Tensor:

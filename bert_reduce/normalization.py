@@ -76,15 +76,14 @@ def sequence_normalizers(
 ) -> tuple[Tensor, Tensor]:
     """Per-token sequence totals and sequence markers, from an unsliced batch.
 
-    Compute these before context-parallel slicing or micro-batch splitting (or on a packed
-    row with its global ``cu_seqlens``), then slice them with the batch. No host sync.
+    Computed before context-parallel slicing or micro-batch splitting, then sliced with the
+    batch. No host sync.
 
     Args:
         loss_mask: ``[b, s]`` bool, integer or float weights. Without ``cu_seqlens`` each row
             is one sequence; with it, ``b`` must be 1 (one packed row).
-        cu_seqlens: ``[n + 1]`` integer boundaries of ``n`` packed sequences within the row
-            (the padded boundaries when sequences are padded); positions past
-            ``cu_seqlens[-1]`` belong to no sequence. Empty segments are not sequences.
+        cu_seqlens: ``[n + 1]`` (padded) boundaries of ``n`` packed sequences within the row;
+            positions past ``cu_seqlens[-1]``, and empty segments, are no sequence.
 
     Returns:
         ``(sequence_weight, sequence_start)``: ``[b, s]`` total weight of each token's

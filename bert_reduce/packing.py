@@ -182,8 +182,7 @@ def unpack_sequences(
     """Scatter a packed tensor back to one row per sequence; differentiable.
 
     Args:
-        packed: ``[1, T, ...]`` (``seq_dim=1``, e.g. labels) or ``[T, 1, ...]``
-            (``seq_dim=0``, e.g. ``[s, b, v]``-style logits).
+        packed: ``[1, T, ...]`` (``seq_dim=1``) or ``[T, 1, ...]`` (``seq_dim=0``, logits).
         cu_seqlens: ``[n + 1]`` real boundaries.
         seq_len: ``s`` of the result (at least the longest sequence).
         cu_seqlens_padded: ``[n + 1]`` padded boundaries, when sequences were padded.
