@@ -113,10 +113,8 @@ class NumScoredCollator:
 
     Wraps a ``collate_fn`` (BioNeMo's ``bert_padding_collate_fn``, Hugging Face's
     ``DataCollatorForLanguageModeling``, ``torch.utils.data.default_collate``, ...) and adds
-    ``batch["num_scored"]`` as :func:`count_scored` makes it. It runs in the data loader's
-    workers, on the CPU, so the count costs the training step nothing::
-
-        loader = DataLoader(dataset, batch_size=8, collate_fn=NumScoredCollator(collate))
+    ``batch["num_scored"]`` as :func:`count_scored` makes it, in the data loader's workers,
+    on the CPU: the count costs the training step nothing.
 
     Args:
         collate_fn: Turns a list of samples into a mapping with ``loss_mask`` or ``labels``.
@@ -125,6 +123,13 @@ class NumScoredCollator:
         per_sample: Add per-sample counts (a tuple of ints) instead of the total: for a loader
             whose batches are cut into micro-batches after they are moved
             (:class:`bert_reduce.lightning.ExactMLMModule`).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import default_collate
+        >>> samples = [{"labels": torch.tensor([5, -100])}, {"labels": torch.tensor([7, 8])}]
+        >>> NumScoredCollator(default_collate)(samples)["num_scored"]
+        3
     """
 
     def __init__(
