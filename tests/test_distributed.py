@@ -98,15 +98,11 @@ def test_megatron_parallel_state_gives_its_groups() -> None:
     assert distributed.loss_reduction_group() is None
 
 
-def test_default_device_is_cpu_without_an_accelerator() -> None:
-    if torch.accelerator.current_accelerator() is not None:
-        pytest.skip("an accelerator is present: see the test below")
+def test_default_device_is_the_current_accelerator_else_the_cpu(monkeypatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
     assert distributed.default_device() == torch.device("cpu")
-
-
-def test_default_device_is_the_current_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
-    # torch's accelerator queries answered as on a machine whose current device is cuda:1: the
-    # device keeps the index (a tensor made on cuda:0 would belong to another rank's GPU).
+    # As on a machine whose current device is cuda:1: the device keeps the index (a tensor
+    # made on cuda:0 would belong to another rank's GPU).
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
     assert distributed.default_device() == torch.device("cuda", 1)
