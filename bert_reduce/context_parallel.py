@@ -1,20 +1,10 @@
 """Context-parallel (CP) slicing: which sequence positions each CP rank holds.
 
-One rule, Megatron-Core's load-balanced split (and Transformer Engine's
-``thd_get_partitioned_indices`` for packed rows): every sequence is cut into ``2 * cp_size``
-equal chunks, and rank ``r`` holds chunks ``r`` and ``2 * cp_size - 1 - r``, so every rank
-gets the same share of attention work. A padded ``[b, s]`` batch is the case of one sequence
-of length ``s`` per row; a packed ``[1, T]`` row holds several, bounded by
-``cu_seqlens_padded``, each split on its own.
-
-Token sums need no correction afterwards: every scored token lands on exactly one CP rank,
-and the loss reduction sums over data x context ranks.
-
-A batch's ``num_scored`` (:mod:`bert_reduce.num_scored`) has no sequence dim: it is never
-sliced. Where the sliced batch's ``loss_mask`` (or ``labels``) is still on the CPU, the count
-is made again for this rank's shard (host work, no sync); on a device, the whole micro-batch's
-count is kept, an upper bound for the shard: exact, at the price of computing about
-``cp_size`` times the shard's rows. Slice on the host, before moving the batch.
+One rule for padded and packed batches, Megatron-Core's load-balanced split: each sequence is
+cut into ``2 * cp_size`` equal chunks and rank ``r`` holds chunks ``r`` and
+``2 * cp_size - 1 - r`` (``docs/packing.md``). A batch's ``num_scored`` is never sliced: on
+the host it is counted again for the shard; on a device the whole micro-batch's count is
+kept, an upper bound for the shard (exact, for about ``cp_size`` times the shard's rows).
 """
 
 from __future__ import annotations
@@ -39,24 +29,17 @@ __all__ = [
 _PACKED_BOUNDARY_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 
-def _check_rank(cp_size: int, cp_rank: int) -> None:
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"Invalid context-parallel rank {cp_rank} for cp_size={cp_size}.")
-
-
 def packed_context_parallel_indices(
     cu_seqlens_padded: Tensor, total: int, cp_size: int, cp_rank: int
 ) -> Tensor:
     """Positions of a row of sequences held by one context-parallel rank; no host sync.
 
-    The one CP index rule (see the module docstring): each sequence
-    ``[cu_seqlens_padded[i], cu_seqlens_padded[i + 1])`` is cut into ``2 * cp_size`` equal
-    chunks, and rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r`` of every sequence.
+    The module docstring's rule, applied to each sequence
+    ``[cu_seqlens_padded[i], cu_seqlens_padded[i + 1])``.
 
     Args:
-        cu_seqlens_padded: ``[n + 1]`` boundaries; every length a multiple of ``2 * cp_size``
-            and ``cu_seqlens_padded[-1] == total``.
-        total: ``T``, the row's length.
+        cu_seqlens_padded: ``[n + 1]`` boundaries, every length a multiple of ``2 * cp_size``.
+        total: ``T``, the row's length (``cu_seqlens_padded[-1]``).
         cp_size: Context-parallel world size.
         cp_rank: This rank, in ``[0, cp_size)``.
 
@@ -66,7 +49,8 @@ def packed_context_parallel_indices(
     Raises:
         ValueError: If the rank is invalid or ``total`` is not a multiple of ``2 * cp_size``.
     """
-    _check_rank(cp_size, cp_rank)
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"Invalid context-parallel rank {cp_rank} for cp_size={cp_size}.")
     if total % (2 * cp_size) != 0:
         raise ValueError(
             f"Sequence length {total} must be divisible by 2 * cp_size = {2 * cp_size} for "
@@ -89,8 +73,7 @@ def context_parallel_indices(
 ) -> Tensor:
     """Positions of a ``[b, s]`` row held by one context-parallel rank (Megatron's order).
 
-    :func:`packed_context_parallel_indices` for one sequence of length ``seq_len``: rank ``r``
-    holds chunks ``r`` and ``2 * cp_size - 1 - r`` of ``2 * cp_size``.
+    :func:`packed_context_parallel_indices` for one sequence of length ``seq_len``.
 
     Args:
         seq_len: Full sequence length; must be a multiple of ``2 * cp_size``.
@@ -103,6 +86,10 @@ def context_parallel_indices(
 
     Raises:
         ValueError: If ``seq_len`` is not divisible by ``2 * cp_size`` or the rank is invalid.
+
+    Example:
+        >>> context_parallel_indices(8, cp_size=2, cp_rank=0)  # chunks 0 and 3 of 4
+        tensor([0, 1, 6, 7])
     """
     bounds = torch.tensor([0, seq_len], dtype=torch.int64, device=device)
     return packed_context_parallel_indices(bounds, seq_len, cp_size, cp_rank)
@@ -144,12 +131,10 @@ def get_batch_on_this_cp_rank(
 ) -> dict[str, Any]:
     """``[b, s, ...]`` batch -> this context-parallel rank's ``[b, s / cp, ...]`` slice of it.
 
-    The slice Megatron expects (the module docstring says which chunks).
-
-    Returns a new dict and leaves ``batch`` untouched. Tensors are sliced along dim 1 (a
-    4-dim ``[b, 1, s, s]`` ``attention_mask``: dim 2, as in Megatron) unless ``seq_dims``
-    says otherwise; values that are not tensors, and keys mapped to ``None`` in ``seq_dims``,
-    pass through. ``num_scored`` becomes this shard's count (see the module docstring).
+    The slice Megatron expects, in a new dict. Tensors are sliced along dim 1 (a 4-dim
+    ``[b, 1, s, s]`` ``attention_mask``: dim 2, as in Megatron) unless ``seq_dims`` says
+    otherwise; other values, and keys mapped to ``None`` in ``seq_dims``, pass through.
+    ``num_scored`` becomes this shard's count (see the module docstring).
 
     Args:
         batch: The full micro-batch, e.g. ``labels`` and ``loss_mask`` of shape ``[b, s]``.
@@ -162,6 +147,11 @@ def get_batch_on_this_cp_rank(
 
     Raises:
         ValueError: If a sliced tensor's sequence length is not a multiple of ``2 * cp_size``.
+
+    Example:
+        >>> batch = {"labels": torch.arange(8).view(1, 8), "loss_mask": torch.ones(1, 8)}
+        >>> get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=1)["labels"]
+        tensor([[2, 3, 4, 5]])
     """
     cp_size, cp_rank = _resolve(cp_size, cp_rank)
     dims: dict[str, int | None] = {}
@@ -190,9 +180,9 @@ def get_packed_batch_on_this_cp_rank(
 ) -> dict[str, Any]:
     """Slice a packed ``[1, T, ...]`` batch for one context-parallel rank.
 
-    Every tensor whose first two dims are ``[1, T]`` is sliced along dim 1 (see
+    Every ``[1, T, ...]`` tensor is sliced along dim 1 (see
     :func:`packed_context_parallel_indices`); ``cu_seqlens``, ``cu_seqlens_padded``,
-    ``max_seqlen`` and other values pass through unchanged, as Transformer Engine expects.
+    ``max_seqlen`` and other values pass through, as Transformer Engine expects.
     ``num_scored`` becomes this shard's count (see the module docstring).
 
     Args:

@@ -1,31 +1,10 @@
 """Cross-entropy on ``[s, b, v]`` logits that computes only what the loss mask needs.
 
-An MLM loss scores ~15% of the positions, yet a dense cross-entropy (``F.cross_entropy``,
-Megatron-Core's ``vocab_parallel_cross_entropy``) normalizes every row of the ``[s, b, v]``
-logits, keeps full-size fp32 softmax buffers alive for backward, and masks afterwards.
-:func:`cross_entropy_token_losses` (``[b, s]`` losses) and :func:`cross_entropy_loss_sum`
-(their ``(loss_sum, denominator)``) instead
-
-* read only the rows they have to score, in chunks (by default 1/32 of the logits' bytes
-  once in fp32, at least 2**20 values: few large kernels, little extra memory), in fp32
-  (fp64 for fp64 logits), with PyTorch's fused ``log_softmax`` and ``softmax`` kernels, and
-  keep no more than a ``[rows]`` vector for backward;
-* write the gradient of the selected rows only: every other row of the gradient is zero, so
-  the only full-size allocation is the gradient itself (or nothing, with ``in_place=True``);
-* under tensor parallelism (vocab-sharded logits) run exactly one collective: each rank's
-  per-row ``(log-sum-exp, target logit)`` goes into its slot of a ``[tp, 2, rows]`` buffer that
-  one all-reduce completes; the global log-sum-exp is the log-sum-exp of the shards'.
-
-Which rows are computed (``capacity``: ``"all"`` by default, exact and sync-free; a static
-row count or fraction; ``"nonzero"``, one host sync; or the batch's ``num_scored``) is the one
-trade-off, written up in ``docs/fast_path.md``.
-
-The row selection and the shard statistics are shared with the fused head
-(:mod:`bert_reduce.linear_cross_entropy`) in :mod:`bert_reduce._vocab_parallel`.
-:func:`unreduced_token_loss_fn` is BioNeMo's name for the per-token loss on every position
-(Megatron-Core's kernel when its parallel state is initialized), for code ported from it
-(see ``docs/bionemo.md``). This module is pure torch; Megatron-Core is only consulted
-(through :mod:`bert_reduce.distributed`) when its parallel state is initialized.
+Only the selected rows are read (in fp32 chunks) and written in the gradient; under tensor
+parallelism one all-reduce of a ``[tp, 2, rows]`` buffer of per-shard
+``(log-sum-exp, target logit)`` completes the loss. How and at what price (the row selection,
+``capacity``, and its host syncs): ``docs/fast_path.md``. The row selection and the shard
+statistics are shared with the fused head in :mod:`bert_reduce._vocab_parallel`.
 """
 
 from __future__ import annotations
@@ -84,13 +63,9 @@ class _Rows:
     def chunks(self) -> list[tuple[int, int]]:
         return [(a, min(a + self.chunk, self.count)) for a in range(0, self.count, self.chunk)]
 
-    def _rows(self, start: int, end: int, device: torch.device) -> Tensor:
-        if self.index is None:
-            return torch.arange(start, end, device=device)
-        return self.index[start:end]
-
     def _coordinates(self, start: int, end: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        rows = self._rows(start, end, device)
+        index = self.index
+        rows = torch.arange(start, end, device=device) if index is None else index[start:end]
         return rows.div(self.batch_size, rounding_mode="floor"), rows.remainder(self.batch_size)
 
     def read(self, tensor: Tensor, start: int, end: int) -> Tensor:
@@ -103,11 +78,7 @@ class _Rows:
         return flat.index_select(0, self.index[start:end])
 
     def scratch(self, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """A ``[chunk, v]`` buffer for one call's chunks: allocated once, not once per chunk.
-
-        One chunk-sized allocation per call keeps the allocator (and, on the CPU, the kernel's
-        page faults on fresh memory) out of the loop.
-        """
+        """A ``[chunk, v]`` buffer allocated once per call, not once per chunk."""
         return torch.empty(min(self.chunk, self.count), self.vocab, dtype=dtype, device=device)
 
     def read_into(self, tensor: Tensor, start: int, end: int, scratch: Tensor) -> Tensor:
@@ -140,16 +111,6 @@ class _Rows:
         else:
             where = (rows.div(self.batch_size, rounding_mode="floor"), rows % self.batch_size)
             tensor.index_put_(where, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
-
-
-def _softmax(x: Tensor, out: Tensor) -> Tensor:
-    """``softmax(x, dim=-1)`` written into ``out`` (which may be ``x`` itself)."""
-    return torch.softmax(x, -1, out=out)
-
-
-def _log_softmax(x: Tensor, out: Tensor) -> Tensor:
-    """``log_softmax(x, dim=-1)`` written into ``out`` (which may be ``x`` itself)."""
-    return torch.log_softmax(x, -1, out=out)
 
 
 class _CrossEntropyTokenLosses(torch.autograd.Function):
@@ -185,10 +146,10 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
             for start, end in rows.chunks():
                 if view:
                     x = rows.read(logits, start, end)
-                    log_probs = _log_softmax(x, scratch[: end - start])
+                    log_probs = torch.log_softmax(x, -1, out=scratch[: end - start])
                 else:
                     x = rows.read_into(logits, start, end, scratch)
-                    log_probs = _log_softmax(x, x)
+                    log_probs = torch.log_softmax(x, -1, out=x)
                 loss[start:end] = log_probs.gather(1, sharded.local[start:end]).squeeze(1).neg_()
             loss = torch.where(sharded.in_vocab, loss, torch.nan)
         else:
@@ -236,7 +197,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
             else:
                 x = rows.read_into(logits, start, end, scratch)
             out = rows.read(grad, start, end) if direct else x
-            p = _softmax(x, out)
+            p = torch.softmax(x, -1, out=out)
             vp.softmax_minus_onehot_(
                 p, local[start:end], scale[start:end], target_weight[start:end]
             )
@@ -260,48 +221,47 @@ def cross_entropy_token_losses(
 ) -> Tensor:
     """``[s, b, v]`` logits, ``[b, s]`` labels and mask -> ``[b, s]`` cross-entropy, 0 unscored.
 
-    Where ``loss_mask`` is non-zero this equals (up to rounding)
-    ``F.cross_entropy(logits, labels, reduction="none")`` and so does its gradient; elsewhere
-    the loss is 0 and carries no gradient, whatever the label. A ``[b, s]`` output lets any
-    weighting or normalization (:mod:`bert_reduce.normalization`) follow, while the caller's
-    logits are never copied whole, never modified (unless ``in_place``), and no
-    row outside the selection is normalized. ``capacity``: ``docs/fast_path.md``.
+    Where ``loss_mask`` is non-zero this equals ``F.cross_entropy(logits, labels,
+    reduction="none")`` (up to rounding), and so does its gradient; elsewhere the loss is 0
+    with no gradient, whatever the label. The logits are never copied whole nor modified
+    (unless ``in_place``). ``capacity`` and ``num_scored``: ``docs/fast_path.md``.
 
-    ``in_place=True`` writes the gradient into the logits' own storage during backward, so the
-    gradient costs no memory at all. That is only safe when nothing reads the logits after the
-    loss: they must be a non-leaf tensor (e.g. the output projection's result) consumed by this
-    loss alone, with no other reference read after backward (no detached copy in a report or
-    a metric, no ``retain_graph``). Under tensor parallelism it applies to this rank's shard.
+    ``in_place=True`` writes the gradient into the logits' own storage (no gradient memory):
+    only safe for non-leaf logits that nothing reads after this loss (no detached copy kept,
+    no ``retain_graph``). Under tensor parallelism it applies to this rank's shard.
 
     Args:
         logits: ``[s, b, v]`` logits, any float dtype; under tensor parallelism ``v`` is this
-            rank's contiguous vocab shard (Megatron-Core's ``VocabUtility`` layout: rank ``r``
-            holds ids ``[r * v, (r + 1) * v)``).
+            rank's contiguous vocab shard (rank ``r`` holds ids ``[r * v, (r + 1) * v)``,
+            Megatron-Core's ``VocabUtility`` layout).
         labels: ``[b, s]`` integer token ids; unscored positions may hold anything (``-100``).
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
         capacity: ``"all"`` (default), ``"nonzero"``, a row count or a fraction of ``b * s``.
         num_scored: The data pipeline's count of scored positions
-            (:data:`~bert_reduce.num_scored.NumScored`: an ``int``, or e.g. the collator's
-            per-sample ``[b]`` counts): computes exactly that many rows, with no host sync when
-            it is on the host; overrides ``capacity``. More scored positions than it says make
-            the loss NaN (checked on the device).
+            (:data:`~bert_reduce.num_scored.NumScored`); overrides ``capacity``.
         in_place: Write the gradient into ``logits`` (see above).
-        chunk_elements: About how many logits one chunk reads at a time: trades the extra
-            memory (a few fp32 chunks) against per-chunk overhead (kernel launches, thread
-            barriers). ``None``: 1/32 of the logits' bytes in fp32, at least 2**20 values.
-        tp_group: The group the vocabulary is sharded over (its one all-reduce runs there);
-            ``None``: Megatron-Core's tensor-parallel group when its parallel state is
-            initialized, else no sharding.
+        chunk_elements: About how many logits one chunk reads (``None``: 1/32 of the logits'
+            bytes in fp32, at least 2**20 values).
+        tp_group: The group the vocabulary is sharded over; ``None``: Megatron-Core's
+            tensor-parallel group when its parallel state is initialized, else no sharding.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
-        the vocabulary, and on every scored position when more positions are scored than a
-        static ``capacity`` holds (the gradient is then NaN too).
+        the vocabulary, and on every scored position (gradient too) when more positions are
+        scored than ``capacity`` or ``num_scored`` holds.
 
     Raises:
         ValueError: On mismatched shapes, a bad ``capacity`` or ``chunk_elements``, or
             ``in_place`` on a leaf tensor that requires grad.
         TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
+
+    Example:
+        >>> logits = torch.zeros(3, 1, 4)  # [s, b, v]: uniform over 4 tokens
+        >>> losses = cross_entropy_token_losses(
+        ...     logits, torch.tensor([[1, -100, 2]]), torch.tensor([[True, False, True]])
+        ... )
+        >>> losses
+        tensor([[1.3863, 0.0000, 1.3863]])
     """
     check_logits_and_labels(logits, labels)
     check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
@@ -343,37 +303,23 @@ def cross_entropy_loss_sum(
     """``[s, b, v]`` logits, ``[b, s]`` labels and mask -> ``(loss_sum, denominator)``.
 
     :func:`cross_entropy_token_losses` followed by
-    :func:`bert_reduce.normalization.token_loss_sum`. In the default ``per_token`` mode:
-    ``sum(w * F.cross_entropy(logits[mask], labels[mask], reduction="none"))`` (up to
-    rounding) with its gradient, for a bool, integer or float (weighting) ``loss_mask``, and
-    the mask's :func:`bert_reduce.functional.token_denominator`; the other modes divide by
-    what :mod:`bert_reduce.normalization` says.
-
-    Args:
-        logits: ``[s, b, v]`` logits, vocab-sharded under tensor parallelism.
-        labels: ``[b, s]`` integer token ids.
-        loss_mask: ``[b, s]``; non-zero where scored, float entries weight the loss.
-        normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``.
-        capacity: Which rows are computed; see :func:`cross_entropy_token_losses`.
-        num_scored: The data pipeline's count of scored positions; see
-            :func:`cross_entropy_token_losses`.
-        sequence_weight: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        sequence_start: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        constant_per_sequence: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        in_place: Write the gradient into ``logits``; see :func:`cross_entropy_token_losses`.
-        chunk_elements: About how many logits one chunk reads at a time (``None``: adaptive).
-        tp_group: The vocab-sharding group; see :func:`cross_entropy_token_losses`.
+    :func:`bert_reduce.normalization.token_loss_sum`; the arguments are theirs.
 
     Returns:
-        ``(loss_sum, denominator)``: the mode's 0-dim numerator in fp32 (fp64 for fp64
-        logits) carrying the gradient, NaN on an out-of-vocabulary scored label or a capacity
-        overflow; and its 0-dim denominator (per token: the int64 token count, or the fp64
-        sum of float weights).
+        ``(loss_sum, denominator)`` of the normalization mode: the 0-dim numerator in fp32
+        (fp64 for fp64 logits), carrying the gradient (NaN as the token losses are), and the
+        0-dim denominator (per token: the int64 token count, or the fp64 sum of weights).
 
     Raises:
         ValueError: As :func:`cross_entropy_token_losses` and
             :func:`bert_reduce.normalization.token_loss_sum`.
+
+    Example:
+        >>> logits = torch.zeros(3, 1, 4)  # [s, b, v]: uniform over 4 tokens
+        >>> labels, mask = torch.tensor([[1, -100, 2]]), torch.tensor([[True, False, True]])
+        >>> loss_sum, denominator = cross_entropy_loss_sum(logits, labels, mask)
+        >>> loss_sum / denominator  # log(4)
+        tensor(1.3863)
     """
     losses = cross_entropy_token_losses(
         logits,
@@ -401,33 +347,30 @@ def unreduced_token_loss_fn(
 ) -> Tensor:
     """``[s, b, v]`` logits and ``[b, s]`` labels -> ``[b, s]`` cross-entropy of every position.
 
-    BioNeMo's name and signature, for code ported from it (``docs/bionemo.md``). With
-    Megatron-Core's parallel state initialized this is Megatron's vocab-parallel
-    cross-entropy (what ``BERTMLMLossWithReduction(cross_entropy="megatron")`` runs); without
-    it, :func:`cross_entropy_token_losses` with every position scored. Unlike BioNeMo's
-    function, the caller's ``logits`` are never modified: Megatron-Core's kernels subtract
-    the max and exponentiate in place, so they work on a private fp32 copy.
-
-    A label outside ``[0, vocab)`` (``vocab`` being the full, unsharded vocabulary) gives a NaN
-    loss at its position: padding labels such as ``-100`` are harmless once a mask drops
-    those positions without arithmetic (:func:`bert_reduce.normalization.token_loss_sum`),
-    while an invalid label on a masked position makes the loss NaN instead of silently wrong.
+    BioNeMo's name and signature, for code ported from it (``docs/bionemo.md``). Under
+    Megatron-Core's parallel state this is Megatron's vocab-parallel cross-entropy (what
+    ``cross_entropy="megatron"`` runs), on a private fp32 copy so that the caller's logits
+    are never modified (Megatron's kernels work in place); without it,
+    :func:`cross_entropy_token_losses` with every position scored. A label outside the full
+    vocabulary (``-100``) gives NaN at its position, which a mask then drops without
+    arithmetic (:func:`bert_reduce.normalization.token_loss_sum`).
 
     Args:
-        logits: ``[s, b, v]`` logits; under tensor parallelism ``v`` is this rank's vocab shard.
-            Any float dtype; the maths runs in fp32 (fp64 when ``logits`` are fp64 and no
-            Megatron parallel state is initialized).
+        logits: ``[s, b, v]`` logits (this rank's vocab shard under tensor parallelism).
         labels: ``[b, s]`` integer token ids.
-        cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy (one
-            all-reduce instead of two for the sums under TP). Its gradient is computed in bf16,
-            whatever the logits' dtype. Needs Megatron's parallel state.
+        cross_entropy_loss_fusion: Use Megatron-Core's fused vocab-parallel cross-entropy
+            (its gradient is computed in bf16). Needs Megatron's parallel state.
 
     Returns:
-        ``[b, s]`` per-token losses in the accumulation dtype (fp32, or fp64).
+        ``[b, s]`` per-token losses in fp32 (fp64 for fp64 logits without Megatron).
 
     Raises:
-        ValueError: On mismatched shapes, or when the fused kernel is asked for without an
-            initialized Megatron parallel state.
+        ValueError: On mismatched shapes, or the fused kernel without Megatron's parallel
+            state.
+
+    Example:
+        >>> unreduced_token_loss_fn(torch.zeros(2, 1, 4), torch.tensor([[0, -100]]))
+        tensor([[1.3863,    nan]])
     """
     check_logits_and_labels(logits, labels)
     if not distributed.megatron_is_initialized():

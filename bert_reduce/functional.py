@@ -1,10 +1,7 @@
-"""The shared checks and the exact sums of masked-token losses, in plain torch.
+"""The shared input checks, exact weights and the one per-token denominator, in plain torch.
 
-Every micro-batch reduces to ``(loss_sum, denominator)``; sums of these over micro-batches and
-ranks, divided once, give the exact mean (``docs/guarantees.md``). The per-token denominator
-has one definition, :func:`token_denominator` (the sum of the loss mask's weights), which
-every path divides by. Layouts follow Megatron: ``[s, b, v]`` logits, ``[b, s]`` labels,
-masks and per-token losses.
+Every micro-batch reduces to ``(loss_sum, denominator)``; sums over micro-batches and ranks,
+divided once, give the exact mean (``docs/guarantees.md``).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ __all__ = [
     "mask_weights",
     "safe_divide",
     "token_denominator",
-    "token_weighted_sum",
     "validate_masked_labels",
 ]
 
@@ -44,17 +40,7 @@ def safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
 def check_same_shape(
     first: Tensor, second: Tensor, names: tuple[str, str], layout: str = ""
 ) -> None:
-    """Raise ``ValueError`` naming both tensors and shapes unless the shapes are equal.
-
-    Args:
-        first: A tensor.
-        second: The tensor whose shape must equal ``first``'s.
-        names: How the error message calls the two tensors.
-        layout: The expected layout, e.g. ``"[b, s]"``, quoted in the message.
-
-    Raises:
-        ValueError: When the shapes differ.
-    """
+    """``ValueError`` naming both tensors, their shapes and ``layout`` unless shapes match."""
     if first.shape != second.shape:
         expected = f"the same {layout} shape" if layout else "the same shape"
         raise ValueError(
@@ -64,11 +50,7 @@ def check_same_shape(
 
 
 def check_same_device(first: Tensor, second: Tensor, names: tuple[str, str]) -> None:
-    """Raise ``ValueError`` naming both tensors and devices unless they share a device.
-
-    Raises:
-        ValueError: When the devices differ.
-    """
+    """``ValueError`` naming both tensors and devices unless they share a device."""
     if first.device != second.device:
         raise ValueError(
             f"{names[0]} is on {first.device} and {names[1]} on {second.device}: move them to "
@@ -77,12 +59,7 @@ def check_same_device(first: Tensor, second: Tensor, names: tuple[str, str]) -> 
 
 
 def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
-    """Raise ``ValueError`` unless logits are ``[s, b, v]`` and labels ``[b, s]``, on one device.
-
-    Labels may have any integer dtype (``int16`` and ``uint8`` too; the maths reads them as
-    int64). Only shapes, dtypes and devices are read, so this never synchronizes with the
-    device.
-    """
+    """``ValueError`` unless logits are ``[s, b, v]``, labels ``[b, s]`` integers, on one device."""
     if logits.dim() != 3:
         raise ValueError(
             f"Expected token_logits of shape [s, b, v], got {tuple(logits.shape)} "
@@ -105,51 +82,29 @@ def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
 
 
 def mask_weights(loss_mask: Tensor) -> Tensor:
-    """The loss mask as exact weights: int64 for bool/integer masks, fp64 for float ones.
-
-    A bool mask weighs 1 per scored token; an integer mask weighs its values (``2`` counts a
-    token twice); a float mask its fp64 values.
-    """
+    """The loss mask as exact weights: int64 for bool/integer masks, fp64 for float ones."""
     if loss_mask.dtype.is_floating_point:
         return loss_mask.to(torch.float64)
     return loss_mask.to(torch.int64)
 
 
 def token_denominator(loss_mask: Tensor) -> Tensor:
-    """The per-token denominator of a loss mask: the sum of its weights, exactly.
+    """The per-token denominator of a loss mask: the sum of its weights, exactly; no host sync.
 
-    This is the library's one definition of "how many tokens": the number of scored tokens for
-    a 0/1 mask, and the sum of the weights for a weighted mask (the weighted mean, as
-    ``F.cross_entropy(weight=...)`` defines it). No host sync.
+    The library's one definition of "how many tokens": the count for a 0/1 mask, the sum of
+    the weights for a weighted one (the weighted mean of ``F.cross_entropy(weight=...)``).
 
     Args:
         loss_mask: ``[b, s]`` (or any shape) bool, integer or float weights.
 
     Returns:
         A 0-dim int64 sum for bool/integer masks (exact at any size), fp64 for float masks.
+
+    Example:
+        >>> token_denominator(torch.tensor([[True, False, True]]))
+        tensor(2)
     """
     return mask_weights(loss_mask).sum()
-
-
-def token_weighted_sum(per_token_loss: Tensor, weights: Tensor, scored: Tensor) -> Tensor:
-    """``[b, s]`` losses, weights and ``scored`` -> 0-dim ``sum(weights * loss)`` over ``scored``.
-
-    A negative weight makes the sum NaN, as an out-of-vocabulary label does: a weight is a
-    count of how often a token is scored, and checking its sign on the host would cost a
-    device sync (``check_labels=True`` does that check, with a clear error).
-
-    Args:
-        per_token_loss: ``[b, s]`` per-token losses.
-        weights: ``[b, s]`` float weights; their dtype is the accumulation dtype.
-        scored: ``[b, s]`` bool; only these positions reach the sum and the gradient.
-
-    Returns:
-        The 0-dim weighted sum, carrying gradients.
-    """
-    terms = torch.where(weights < 0, torch.nan, per_token_loss.to(weights.dtype) * weights)
-    # `where` rather than a product: a NaN or inf loss on an unscored position (padding
-    # labels, say) must not leak into the sum, nor into the gradient.
-    return torch.where(scored, terms, 0).sum()
 
 
 def validate_masked_labels(labels: Tensor, loss_mask: Tensor, vocab_size: int) -> None:

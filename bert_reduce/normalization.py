@@ -1,18 +1,11 @@
 """Normalization modes: what the summed masked-token loss is divided by, exactly, under any split.
 
-Every mode turns one micro-batch's ``[b, s]`` per-token loss and mask into a
-``(numerator, denominator)`` pair whose sums over micro-batches and ranks, divided once, give
-the global value (``docs/normalization.md``): ``per_token`` (default; the mean over every
-scored token), ``per_sequence`` (the mean over sequences of each sequence's token mean) and
-``constant`` (the summed loss over ``constant_per_sequence`` times the number of sequences).
-A sequence's totals travel as two per-token ``[b, s]`` tensors computed once on the unsliced
-batch (:func:`sequence_normalizers`: ``sequence_weight``, ``sequence_start``) and sliced,
-split and packed like any other token tensor, so context-parallel shards and packed slices
-stay exact.
-
-:func:`token_loss_sum` turns per-token losses into a mode's ``(numerator, denominator)``
-(``masked_token_loss`` is NeMo's and BioNeMo's name for it); :func:`normalization_weights`
-gives each token's coefficient before any loss exists, for the fused head.
+The modes (``per_token``, ``per_sequence``, ``constant``) and why each stays exact under
+micro-batches, context-parallel shards and packing: ``docs/normalization.md``. A sequence's
+totals travel as two ``[b, s]`` tensors (:func:`sequence_normalizers`) computed once on the
+unsliced batch and sliced with it. :func:`token_loss_sum` turns per-token losses into a
+mode's ``(numerator, denominator)``; :func:`normalization_weights` gives each token's
+coefficient before any loss exists, for the fused head.
 """
 
 from __future__ import annotations
@@ -28,7 +21,6 @@ from bert_reduce.functional import (
     check_same_shape,
     mask_weights,
     token_denominator,
-    token_weighted_sum,
 )
 
 __all__ = [
@@ -84,15 +76,14 @@ def sequence_normalizers(
 ) -> tuple[Tensor, Tensor]:
     """Per-token sequence totals and sequence markers, from an unsliced batch.
 
-    Compute these before context-parallel slicing or micro-batch splitting (or on a packed
-    row with its global ``cu_seqlens``), then slice them with the batch. No host sync.
+    Computed before context-parallel slicing or micro-batch splitting, then sliced with the
+    batch. No host sync.
 
     Args:
         loss_mask: ``[b, s]`` bool, integer or float weights. Without ``cu_seqlens`` each row
             is one sequence; with it, ``b`` must be 1 (one packed row).
-        cu_seqlens: ``[n + 1]`` integer boundaries of ``n`` packed sequences within the row
-            (the padded boundaries when sequences are padded); positions past
-            ``cu_seqlens[-1]`` belong to no sequence. Empty segments are not sequences.
+        cu_seqlens: ``[n + 1]`` (padded) boundaries of ``n`` packed sequences within the row;
+            positions past ``cu_seqlens[-1]``, and empty segments, are no sequence.
 
     Returns:
         ``(sequence_weight, sequence_start)``: ``[b, s]`` total weight of each token's
@@ -142,19 +133,12 @@ def token_loss_sum(
 ) -> tuple[Tensor, Tensor]:
     """``[b, s]`` per-token losses and mask -> ``(loss_sum, denominator)`` in a mode.
 
-    The numerator and denominator of one micro-batch (or one shard of it): sums of these over
-    every micro-batch and rank, divided once, give the global value. In the default
-    ``per_token`` mode, ``loss_sum = sum(mask * loss)`` over the scored positions and
-    ``denominator`` is :func:`bert_reduce.functional.token_denominator` (the token count). The
-    numerator carries the gradient; unscored positions (mask 0) never reach it, even when
-    their loss is NaN or inf. No host sync, no collective.
-
-    Weights (a float ``loss_mask``) are expected to be non-negative. Megatron-Core adds the
-    denominators of a step into an int32 tensor, which raises on a float denominator: for a
-    float mask in ``per_token`` mode, pass ``weight_resolution=R`` to round every weight to a
-    multiple of ``1 / R`` and express the weights as integers (``round(w * R)``); the
-    denominator is then an exact int64 and the scale ``R`` cancels in the ratio. Weights that
-    already are multiples of ``1 / R`` (0.5, 0.25, ... for ``R = 256``) are then exact.
+    The pair of one micro-batch (or shard): sums over every micro-batch and rank, divided
+    once, give the global value (``docs/normalization.md``). Per token, ``loss_sum =
+    sum(mask * loss)`` and ``denominator`` is
+    :func:`bert_reduce.functional.token_denominator`. The numerator carries the gradient;
+    unscored positions never reach it, even when their loss is NaN or inf. No host sync, no
+    collective.
 
     Args:
         per_token_loss: ``[b, s]`` per-token losses (any float dtype).
@@ -166,8 +150,9 @@ def token_loss_sum(
         sequence_start: ``[b, s]`` bool, see :func:`sequence_normalizers`; same default.
         constant_per_sequence: The ``constant`` mode's denominator per sequence (e.g. the
             maximum sequence length). Required in that mode only.
-        weight_resolution: For float masks in ``per_token`` mode, give an integer
-            denominator by rounding weights to multiples of ``1 / weight_resolution``.
+        weight_resolution: For float masks in ``per_token`` mode, an exact int64 denominator
+            (Megatron's int32 counter needs one) by rounding weights to multiples of
+            ``1 / weight_resolution`` (``docs/normalization.md``).
 
     Returns:
         ``(numerator, denominator)``: a 0-dim numerator in fp32 (fp64 for fp64 losses) and a
@@ -177,27 +162,34 @@ def token_loss_sum(
     Raises:
         ValueError: On mismatched shapes, an unknown mode, or a missing or non-positive
             ``constant_per_sequence`` in ``constant`` mode.
+
+    Example:
+        >>> losses = torch.tensor([[1.0, 9.0, 3.0], [5.0, float("nan"), 0.0]])
+        >>> mask = torch.tensor([[True, False, True], [True, False, False]])
+        >>> token_loss_sum(losses, mask)  # (1 + 3 + 5, 3 tokens)
+        (tensor(9.), tensor(3))
+        >>> token_loss_sum(losses, mask, "per_sequence")  # (mean 2 + mean 5, 2 sequences)
+        (tensor(7.), tensor(2))
     """
-    normalization = _mode(normalization)
     check_same_shape(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"), "[b, s]")
     check_same_device(per_token_loss, loss_mask, ("per_token_loss", "loss_mask"))
-    coefficients, scored, denominator = _coefficients(
+    weights, denominator = normalization_weights(
         loss_mask,
         normalization,
-        accumulation_dtype(per_token_loss.dtype),
-        sequence_weight,
-        sequence_start,
-        constant_per_sequence,
-        weight_resolution,
+        dtype=accumulation_dtype(per_token_loss.dtype),
+        sequence_weight=sequence_weight,
+        sequence_start=sequence_start,
+        constant_per_sequence=constant_per_sequence,
+        weight_resolution=weight_resolution,
     )
-    return token_weighted_sum(per_token_loss, coefficients, scored), denominator
+    # `where` rather than a product alone: a NaN or inf loss where the weight is 0 (padding
+    # labels, say) must reach neither the sum nor the gradient.
+    terms = torch.where(weights != 0, per_token_loss.to(weights.dtype) * weights, 0)
+    return terms.sum(), denominator
 
 
 masked_token_loss = token_loss_sum
-"""NeMo 2's name (``nemo.lightning.megatron_parallel.masked_token_loss``, which BioNeMo uses):
-``masked_token_loss(per_token_loss, loss_mask)`` -> ``(loss_sum, denominator)``, for code
-ported from them (``docs/bionemo.md``). The same function as :func:`token_loss_sum`: NeMo's
-contract, with an exact int64 count and no NaN from unscored positions."""
+"""NeMo 2's and BioNeMo's name for :func:`token_loss_sum`, for ported code (``docs/bionemo.md``)."""
 
 
 def normalization_weights(
@@ -213,58 +205,39 @@ def normalization_weights(
     """Each token's coefficient in a mode's numerator, and its denominator, before any loss.
 
     ``sum(token_weights * per_token_loss)`` over ``token_weights != 0`` is
-    :func:`token_loss_sum`'s numerator: a weighted sum whose weights the mask and the
-    sequence boundaries fix in the forward, which is what lets
-    :func:`bert_reduce.linear_cross_entropy_weighted_sum` accumulate the
-    gradients during the forward. No host sync, no collective.
-
-    Args:
-        loss_mask: ``[b, s]`` bool/integer (0/1) or float weights; non-zero where scored.
-        normalization: The mode (a :class:`Normalization` or its string value).
-        dtype: The coefficients' dtype: the loss's accumulation dtype (fp32, fp64 for fp64).
-        sequence_weight: As in :func:`token_loss_sum`.
-        sequence_start: As in :func:`token_loss_sum`.
-        constant_per_sequence: As in :func:`token_loss_sum`.
-        weight_resolution: As in :func:`token_loss_sum`.
+    :func:`token_loss_sum`'s numerator, with weights fixed before the forward (what lets the
+    fused head accumulate its gradients in the forward). No host sync, no collective. The
+    arguments are :func:`token_loss_sum`'s, and ``dtype``, the coefficients' dtype.
 
     Returns:
         ``(token_weights, denominator)``: ``[b, s]`` coefficients in ``dtype``, exactly 0
         where a token does not reach the numerator and NaN on a negative weight (which makes
-        the sum NaN, as in :func:`bert_reduce.functional.token_weighted_sum`); and the 0-dim
-        denominator of :func:`token_loss_sum`.
+        the sum NaN); and the 0-dim denominator of :func:`token_loss_sum`.
 
     Raises:
         ValueError: As :func:`token_loss_sum`.
     """
+    normalization = _mode(normalization)
     coefficients, scored, denominator = _coefficients(
-        loss_mask,
-        normalization,
-        dtype,
-        sequence_weight,
-        sequence_start,
-        constant_per_sequence,
+        loss_mask, normalization, dtype, sequence_weight, sequence_start, constant_per_sequence,
         weight_resolution,
-    )
+    )  # fmt: skip
+    # A weight counts how often a token is scored: a negative one makes the sum NaN, as an
+    # out-of-vocabulary label does (checking its sign on the host would be a sync).
     coefficients = torch.where(coefficients < 0, torch.nan, coefficients)
     return torch.where(scored, coefficients, 0), denominator
 
 
 def _coefficients(
     loss_mask: Tensor,
-    normalization: Normalization | str,
+    normalization: Normalization,
     acc: torch.dtype,
     sequence_weight: Tensor | None,
     sequence_start: Tensor | None,
     constant_per_sequence: int | None,
     weight_resolution: int | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(coefficients, scored, denominator)``: numerator = sum of coefficients * loss on scored.
-
-    The one definition of every mode's weights, shared by :func:`token_loss_sum` and
-    :func:`normalization_weights`. ``coefficients`` are ``[b, s]`` in ``acc`` (any value off
-    ``scored``), ``scored`` the ``[b, s]`` bool of the tokens that reach the numerator.
-    """
-    normalization = _mode(normalization)
+    """``(coefficients, scored, denominator)`` of a mode; coefficients matter on ``scored``."""
     scored = loss_mask != 0
 
     if normalization is Normalization.PER_TOKEN:

@@ -1,23 +1,14 @@
 """The count of scored positions, made on the host where the batch is built.
 
-Given ``num_scored``, the masked-only kernels (:func:`bert_reduce.cross_entropy_token_losses`,
-:func:`bert_reduce.linear_cross_entropy_loss_sum` and their siblings) compute exactly that many
-rows with no device sync; without it they must read the mask back from the device to learn how
-many rows it selects. So the count is made where the mask is
-still on the host (the collator, or a data step before it moves the batch) and carried as
-host data that no device transfer touches:
-
-* a Python ``int``, the micro-batch's total: what a loss receives, and what
-  ``torch.compile`` handles best (a tensor of counts on the host works too);
-* a tuple of per-sample ``int`` counts, for a batch that is cut into micro-batches after it
-  was moved (:class:`bert_reduce.lightning.ExactMLMModule` sums each micro-batch's share).
-
-Lightning's and NeMo's ``move_data_to_device``, Hugging Face's ``Trainer._prepare_inputs``
-and a loop of ``.to(device)`` over tensors leave both alone. Which rows count as scored is
-the loss's own rule: ``loss_mask != 0`` where the batch has a ``loss_mask`` (BioNeMo's, NeMo's
-and this library's collators), else ``labels != ignore_index`` (Hugging Face's
-``DataCollatorForLanguageModeling``). A count above the true one only costs unscored rows of
-work; one below makes the loss NaN (checked on the device), never silently wrong.
+Given ``num_scored``, the masked-only kernels compute exactly that many rows with no device
+sync (``docs/fast_path.md``), so the count is made while the mask is still on the host (the
+collator, or a data step before the batch moves) and carried as host data that no device
+transfer touches (Lightning's and NeMo's ``move_data_to_device``, Hugging Face's
+``_prepare_inputs`` and ``.to(device)`` loops leave it alone): a Python ``int`` (what
+``torch.compile`` handles best), or a tuple of per-sample ``int`` counts for a batch cut into
+micro-batches after it moved. Scored is the loss's own rule: ``loss_mask != 0``, else
+``labels != ignore_index``. A count above the true one costs unscored rows of work; one
+below makes the loss NaN (checked on the device), never silently wrong.
 """
 
 from __future__ import annotations
@@ -70,34 +61,15 @@ def scored_count(num_scored: NumScored) -> int:
     return count
 
 
-def _scored_positions(batch: Mapping[str, Any], ignore_index: int) -> Tensor:
-    """The ``[b, ...]`` bool of the positions the loss scores (see the module docstring)."""
-    mask = batch.get("loss_mask")
-    if mask is None:
-        labels = batch.get("labels")
-        if labels is None:
-            raise KeyError(
-                f"Counting scored positions needs batch['loss_mask'] or batch['labels']; the "
-                f"batch has {sorted(batch)}."
-            )
-        name, scored = "labels", labels
-    else:
-        name, scored = "loss_mask", mask
-    if not isinstance(scored, Tensor) or scored.dim() < 1:
-        raise ValueError(f"batch[{name!r}] must be a [b, s] tensor to count its scored positions.")
-    if scored.device.type != "cpu":
-        raise ValueError(
-            f"batch[{name!r}] is on {scored.device}: reading it to count would synchronize with "
-            "the device. Count where the batch is still on the host (NumScoredCollator in the "
-            "data loader, or a data step before it moves the batch)."
-        )
-    return scored != ignore_index if mask is None else scored != 0
-
-
 def count_scored(
     batch: Mapping[str, Any], *, ignore_index: int = -100, per_sample: bool = False
 ) -> int | tuple[int, ...]:
     """The number of positions a host batch scores, as Python ints.
+
+    Example:
+        >>> import torch
+        >>> count_scored({"labels": torch.tensor([[5, -100, 7], [-100, -100, 2]])})
+        3
 
     Args:
         batch: A collated batch on the CPU: ``loss_mask`` (``[b, s]``, non-zero where scored),
@@ -113,7 +85,23 @@ def count_scored(
         ValueError: If that tensor is not on the CPU (counting would be a device sync) or is
             0-dim.
     """
-    scored = _scored_positions(batch, ignore_index)
+    mask = batch.get("loss_mask")
+    name = "labels" if mask is None else "loss_mask"
+    if name not in batch:
+        raise KeyError(
+            f"Counting scored positions needs batch['loss_mask'] or batch['labels']; the "
+            f"batch has {sorted(batch)}."
+        )
+    scored = batch[name]
+    if not isinstance(scored, Tensor) or scored.dim() < 1:
+        raise ValueError(f"batch[{name!r}] must be a [b, s] tensor to count its scored positions.")
+    if scored.device.type != "cpu":
+        raise ValueError(
+            f"batch[{name!r}] is on {scored.device}: reading it to count would synchronize with "
+            "the device. Count where the batch is still on the host (NumScoredCollator in the "
+            "data loader, or a data step before it moves the batch)."
+        )
+    scored = scored != ignore_index if mask is None else scored != 0
     if not per_sample:
         return int(scored.count_nonzero())
     # Host memory: tolist() reads it without involving any device.
@@ -125,10 +113,8 @@ class NumScoredCollator:
 
     Wraps a ``collate_fn`` (BioNeMo's ``bert_padding_collate_fn``, Hugging Face's
     ``DataCollatorForLanguageModeling``, ``torch.utils.data.default_collate``, ...) and adds
-    ``batch["num_scored"]`` as :func:`count_scored` makes it. It runs in the data loader's
-    workers, on the CPU, so the count costs the training step nothing::
-
-        loader = DataLoader(dataset, batch_size=8, collate_fn=NumScoredCollator(collate))
+    ``batch["num_scored"]`` as :func:`count_scored` makes it, in the data loader's workers,
+    on the CPU: the count costs the training step nothing.
 
     Args:
         collate_fn: Turns a list of samples into a mapping with ``loss_mask`` or ``labels``.
@@ -137,6 +123,13 @@ class NumScoredCollator:
         per_sample: Add per-sample counts (a tuple of ints) instead of the total: for a loader
             whose batches are cut into micro-batches after they are moved
             (:class:`bert_reduce.lightning.ExactMLMModule`).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import default_collate
+        >>> samples = [{"labels": torch.tensor([5, -100])}, {"labels": torch.tensor([7, 8])}]
+        >>> NumScoredCollator(default_collate)(samples)["num_scored"]
+        3
     """
 
     def __init__(

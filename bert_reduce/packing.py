@@ -1,20 +1,8 @@
 """Packed sequences (THD): a ``[b, s]`` BERT batch as one ``[1, T]`` row with ``cu_seqlens``.
 
-Packing drops every padding token of the ``[b, s]`` batch, so padding can never be scored.
-When sequences are padded to a multiple of ``2 * cp_size`` for load-balanced context
-parallelism (as Transformer Engine's THD attention requires), the packed row holds each
-sequence followed by its own padding: ``cu_seqlens`` gives the real boundaries (what attention
-uses), ``cu_seqlens_padded`` the padded ones (where each sequence starts in the row).
-
-Context parallelism then splits every padded sequence by the one CP rule of
-:mod:`bert_reduce.context_parallel`; ``cu_seqlens`` stay global on every rank.
-
-Packing reads the lengths on the host: it belongs to the data pipeline, not the step.
-
-Which tokens form a sequence (for the per-sequence and constant normalizations) is read from a
-batch by :func:`batch_sequence_normalizers`, the one lookup every loss path uses. It knows
-this library's key names (``cu_seqlens``, ``cu_seqlens_padded``) and Hugging Face's
-(``DataCollatorWithFlattening``: ``cu_seq_lens_q``, ``cu_seq_lens_q_padded``, ``position_ids``).
+Packing, its padded boundaries for context parallelism and the data-pipeline place it
+belongs to: ``docs/packing.md``. :func:`batch_sequence_normalizers` is the one lookup of
+where a batch's sequences start, for every loss path.
 """
 
 from __future__ import annotations
@@ -43,13 +31,12 @@ SEQUENCE_BOUNDARY_KEYS = (
     "cu_seqlens",
     "cu_seq_lens_q",
 )
-"""Keys of ``[n + 1]`` sequence boundaries within a packed ``[1, T]`` row, in the order they are
-looked up: padded boundaries (where each sequence starts in the row) before real ones. The
-``cu_seq_lens_q*`` names are Hugging Face's (``DataCollatorWithFlattening``, flash attention)."""
+"""Keys of a packed ``[1, T]`` row's ``[n + 1]`` sequence boundaries, looked up in this order:
+padded before real ones; ``cu_seq_lens_q*`` are Hugging Face's names."""
 
+# Key prefixes of a packed batch (Hugging Face's, Transformer Engine's) that say nothing this
+# library can read about where its sequences start.
 _PACKING_HINT_PREFIXES = ("cu_seq", "max_length_", "max_seqlen", "seq_idx")
-"""Key prefixes of a packed batch (Hugging Face's, Transformer Engine's) that say nothing
-this library can read about where its sequences start."""
 
 _PAD_VALUES: dict[str, int | float] = {"labels": -100}
 
@@ -71,16 +58,11 @@ def _lengths_from_attention_mask(attention_mask: Tensor) -> Tensor:
     return lengths
 
 
-def _packing_indices(
-    lengths: Sequence[int], pad_to_multiple_of: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    padded = [-(-n // pad_to_multiple_of) * pad_to_multiple_of for n in lengths]
-    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-    cu_seqlens_padded = torch.tensor([0, *padded], dtype=torch.int64).cumsum(0)
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    cols = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0)
-    dest = cu_seqlens_padded[rows] + cols
-    return rows, cols.long(), dest, torch.stack([cu_seqlens, cu_seqlens_padded])
+def _token_indices(lengths: Sequence[int], starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(row, col, position)`` of every real token: ``position = starts[row] + col``."""
+    rows = torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths, dtype=torch.long))
+    cols = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0).long()
+    return rows, cols, starts.long().cpu()[rows] + cols
 
 
 def pack_batch(
@@ -95,8 +77,7 @@ def pack_batch(
     Every tensor whose first two dims are ``[b, s]`` is packed (sequence ``i`` keeps its
     first ``lengths[i]`` tokens); other values pass through, except ``attention_mask``, which
     ``cu_seqlens`` replace. With a ``loss_mask``, the result also holds ``sequence_weight``
-    and ``sequence_start`` (see :func:`bert_reduce.normalization.sequence_normalizers`) so that the
-    per-sequence and constant normalizations stay exact after context-parallel slicing.
+    and ``sequence_start`` (:func:`bert_reduce.normalization.sequence_normalizers`).
 
     Args:
         batch: e.g. ``input_ids``, ``labels`` and ``loss_mask`` of shape ``[b, s]``.
@@ -116,6 +97,12 @@ def pack_batch(
             outside ``[1, s]``, a non right-padded ``attention_mask``, no lengths at all, or
             ``pad_to_multiple_of < 1``.
         TypeError: On lengths that are not integers (floats are not truncated).
+
+    Example:
+        >>> batch = {"labels": torch.tensor([[5, 6, -100], [7, -100, -100]])}
+        >>> packed = pack_batch(batch, [2, 1])
+        >>> packed["labels"], packed["cu_seqlens"]
+        (tensor([[5, 6, 7]]), tensor([0, 2, 3], dtype=torch.int32))
     """
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}.")
@@ -158,9 +145,11 @@ def pack_batch(
             f"lengths must be {batch_size} values in [1, {seq_len}] for a [b, s] = "
             f"{[batch_size, seq_len]} batch, got {lengths_list}."
         )
-    rows, cols, dest, boundaries = _packing_indices(lengths_list, pad_to_multiple_of)
-    rows, cols, dest = rows.to(device), cols.to(device), dest.to(device)
-    total = int(boundaries[1, -1])
+    padded = [-(-n // pad_to_multiple_of) * pad_to_multiple_of for n in lengths_list]
+    cu_seqlens = torch.tensor([0, *lengths_list]).cumsum(0)
+    cu_seqlens_padded = torch.tensor([0, *padded]).cumsum(0)
+    rows, cols, dest = (t.to(device) for t in _token_indices(lengths_list, cu_seqlens_padded))
+    total = int(cu_seqlens_padded[-1])
     fill = {**_PAD_VALUES, **(pad_values or {})}
 
     packed: dict[str, Any] = {}
@@ -172,9 +161,9 @@ def pack_batch(
             out[dest] = value[rows, cols]
             value = out.unsqueeze(0)
         packed[key] = value
-    packed["cu_seqlens"] = boundaries[0].to(device=device, dtype=torch.int32)
-    packed["cu_seqlens_padded"] = boundaries[1].to(device=device, dtype=torch.int32)
-    packed["max_seqlen"] = int(boundaries[1].diff().max())
+    packed["cu_seqlens"] = cu_seqlens.to(device=device, dtype=torch.int32)
+    packed["cu_seqlens_padded"] = cu_seqlens_padded.to(device=device, dtype=torch.int32)
+    packed["max_seqlen"] = max(padded)
     if "loss_mask" in packed:
         weight, start = sequence_normalizers(packed["loss_mask"], packed["cu_seqlens_padded"])
         packed["sequence_weight"], packed["sequence_start"] = weight, start
@@ -193,8 +182,7 @@ def unpack_sequences(
     """Scatter a packed tensor back to one row per sequence; differentiable.
 
     Args:
-        packed: ``[1, T, ...]`` (``seq_dim=1``, e.g. labels) or ``[T, 1, ...]``
-            (``seq_dim=0``, e.g. ``[s, b, v]``-style logits).
+        packed: ``[1, T, ...]`` (``seq_dim=1``) or ``[T, 1, ...]`` (``seq_dim=0``, logits).
         cu_seqlens: ``[n + 1]`` real boundaries.
         seq_len: ``s`` of the result (at least the longest sequence).
         cu_seqlens_padded: ``[n + 1]`` padded boundaries, when sequences were padded.
@@ -229,32 +217,21 @@ def unpack_sequences(
     lengths = [int(n) for n in cu_seqlens.diff()]
     if any(n > seq_len for n in lengths):
         raise ValueError(f"A sequence of length {max(lengths)} does not fit seq_len={seq_len}.")
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    cols = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0).long()
-    starts = (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded).long().cpu()
-    dest = (starts[rows] + cols).to(flat.device)
+    rows, cols, dest = (t.to(flat.device) for t in _token_indices(lengths, boundaries))
     out = flat.new_full((len(lengths), seq_len, *flat.shape[1:]), pad_value)
-    out = out.index_put((rows.to(flat.device), cols.to(flat.device)), flat[dest])
+    out = out.index_put((rows, cols), flat[dest])
     return out.transpose(0, 1) if seq_dim == 0 else out
 
 
 def position_sequence_normalizers(loss_mask: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`~bert_reduce.normalization.sequence_normalizers` of rows whose positions restart.
 
-    Hugging Face's ``DataCollatorWithFlattening`` packs sequences into one ``[1, T]`` row and
-    marks where each starts by restarting ``position_ids`` at 0. A sequence starts at every 0
-    and at the first token of every row. No host sync.
-
-    Args:
-        loss_mask: ``[b, s]`` bool, integer or float weights.
-        position_ids: ``[b, s]`` position of each token within its sequence.
-
-    Returns:
-        ``(sequence_weight, sequence_start)``, as
-        :func:`~bert_reduce.normalization.sequence_normalizers` returns them.
+    A sequence starts at every ``position_ids == 0`` (how Hugging Face's
+    ``DataCollatorWithFlattening`` marks them) and at the first token of every row. No host
+    sync.
 
     Raises:
-        ValueError: If the two shapes differ or are not ``[b, s]``.
+        ValueError: If ``loss_mask`` and ``position_ids`` are not of one ``[b, s]`` shape.
     """
     if loss_mask.dim() != 2 or position_ids.shape != loss_mask.shape:
         raise ValueError(
@@ -276,32 +253,25 @@ def batch_sequence_normalizers(
 ) -> dict[str, Tensor]:
     """``sequence_weight`` and ``sequence_start`` of a batch, from what it says about sequences.
 
-    The one lookup behind the per-sequence and constant normalizations of every loss path
-    (:class:`bert_reduce.BERTMLMLossWithReduction`, :class:`bert_reduce.GlobalBatchLoss`), in
-    this order:
-
-    1. ``batch["sequence_weight"]`` and ``batch["sequence_start"]``, as given (computed on the
-       unsliced batch; the only way under context parallelism);
-    2. the first of :data:`SEQUENCE_BOUNDARY_KEYS` the batch holds, for a packed ``[1, T]``
-       row (:func:`~bert_reduce.normalization.sequence_normalizers`);
-    3. ``batch["position_ids"]`` of a ``[1, T]`` row (:func:`position_sequence_normalizers`);
-    4. otherwise each ``[b, s]`` row is one sequence: an empty dict.
+    The one lookup of every loss path's per-sequence and constant modes, in this order:
+    ``batch["sequence_weight"]`` and ``batch["sequence_start"]`` as given (the only way under
+    context parallelism); the first of :data:`SEQUENCE_BOUNDARY_KEYS` the batch holds; the
+    ``position_ids`` of a ``[1, T]`` row (:func:`position_sequence_normalizers`); else each
+    row is one sequence (``{}``).
 
     Args:
         batch: The micro-batch (or this rank's shard of it).
         loss_mask: Its ``[b, s]`` loss mask (bool, integer or float weights).
-        context_parallel_size: How many shards each sequence is split into; above 1, only
-            step 1 is valid (a shard never sees whole sequences).
+        context_parallel_size: How many shards each sequence is split into.
 
     Returns:
-        ``{"sequence_weight": ..., "sequence_start": ...}`` (``[b, s]`` each), or ``{}`` when
-        each row is one sequence.
+        ``{"sequence_weight": ..., "sequence_start": ...}`` (``[b, s]`` each), or ``{}``.
 
     Raises:
         KeyError: If only one of ``sequence_weight`` and ``sequence_start`` is present.
         ValueError: Under context parallelism without both; or for a ``[1, T]`` row that
-            looks packed (a key such as ``cu_seq_lens_k`` or ``max_length_q``) but holds none
-            of the boundary keys above, whose sequences would otherwise silently count as one.
+            looks packed (``cu_seq_lens_k``, ``max_length_q``, ...) but holds no boundary key,
+            whose sequences would otherwise silently count as one.
     """
     if "sequence_weight" in batch or "sequence_start" in batch:
         if "sequence_weight" not in batch or "sequence_start" not in batch:

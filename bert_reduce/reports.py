@@ -1,17 +1,11 @@
 """The report format: what one micro-batch hands to the reduction, defined once.
 
-Every producer (the Megatron / NeMo 2 loss reduction, the PyTorch-loop loss, the Lightning
-module) reports one micro-batch as a ``[2]`` fp64 tensor ``(loss_sum, denominator)`` under
-:data:`REPORT_KEY`; every consumer (``reduce``, perplexity, the validation callback) adds such
-reports up with :func:`sum_reports` and divides once:
-
-    loss = sum_over_micro_batches_and_ranks(loss_sum) / sum_over_...(denominator)
-
-fp64 holds integer token counts exactly up to 2**53, and fractional weight sums as they are.
-NeMo 2's and BioNeMo's last NeMo 2 releases name the same pair :data:`NEMO_REPORT_KEY`
-(``loss_sum_and_ub_size``); it is read as an alias. Their validation reports with
-``val_drop_last=False`` are already summed over data-parallel ranks, which scales sum and
-denominator alike and so leaves every ratio (loss, perplexity) unchanged.
+Every producer reports a micro-batch as a ``[2]`` fp64 ``(loss_sum, denominator)`` under
+:data:`REPORT_KEY` (fp64: counts exact to 2**53); every consumer adds reports up with
+:func:`sum_reports` and divides once (``docs/guarantees.md``). NeMo 2's and BioNeMo's key,
+:data:`NEMO_REPORT_KEY`, is read as an alias; their validation reports with
+``val_drop_last=False``, already summed over data-parallel ranks, scale sum and denominator
+alike and so leave every ratio unchanged.
 """
 
 from __future__ import annotations
@@ -49,9 +43,7 @@ class PerTokenLossDict(TypedDict):
     """What one micro-batch reports on one rank, before any reduction.
 
     Attributes:
-        loss_sum_and_microbatch_size: ``[2]`` fp64 tensor ``(loss_sum, denominator)``,
-            detached; the denominator is :func:`bert_reduce.functional.token_denominator` (or
-            the normalization mode's).
+        loss_sum_and_microbatch_size: ``[2]`` fp64 detached ``(loss_sum, denominator)``.
     """
 
     loss_sum_and_microbatch_size: Tensor
@@ -73,11 +65,10 @@ class DataParallelGroupLossAndIO(PerTokenLossDict):
 
 
 class SameSizeLossDict(TypedDict):
-    """A legacy report: a micro-batch mean already averaged over data-parallel ranks.
+    """A legacy report of BioNeMo's and NeMo's older reductions: a mean, without denominator.
 
-    BioNeMo's and NeMo's older reductions emit it. It has lost its denominator, so it can only
-    be averaged as NeMo does (a plain mean over micro-batches, exact only when every
-    micro-batch holds the same number of tokens); bert_reduce never produces one.
+    It is averaged as NeMo does (exact only for equal token counts); bert_reduce never
+    produces one.
 
     Attributes:
         avg: ``[1]`` or 0-dim loss.
@@ -92,12 +83,9 @@ LossReport = PerTokenLossDict | DataParallelGroupLossAndIO | SameSizeLossDict
 def make_report(loss_sum: Tensor, denominator: Tensor) -> Tensor:
     """The detached ``[2]`` fp64 ``(loss_sum, denominator)`` of a report; no host sync.
 
-    Args:
-        loss_sum: 0-dim numerator (may carry a graph; it is detached).
-        denominator: 0-dim denominator, integer or float.
-
-    Returns:
-        A ``[2]`` fp64 tensor on ``loss_sum``'s device.
+    Example:
+        >>> make_report(torch.tensor(2.5, requires_grad=True), torch.tensor(3))
+        tensor([2.5000, 3.0000], dtype=torch.float64)
     """
     return torch.stack([loss_sum.detach().to(torch.float64), denominator.to(torch.float64)])
 
@@ -169,12 +157,9 @@ def reduce_reports(
 ) -> Tensor:
     """The exact mean loss of the global batch, from this rank's reports: one all-reduce.
 
-    Sums the reports locally, then over ``group`` in one all-reduce, then divides once:
-
-        loss = global_loss_sum / global_denominator   (0.0 when global_denominator == 0)
-
-    Legacy :class:`SameSizeLossDict` reports (all of them ``avg``) are averaged as NeMo does,
-    without a collective.
+    ``global_loss_sum / global_denominator`` (0.0 when that is 0): the local sums, one
+    all-reduce over ``group``, one division. Legacy :class:`SameSizeLossDict` reports (all of
+    them ``avg``) are averaged as NeMo does, without a collective.
 
     Args:
         reports: One report per micro-batch of this rank's step; may be empty (a non-last

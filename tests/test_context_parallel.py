@@ -18,13 +18,28 @@ from bert_reduce.packing import pack_batch
 from tests.helpers.sync_guard import forbid_host_syncs
 
 
-def test_context_parallel_indices_are_load_balanced_and_cover_sequence() -> None:
-    # cp=2, s=8: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
-    assert context_parallel_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
-    assert context_parallel_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
-    for cp in (1, 2, 4):
-        seen = torch.cat([context_parallel_indices(24, cp, r) for r in range(cp)])
-        assert sorted(seen.tolist()) == list(range(24))
+def loop_partition(cu_seqlens_padded: list[int], cp_size: int, cp_rank: int) -> list[int]:
+    """Transformer Engine's THD partitioning, written as a plain loop."""
+    out = []
+    for start, end in itertools.pairwise(cu_seqlens_padded):
+        chunk = (end - start) // (2 * cp_size)
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            out.extend(range(start + c * chunk, start + (c + 1) * chunk))
+    return out
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_cp_indices_match_the_loop_and_cover_each_position_once(cp_size) -> None:
+    bounds = torch.tensor([0, 8, 16, 24, 56, 64])
+    seen = []
+    for cp_rank in range(cp_size):
+        with forbid_host_syncs():
+            index = packed_context_parallel_indices(bounds, 64, cp_size, cp_rank)
+            padded = context_parallel_indices(24, cp_size, cp_rank)  # one sequence per row
+        assert index.tolist() == loop_partition(bounds.tolist(), cp_size, cp_rank)
+        assert padded.tolist() == loop_partition([0, 24], cp_size, cp_rank)
+        seen += index.tolist()
+    assert sorted(seen) == list(range(64))
 
 
 def test_context_parallel_slicer_errors() -> None:
@@ -38,28 +53,6 @@ def test_context_parallel_slicer_errors() -> None:
     sliced = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=1)
     assert sliced["labels"].shape == (2, 4) and sliced["meta"] == "kept"
     assert batch["labels"].shape == (2, 8)
-
-
-def loop_partition(cu_seqlens_padded: list[int], cp_size: int, cp_rank: int) -> list[int]:
-    """Transformer Engine's THD partitioning, written as a plain loop."""
-    out = []
-    for start, end in itertools.pairwise(cu_seqlens_padded):
-        chunk = (end - start) // (2 * cp_size)
-        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            out.extend(range(start + c * chunk, start + (c + 1) * chunk))
-    return out
-
-
-@pytest.mark.parametrize("cp_size", [1, 2, 4])
-def test_packed_cp_indices_match_loop_and_cover_each_position_once(cp_size) -> None:
-    bounds = torch.tensor([0, 8, 16, 24, 56, 64])
-    seen = []
-    for cp_rank in range(cp_size):
-        with forbid_host_syncs():
-            index = packed_context_parallel_indices(bounds, 64, cp_size, cp_rank)
-        assert index.tolist() == loop_partition(bounds.tolist(), cp_size, cp_rank)
-        seen += index.tolist()
-    assert sorted(seen) == list(range(64))
 
 
 def test_the_recipe_collators_output_is_sliced_and_recounted_per_shard() -> None:

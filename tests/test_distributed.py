@@ -52,27 +52,20 @@ def assert_sum_is_a_no_op(group: dist.ProcessGroup | None) -> None:
     assert not calls, dict(calls)
 
 
-def test_one_process_without_any_group_reduces_nothing() -> None:
+@pytest.mark.parametrize("megatron", ["absent", "imported, not initialized"])
+def test_one_process_without_any_group_reduces_nothing(megatron, monkeypatch) -> None:
+    if megatron == "absent":
+        # The module looks Megatron up in sys.modules: without it there, nothing imports it.
+        monkeypatch.delitem(sys.modules, _PARALLEL_STATE, raising=False)
+    else:
+        from megatron.core import parallel_state
+
+        assert not parallel_state.model_parallel_is_initialized()
     assert not dist.is_initialized()
     assert_single_process_layout()
     assert distributed.loss_reduction_group() is None
     assert_sum_is_a_no_op(None)
-
-
-def test_megatron_imported_but_not_initialized_is_not_used() -> None:
-    from megatron.core import parallel_state
-
-    assert not parallel_state.model_parallel_is_initialized()
-    assert_single_process_layout()
-    assert distributed.loss_reduction_group() is None
-
-
-def test_megatron_is_never_imported(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The module looks Megatron up in sys.modules: without it there, nothing imports it.
-    monkeypatch.delitem(sys.modules, _PARALLEL_STATE, raising=False)
-    assert_single_process_layout()
-    assert distributed.loss_reduction_group() is None
-    assert _PARALLEL_STATE not in sys.modules
+    assert (_PARALLEL_STATE in sys.modules) == (megatron != "absent")
 
 
 def test_default_process_group_without_megatron(gloo_world_of_one: None) -> None:
@@ -91,8 +84,10 @@ def test_megatron_parallel_state_gives_its_groups() -> None:
         assert distributed.megatron_is_initialized()
         assert distributed.tensor_parallel_group() is ps.get_tensor_model_parallel_group()
         assert distributed.tensor_parallel_world_size() == 1
-        assert distributed.context_parallel_world_size() == 1
-        assert distributed.context_parallel_rank() == 0
+        assert (distributed.context_parallel_world_size(), distributed.context_parallel_rank()) == (
+            1,
+            0,
+        )
         group = distributed.loss_reduction_group()
         # Megatron's data x context parallel group, not the default group it was built from.
         assert group is ps.get_data_parallel_group(with_context_parallel=True)
@@ -103,15 +98,11 @@ def test_megatron_parallel_state_gives_its_groups() -> None:
     assert distributed.loss_reduction_group() is None
 
 
-def test_default_device_is_cpu_without_an_accelerator() -> None:
-    if torch.accelerator.current_accelerator() is not None:
-        pytest.skip("an accelerator is present: see the test below")
+def test_default_device_is_the_current_accelerator_else_the_cpu(monkeypatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
     assert distributed.default_device() == torch.device("cpu")
-
-
-def test_default_device_is_the_current_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
-    # torch's accelerator queries answered as on a machine whose current device is cuda:1: the
-    # device keeps the index (a tensor made on cuda:0 would belong to another rank's GPU).
+    # As on a machine whose current device is cuda:1: the device keeps the index (a tensor
+    # made on cuda:0 would belong to another rank's GPU).
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
     assert distributed.default_device() == torch.device("cuda", 1)

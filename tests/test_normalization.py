@@ -24,8 +24,6 @@ from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
 from tests.helpers.reference import make_mlm_batch
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
-SPLITS = [[8], [1, 3, 2, 2], [5, 1, 1, 1], [1] * 8]
-
 
 def float_weights(mask: torch.Tensor, seed: int = 1, dyadic: bool = False) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
@@ -41,22 +39,8 @@ def mode_kwargs(mode: str) -> dict:
     return _mode_kwargs(mode, 10)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("sizes", SPLITS)
-def test_every_mode_is_exact_under_any_micro_batch_split(mode, weighted, sizes) -> None:
-    logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.3)
-    loss_mask = float_weights(mask) if weighted else mask
-    kwargs = mode_kwargs(mode)
-    loss, grad = run_mode_microbatches(
-        logits, labels, loss_mask, sizes, normalization=mode, **kwargs
-    )
-    ref_loss, ref_grad = reference_mode_loss_and_grad(logits, labels, loss_mask, mode, **kwargs)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-11, atol=1e-15)
-
-
-def test_modes_differ_so_the_tests_above_can_fail() -> None:
+def test_modes_differ_so_the_split_tests_can_fail() -> None:
+    # Every mode under any split: tests/integration/test_properties.py, against these values.
     logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.3)
     values = [
         reference_mode_loss(logits, labels, mask, mode, **mode_kwargs(mode)) for mode in MODES
@@ -64,19 +48,6 @@ def test_modes_differ_so_the_tests_above_can_fail() -> None:
     assert len({round(float(v), 6) for v in values}) == 3
     weighted = reference_mode_loss(logits, labels, float_weights(mask), "per_token")
     assert not torch.isclose(weighted, values[0])
-
-
-def test_per_token_counts_are_exact_int64_and_weights_sum_in_fp64() -> None:
-    per_token = torch.rand(2, 5, dtype=torch.float64)
-    mask = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 1]])
-    for m in (mask, mask.bool()):
-        numerator, denominator = token_loss_sum(per_token, m)
-        assert denominator.dtype == torch.int64 and int(denominator) == 4
-        torch.testing.assert_close(numerator, (per_token * mask).sum(), rtol=1e-15, atol=0)
-    weights = mask * 0.3
-    _, denominator = token_loss_sum(per_token, weights)
-    assert denominator.dtype == torch.float64
-    torch.testing.assert_close(denominator, weights.double().sum(), rtol=0, atol=0)
 
 
 def test_per_sequence_worked_example() -> None:
@@ -98,15 +69,9 @@ def test_constant_worked_example_and_validation() -> None:
     )
     assert int(denominator) == 16
     torch.testing.assert_close(numerator, torch.tensor(7.0, dtype=torch.float64))
+    # The options' own checks (mode names, constant_per_sequence): tests/test_engine.py.
     with pytest.raises(ValueError, match="constant_per_sequence"):
         token_loss_sum(per_token, mask, "constant")
-    with pytest.raises(ValueError, match="constant_per_sequence"):
-        BERTMLMLossWithReduction(normalization="constant")
-    with pytest.raises(
-        ValueError,
-        match="'per_batch' is not a normalization; choose one of 'per_token', 'per_sequence'",
-    ):
-        token_loss_sum(per_token, mask, "per_batch")
     with pytest.raises(ValueError, match=r"sequence_weight of shape \(2, 1\)"):
         token_loss_sum(
             per_token,
@@ -119,44 +84,28 @@ def test_constant_worked_example_and_validation() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_context_parallel_shards_with_sequence_normalizers_are_exact(mode) -> None:
-    # Simulated CP=2 in one process (real-process CP runs in test_packing): every shard of
-    # every row contributes its (numerator, denominator); the sums must give the full value.
+    # Simulated CP = 2: the shards' summed (numerator, denominator) give the full value, with
+    # the unsliced batch's sequence normalizers; in per_sequence mode, not without them.
     logits, labels, mask = make_mlm_batch(4, 12, 7, empty_rows=(2,), mask_prob=0.3)
     loss_mask = float_weights(mask)
     weight, start = sequence_normalizers(loss_mask)
-    batch = {
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "sequence_weight": weight,
-        "sequence_start": start,
-        "token_logits": logits.transpose(0, 1),
-    }
-    num = den = 0
-    for cp_rank in range(2):
-        shard = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=cp_rank)
-        per_token = unreduced_token_loss_fn(shard["token_logits"].transpose(0, 1), shard["labels"])
-        n, d = token_loss_sum(
-            per_token,
-            shard["loss_mask"],
-            mode,
-            sequence_weight=shard["sequence_weight"],
-            sequence_start=shard["sequence_start"],
-            **mode_kwargs(mode),
-        )
-        num, den = num + n, den + d
-    expected = reference_mode_loss(logits, labels, loss_mask, mode, **mode_kwargs(mode))
-    torch.testing.assert_close(num / den, expected, rtol=1e-12, atol=0)
-    if mode == "per_sequence":
-        # Guards against a vacuous test: shards that only see their own tokens get it wrong.
-        local_num = local_den = 0
+    batch = {"labels": labels, "loss_mask": loss_mask, "token_logits": logits.transpose(0, 1)}
+    normalizers = {"sequence_weight": weight, "sequence_start": start}
+
+    def cp2_value(extra: dict) -> torch.Tensor:
+        num = den = 0
         for cp_rank in range(2):
-            shard = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=cp_rank)
-            per_token = unreduced_token_loss_fn(
-                shard["token_logits"].transpose(0, 1), shard["labels"]
-            )
-            n, d = token_loss_sum(per_token, shard["loss_mask"], mode)
-            local_num, local_den = local_num + n, local_den + d
-        assert not torch.isclose(local_num / local_den, expected)
+            shard = get_batch_on_this_cp_rank({**batch, **extra}, cp_size=2, cp_rank=cp_rank)
+            logits_sbv = shard.pop("token_logits").transpose(0, 1)
+            per_token = unreduced_token_loss_fn(logits_sbv, shard.pop("labels"))
+            n, d = token_loss_sum(per_token, normalization=mode, **shard, **mode_kwargs(mode))
+            num, den = num + n, den + d
+        return num / den
+
+    expected = reference_mode_loss(logits, labels, loss_mask, mode, **mode_kwargs(mode))
+    torch.testing.assert_close(cp2_value(normalizers), expected, rtol=1e-12, atol=0)
+    if mode == "per_sequence":
+        assert not torch.isclose(cp2_value({}), expected)
 
 
 def test_sequence_normalizers_from_cu_seqlens() -> None:

@@ -36,6 +36,10 @@ def bionemo_layout_batch() -> dict[str, torch.Tensor]:
     }
 
 
+def bionemo_samples() -> list[dict[str, torch.Tensor]]:
+    return [{k: v[i] for k, v in bionemo_layout_batch().items()} for i in range(3)]
+
+
 def hf_tokenizer(tmp_path):
     """A real ``EsmTokenizer`` over the ESM alphabet, from a local vocabulary file."""
     from transformers import EsmTokenizer
@@ -65,19 +69,14 @@ def test_hugging_face_collator_counts_its_labels(tmp_path) -> None:
 
 
 def test_bionemo_layout_counts_the_loss_mask_not_the_labels() -> None:
-    samples = [{k: v[i] for k, v in bionemo_layout_batch().items()} for i in range(3)]
-    batch = NumScoredCollator(default_collate)(samples)
+    batch = NumScoredCollator(default_collate)(bionemo_samples())
     assert batch["num_scored"] == int(batch["loss_mask"].sum())
     assert batch["num_scored"] < int((batch["labels"] != -100).sum())
 
 
 def test_counts_survive_every_device_transfer_and_reach_the_loss_exactly() -> None:
-    batch = NumScoredCollator(default_collate)(
-        [{k: v[i] for k, v in bionemo_layout_batch().items()} for i in range(3)]
-    )
-    per_sample = NumScoredCollator(default_collate, per_sample=True)(
-        [{k: v[i] for k, v in bionemo_layout_batch().items()} for i in range(3)]
-    )
+    batch = NumScoredCollator(default_collate)(bionemo_samples())
+    per_sample = NumScoredCollator(default_collate, per_sample=True)(bionemo_samples())
     # Lightning's and NeMo's transfer (move_data_to_device), and a loop moving tensors only.
     for moved in (
         move_data_to_device(batch, DEVICE),

@@ -30,6 +30,12 @@ def mode_kwargs(mode: str) -> dict:
     return _mode_kwargs(mode, SEQ_LEN)
 
 
+def unpack(tensor: torch.Tensor, packed: dict, **kwargs) -> torch.Tensor:
+    """``tensor`` of the packed batch back to ``[b, SEQ_LEN, ...]`` (or ``[SEQ_LEN, b, ...]``)."""
+    bounds = {"cu_seqlens_padded": packed["cu_seqlens_padded"]}
+    return unpack_sequences(tensor, packed["cu_seqlens"], SEQ_LEN, **bounds, **kwargs)
+
+
 @pytest.mark.parametrize("multiple", [1, 4])
 def test_pack_unpack_round_trip(multiple) -> None:
     logits, batch, real = ragged_padded_batch()
@@ -42,24 +48,12 @@ def test_pack_unpack_round_trip(multiple) -> None:
     assert packed["max_seqlen"] == max(padded)
     assert packed["labels"].shape == (1, sum(padded))
     for key, pad in (("input_ids", 0), ("labels", -100), ("loss_mask", False)):
-        unpacked = unpack_sequences(
-            packed[key],
-            packed["cu_seqlens"],
-            SEQ_LEN,
-            cu_seqlens_padded=packed["cu_seqlens_padded"],
-            pad_value=pad,
-        )
+        unpacked = unpack(packed[key], packed, pad_value=pad)
         assert torch.equal(unpacked, torch.where(real, batch[key], pad)), key
     packed_logits = pack_batch(
         {"logits": logits.transpose(0, 1)}, LENGTHS, pad_to_multiple_of=multiple
     )["logits"].transpose(0, 1)
-    unpacked = unpack_sequences(
-        packed_logits,
-        packed["cu_seqlens"],
-        SEQ_LEN,
-        cu_seqlens_padded=packed["cu_seqlens_padded"],
-        seq_dim=0,
-    )
+    unpacked = unpack(packed_logits, packed, seq_dim=0)
     assert torch.equal(unpacked, torch.where(real.T[..., None], logits, 0))
 
 
@@ -90,18 +84,14 @@ def test_packed_loss_and_grad_equal_unpacked_reference(mode, weighted, multiple)
     token_logits = packed["logits"].transpose(0, 1).detach().requires_grad_(True)
     loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
     # The packer's sequence_weight/sequence_start are dropped here, so that the loss derives
-    # them from cu_seqlens_padded itself (the CP tests below use the packer's).
-    loss_fn.setup({k: v for k, v in packed.items() if not k.startswith("sequence_")})
-    numerator, denominator, report = loss_fn({"token_logits": token_logits})
-    numerator.backward()
+    # them from cu_seqlens_padded itself, with no host sync (CP shards use the packer's:
+    # tests/integration/test_packing_cp.py, and simulated, test_properties.py).
+    with forbid_host_syncs():
+        loss_fn.setup({k: v for k, v in packed.items() if not k.startswith("sequence_")})
+        numerator, denominator, report = loss_fn({"token_logits": token_logits})
+        numerator.backward()
     torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-12, atol=0)
-    grad = unpack_sequences(
-        token_logits.grad / denominator,
-        packed["cu_seqlens"],
-        SEQ_LEN,
-        cu_seqlens_padded=packed["cu_seqlens_padded"],
-        seq_dim=0,
-    )
+    grad = unpack(token_logits.grad / denominator, packed, seq_dim=0)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-11, atol=1e-15)
     assert torch.equal(
         token_logits.grad[packed["padding"]], torch.zeros_like(token_logits.grad[packed["padding"]])
@@ -120,51 +110,3 @@ def test_packed_batch_without_cu_seqlens_would_be_wrong() -> None:
             logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode)
         )
         assert not torch.isclose(checked_reduce([report]), ref)
-
-
-def simulated_cp_loss_and_grad(packed: dict, mode: str, cp_size: int):
-    """Every CP rank's (numerator, denominator) and logits gradient, summed as Megatron does."""
-    token_logits = packed["logits"].transpose(0, 1).detach().requires_grad_(True)
-    numerator = denominator = 0
-    for cp_rank in range(cp_size):
-        shard = get_packed_batch_on_this_cp_rank(
-            {**packed, "logits": token_logits.transpose(0, 1)}, cp_size=cp_size, cp_rank=cp_rank
-        )
-        loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
-        loss_fn.setup(shard)
-        n, d, _ = loss_fn({"token_logits": shard["logits"].transpose(0, 1)})
-        n.backward()
-        numerator, denominator = numerator + n.detach(), denominator + d
-    return numerator / denominator, token_logits.grad / denominator
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_simulated_cp2_on_packed_batch_is_exact(mode) -> None:
-    logits, batch, _ = ragged_padded_batch(weighted=True)
-    ref_loss, ref_grad = reference_mode_loss_and_grad(
-        logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode)
-    )
-    packed = pack_with_logits(batch, logits, 4)
-    loss, grad = simulated_cp_loss_and_grad(packed, mode, cp_size=2)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
-    grad = unpack_sequences(
-        grad,
-        packed["cu_seqlens"],
-        SEQ_LEN,
-        cu_seqlens_padded=packed["cu_seqlens_padded"],
-        seq_dim=0,
-    )
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-11, atol=1e-15)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_loss_on_packed_batch_has_no_host_sync(mode) -> None:
-    logits, batch, _ = ragged_padded_batch(weighted=True)
-    packed = pack_with_logits(batch, logits, 4)
-    bare = {k: v for k, v in packed.items() if not k.startswith("sequence_")}
-    token_logits = packed["logits"].transpose(0, 1).requires_grad_(True)
-    with forbid_host_syncs():
-        loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
-        loss_fn.setup(bare)
-        numerator, _, _ = loss_fn({"token_logits": token_logits})
-        numerator.backward()

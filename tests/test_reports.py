@@ -46,11 +46,7 @@ def test_empty_and_legacy_reports() -> None:
 
 
 def test_malformed_reports_are_named() -> None:
-    good = {REPORT_KEY: torch.zeros(2)}
-    with pytest.raises(ValueError, match=r"Cannot reduce these reports: .* got keys"):
-        reduce_reports([good, {"avg": torch.tensor(1.0)}])
-    with pytest.raises(TypeError, match=r"report 1 must be a mapping .* got str"):
-        reduce_reports([good, "loss"])  # type: ignore[list-item]
+    # Mixed legacy reports, a string report, a [3] report: tests/integration/test_bad_inputs.py.
     with pytest.raises(TypeError, match=r"or a sequence of them, got str"):
         sum_reports("loss_sum_and_microbatch_size")  # type: ignore[arg-type]
     with pytest.raises(KeyError, match=r"report 0 has no .* \(a legacy mean"):

@@ -110,10 +110,6 @@ def recipe_checkpoint(path: Path, global_batch_size: int) -> Path:
     return path
 
 
-def second_run(tmp: Path) -> str:
-    return refused_untouched(tmp)
-
-
 def bad_resume(content: bytes | None) -> Callable[[Path], str]:
     """Resume into the run's own directory from a missing (``None``) or bad checkpoint."""
 
@@ -216,23 +212,18 @@ def narrow_labels(dtype: torch.dtype) -> Callable[[Path], str]:
     return probe
 
 
-def negative_weight(tmp: Path) -> str:
-    logits, labels = logits_labels()
-    weights = torch.ones(labels.shape, dtype=torch.float64)
-    weights[0, 1] = -1.0
-    loss_sum, _ = cross_entropy_loss_sum(logits, labels, weights)
-    assert math.isnan(loss_sum)
-    return "a NaN loss, as an out-of-vocabulary label (no host sync to check the sign)"
+def negative_weight(check_labels: bool) -> Callable[[Path], str]:
+    def probe(tmp: Path) -> str:
+        logits, labels = logits_labels()
+        weights = torch.ones(labels.shape, dtype=torch.float64)
+        weights[0, 1] = -1.0
+        loss_sum, _, _ = BERTMLMLossWithReduction(check_labels=check_labels).forward(
+            {"labels": labels, "loss_mask": weights}, {"token_logits": logits}
+        )
+        assert math.isnan(loss_sum)
+        return "a NaN loss, as an out-of-vocabulary label (no host sync to check the sign)"
 
-
-def negative_weight_checked(tmp: Path) -> str:
-    logits, labels = logits_labels()
-    weights = torch.ones(labels.shape, dtype=torch.float64)
-    weights[0, 1] = -1.0
-    BERTMLMLossWithReduction(check_labels=True).forward(
-        {"labels": labels, "loss_mask": weights}, {"token_logits": logits}
-    )
-    return "no error"
+    return probe
 
 
 def other_device(tmp: Path) -> str:
@@ -345,7 +336,7 @@ PROBES = [
     Probe(
         "`train.py`",
         "a new run into a directory that holds a run",
-        second_run,
+        refused_untouched,
         RunDirectoryError,
         "already holds a run.*Nothing was changed",
     ),
@@ -467,11 +458,11 @@ PROBES = [
         "int16 / uint8 labels",
         lambda t: (narrow_labels(torch.int16)(t), narrow_labels(torch.uint8)(t))[0],
     ),
-    Probe("library", "a negative weight in `loss_mask`", negative_weight),
+    Probe("library", "a negative weight in `loss_mask`", negative_weight(False)),
     Probe(
         "library",
         "a negative weight in `loss_mask`, `check_labels=True`",
-        negative_weight_checked,
+        negative_weight(True),
         ValueError,
         r"loss_mask holds 1 negative weight\(s\); first at \[b=0, s=1\]",
     ),

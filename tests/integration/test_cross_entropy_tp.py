@@ -20,12 +20,12 @@ from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 pytestmark = pytest.mark.slow
 
 
-def _tensor_parallel_body() -> None:
-    from megatron.core import parallel_state
-
+def _tensor_parallel_body(megatron: bool) -> None:
     from bert_reduce import BERTMLMLossWithReduction
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    # Megatron's tensor-parallel group, or (no Megatron) the group passed in.
+    tp_group = None if megatron else dist.group.WORLD
+    tp_rank = dist.get_rank()
     vocab, shard = 14, 7
     cols = slice(tp_rank * shard, (tp_rank + 1) * shard)
     logits, labels, mask = make_mlm_batch(3, 10, vocab, mask_prob=0.4, seed=3)
@@ -42,11 +42,14 @@ def _tensor_parallel_body() -> None:
                     capacity=capacity,
                     in_place=in_place,
                     chunk_elements=20,
+                    tp_group=tp_group,
                 )
             assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
             loss_sum.backward()
             torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
             torch.testing.assert_close(leaf.grad, ref_grad[..., cols], rtol=1e-12, atol=1e-15)
+    if not megatron:
+        return
 
     # Through the loss reduction: one collective in forward (the CE's; Megatron-Core's takes
     # three), none in reduce (DP x CP is a single rank here).
@@ -67,24 +70,6 @@ def _tensor_parallel_body() -> None:
     torch.testing.assert_close(grad, ref_sum_grad[..., cols], rtol=1e-12, atol=1e-15)
 
 
-def test_tensor_parallel_two_ranks_match_full_vocab_reference() -> None:
-    run_distributed(_tensor_parallel_body, 2, tp=2)
-
-
-def _explicit_group_body() -> None:
-    # No Megatron: the vocabulary is sharded over the group passed in.
-    rank, vocab, shard = dist.get_rank(), 14, 7
-    cols = slice(rank * shard, (rank + 1) * shard)
-    logits, labels, mask = make_mlm_batch(3, 10, vocab, mask_prob=0.4, seed=3)
-    ref_loss, ref_grad = weighted_reference(logits, labels, mask)
-    leaf = logits[..., cols].clone().requires_grad_(True)
-    with count_collectives() as calls:
-        loss_sum, _ = cross_entropy_loss_sum(leaf * 1, labels, mask, tp_group=dist.group.WORLD)
-    assert dict(calls) == {"all_reduce": 1}
-    loss_sum.backward()
-    torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
-    torch.testing.assert_close(leaf.grad, ref_grad[..., cols], rtol=1e-12, atol=1e-15)
-
-
-def test_explicit_tp_group_without_megatron_matches_full_vocab_reference() -> None:
-    run_distributed(_explicit_group_body, 2, megatron=False)
+@pytest.mark.parametrize("megatron", [True, False], ids=["megatron", "explicit_group"])
+def test_tensor_parallel_two_ranks_match_full_vocab_reference(megatron) -> None:
+    run_distributed(_tensor_parallel_body, 2, megatron, tp=2 if megatron else 1, megatron=megatron)
