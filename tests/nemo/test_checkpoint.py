@@ -81,7 +81,7 @@ def test_checkpoint_records_the_loss_and_resume_is_exact() -> None:
         assert isinstance(model.loss_reduction_class, functools.partial)
         assert model.loss_reduction_class.func is BERTMLMLossWithReduction
         assert model.loss_reduction_class.keywords == {"capacity": 0.5}
-        assert model.training_loss_reduction().capacity == 0.5
+        assert model.training_loss_reduction().options.capacity == 0.5
 
         run_launched(_checkpointed_run, 2, str(second), STEPS, str(checkpoint))
         run_launched(_checkpointed_run, 2, str(whole), STEPS, None)

@@ -22,4 +22,4 @@ def test_recipe_configures_the_loss_and_the_megatron_flags() -> None:
     assert configured.trainer.strategy.ddp.average_in_collective is False
     loss = fdl.build(configured.model.loss_reduction_class)(validation_step=True)
     assert isinstance(loss, BERTMLMLossWithReduction)
-    assert loss.validation_step and loss.capacity == "all"
+    assert loss.validation_step and loss.options.capacity == "all"
