@@ -3,7 +3,7 @@
     python bench/cross_entropy.py               # the full table, ~5-8 min on 2 CPU cores
     python bench/cross_entropy.py --quick       # vocab 33 only, about a minute
     python bench/cross_entropy.py --shape 512 8 32000 --dtypes fp32 --threads 1 --runs 4
-                                                # issue 19's check: four whole runs, one line each
+                                                # four whole runs, one line each
 
 For each logits shape ``[s, b, v]`` and dtype, every variant computes the loss sum over the
 masked tokens (15% by default) and its gradient w.r.t. the logits:

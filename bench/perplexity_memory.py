@@ -5,8 +5,8 @@
 
 Peak bytes the call holds beyond what existed before it, from PyTorch's CPU allocator events
 (``tests.helpers.memory.peak_allocated_bytes``: a count of bytes, not a timing, so a loaded
-machine does not move it), over the logits' bytes. ``before`` is the path the metric took
-until issue 19: a log-softmax of every row in fp32 (the accumulation dtype), then the scored
+machine does not move it), over the logits' bytes. ``before`` is the metric's former path: a
+log-softmax of every row in fp32 (the accumulation dtype), then the scored
 tokens' sum. Both sums are printed to show they agree.
 """
 
