@@ -23,6 +23,9 @@ from torch._dynamo.utils import counters
 from bert_reduce import BERTMLMLossWithReduction, pack_batch
 from tests.helpers.mode_reference import MODES, mode_kwargs, reference_mode_loss
 
+# Compiling takes seconds per graph: the whole module runs in CI, outside the fast set.
+pytestmark = pytest.mark.slow
+
 B, S, H, V = 4, 64, 8, 37
 
 
@@ -126,7 +129,6 @@ def test_every_mode_compiles_whole_and_equals_eager(mode, packed) -> None:
     run_micro_batches("aot_eager", [23, 31], mode=mode, packed=packed)
 
 
-@pytest.mark.slow
 def test_inductor_compiles_few_graphs_equal_to_eager() -> None:
     counts = counts_from_9_to_21_percent()
     graphs = run_micro_batches("inductor", counts[:2] + counts[-2:])
