@@ -31,6 +31,7 @@ from lightning.pytorch import Trainer
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
 from bert_reduce.cross_entropy import cross_entropy_loss_sum
 from bert_reduce.lightning import split_micro_batches
+from bert_reduce.megatron import output_layer_inputs
 from bert_reduce.normalization import token_loss_sum
 from bert_reduce.num_scored import count_scored
 from bert_reduce.packing import pack_batch, unpack_sequences
@@ -40,6 +41,7 @@ from bert_reduce.recipe.data import load_sequences
 from bert_reduce.recipe.datamodule import ESMDataModule
 from bert_reduce.recipe.resume import DATAMODULE_STATE_KEY
 from bert_reduce.recipe.run_directory import LOCK_NAME, RunDirectoryError, RunDirectoryLock
+from bert_reduce.reports import REPORT_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "errors.md"
@@ -53,6 +55,10 @@ TINY = [
     "tensorboard=false",
     "plot=false",
     "cpu_threads=null",
+    # Small enough for the one probe that trains to take seconds.
+    "trainer.num_sanity_val_steps=0",
+    "data.max_length=32",
+    "model.num_layers=1",
 ]
 
 
@@ -226,15 +232,6 @@ def negative_weight(check_labels: bool) -> Callable[[Path], str]:
     return probe
 
 
-def other_device(tmp: Path) -> str:
-    logits, labels = logits_labels()
-    BERTMLMLossWithReduction().forward(
-        {"labels": labels.to("meta"), "loss_mask": torch.ones(labels.shape, device="meta")},
-        {"token_logits": logits},
-    )
-    return "no error"
-
-
 def per_sequence_empty(tmp: Path) -> str:
     per_token_loss = torch.zeros(2, 0, dtype=torch.float64)
     mask = torch.zeros(2, 0, dtype=torch.bool)
@@ -244,46 +241,23 @@ def per_sequence_empty(tmp: Path) -> str:
     return "an empty loss: numerator 0, denominator 0 (per_sequence and constant)"
 
 
-def unpack(shape: tuple[int, ...], seq_dim: int) -> Callable[[Path], str]:
+def calls(
+    function: Callable[..., object], *args: object, **kwargs: object
+) -> Callable[[Path], str]:
+    """A probe that calls ``function(*args, **kwargs)``: an error, or "no error"."""
+
     def probe(tmp: Path) -> str:
-        unpack_sequences(torch.zeros(shape), torch.tensor([0, 3, 6]), 4, seq_dim=seq_dim)
+        function(*args, **kwargs)
         return "no error"
 
     return probe
 
 
-def pack(lengths: object, batch: int = 2) -> Callable[[Path], str]:
-    def probe(tmp: Path) -> str:
-        pack_batch({"labels": torch.zeros(batch, 4, dtype=torch.int64)}, lengths)
-        return "no error"
-
-    return probe
-
-
-def reduce_reports_of(reports: object) -> Callable[[Path], str]:
-    def probe(tmp: Path) -> str:
-        BERTMLMLossWithReduction().reduce(reports)  # type: ignore[arg-type]
-        return "reduced"
-
-    return probe
-
-
-def whole_batch_count(tmp: Path) -> str:
-    split_micro_batches({"labels": torch.zeros(4, 3), "num_scored": 5}, 2)
-    return "split"
-
-
-def count_on_a_device(tmp: Path) -> str:
-    count_scored({"loss_mask": torch.ones(2, 3, dtype=torch.bool, device="meta")})
-    return "counted"
-
-
-def head_without_weight(tmp: Path) -> str:
+def head_without_weight() -> None:
     labels = torch.zeros(1, 2, dtype=torch.long)
     loss_fn = GlobalBatchLoss(group=None)
     loss_fn.begin([{"labels": labels}])
     loss_fn({"hidden_states": torch.zeros(1, 2, 4)}, {"labels": labels})
-    return "scored"
 
 
 def bare_logits(tmp: Path) -> str:
@@ -297,58 +271,46 @@ def bare_logits(tmp: Path) -> str:
     return "scored as the logits, in the loss's `layout` (`[s, b, v]` here): the same loss"
 
 
-def normalization_typo(tmp: Path) -> str:
-    BERTMLMLossWithReduction(normalization="per_tokens")
-    return "accepted"
+def reports(*values: object) -> list[object]:
+    """Reports of the given ``[2]`` values; other values as they are."""
+    return [{REPORT_KEY: v} if isinstance(v, torch.Tensor) else v for v in values]
 
 
-def pack_short_labels(tmp: Path) -> str:
-    ids = torch.ones(2, 8, dtype=torch.long)
-    pack_batch({"input_ids": ids, "labels": ids[:, :7], "attention_mask": ids}, None)
-    return "packed"
-
-
-def megatron_head_of(model: torch.nn.Module) -> Callable[[Path], str]:
-    def probe(tmp: Path) -> str:
-        from bert_reduce.megatron import output_layer_inputs
-
-        output_layer_inputs(model, torch.zeros(1, 2))
-        return "ran"
-
-    return probe
-
-
+LOGITS, LABELS = logits_labels()
+IDS = torch.ones(2, 8, dtype=torch.long)
+ON_META = {"labels": LABELS.to("meta"), "loss_mask": torch.ones(LABELS.shape, device="meta")}
+TRAIN, LIBRARY = "`train.py`", "library"
 PROBES = [
     Probe(
-        "`train.py`",
+        TRAIN,
         "`data.mask_prob=0.0`",
         lambda t: train(t, "data.mask_prob=0.0"),
         InstantiationException,
         r"mask_prob=0\.0.*must be in \(0, 1\]",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`data.mask_prob=2.0`",
         lambda t: train(t, "data.mask_prob=2.0"),
         InstantiationException,
         r"mask_prob=2\.0.*must be in \(0, 1\]",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "a new run into a directory that holds a run",
         refused_untouched,
         RunDirectoryError,
         "already holds a run.*Nothing was changed",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "a run into a directory where a run is running",
         concurrent_run,
         RunDirectoryError,
         "Another run is running in .*: pid .* holds",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`overwrite=true` with `resume=` of the same directory",
         lambda t: refused_untouched(
             t, f"resume={t / 'run' / 'checkpoints' / 'last.ckpt'}", "overwrite=true"
@@ -357,7 +319,7 @@ PROBES = [
         "overwrite=true would delete",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`resume=auto` without `hydra.run.dir` (the default run directory is made from the time)",
         lambda t: train(t, "resume=auto", fixed_run_dir=False),
         ValueError,
@@ -365,54 +327,54 @@ PROBES = [
         "current time",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`resume=auto` with `overwrite=true`",
         lambda t: refused_untouched(t, "resume=auto", "overwrite=true"),
         RunDirectoryError,
         "resume=auto continues the run in the run directory, overwrite=true deletes it",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`resume=auto` in a directory whose `last.ckpt` has another `data.global_batch_size`",
         lambda t: refused_untouched(t, "resume=auto", "data.global_batch_size=32"),
         ValueError,
         "trained with data.global_batch_size=16, this run has data.global_batch_size=32",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`resume=auto` in a directory whose only checkpoint is damaged",
         auto_resume_all_damaged,
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`resume=` a mistyped path",
         bad_resume(None),
         FileNotFoundError,
         "no such checkpoint file. Checkpoints in",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`resume=` an empty checkpoint (0 bytes)",
         bad_resume(b""),
         ValueError,
         r"the file is empty \(0 bytes\)",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`resume=` a file that is not a checkpoint",
         bad_resume(b"\x80\x04garbage"),
         ValueError,
         "not a PyTorch checkpoint",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`resume=` a truncated checkpoint",
         truncated_resume,
         ValueError,
         "not a readable PyTorch checkpoint",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`resume=` with another `data.global_batch_size`",
         lambda t: train(
             t,
@@ -423,152 +385,148 @@ PROBES = [
         "trained with data.global_batch_size=16, this run has data.global_batch_size=32",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "`trainer.num_nodes=2` without a launcher",
         no_launcher,
         RuntimeError,
         r"num_nodes=2.*not started by a multi-node launcher",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "a validation set smaller than the number of devices",
         val_smaller_than_devices,
         ValueError,
         "fewer than the 2 ranks",
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "a FASTA file with a UTF-8 byte-order mark",
         bom_file(".fasta", ">a\nMKTAYIAK\n>b\nMSEQ\n"),
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "a CSV file with a UTF-8 byte-order mark",
         bom_file(".csv", "id,sequence\na,MKTAYIAK\nb,MSEQ\n"),
     ),
     Probe(
-        "`train.py`",
+        TRAIN,
         "a FASTA file with a Latin-1 header",
         latin1_fasta,
         ValueError,
         r"proteins\.fasta, line 1: not UTF-8 text",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "int16 / uint8 labels",
         lambda t: (narrow_labels(torch.int16)(t), narrow_labels(torch.uint8)(t))[0],
     ),
-    Probe("library", "a negative weight in `loss_mask`", negative_weight(False)),
+    Probe(LIBRARY, "a negative weight in `loss_mask`", negative_weight(False)),
     Probe(
-        "library",
+        LIBRARY,
         "a negative weight in `loss_mask`, `check_labels=True`",
         negative_weight(True),
         ValueError,
         r"loss_mask holds 1 negative weight\(s\); first at \[b=0, s=1\]",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`labels` and `loss_mask` on another device than the logits",
-        other_device,
+        calls(BERTMLMLossWithReduction().forward, ON_META, {"token_logits": LOGITS}),
         ValueError,
         "token_logits is on cpu and labels on meta",
     ),
     Probe(
-        "library",
-        "`per_sequence` / `constant` normalization of a `[b, 0]` batch",
-        per_sequence_empty,
+        LIBRARY, "`per_sequence` / `constant` normalization of a `[b, 0]` batch", per_sequence_empty
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`unpack_sequences` on a `[T, v]` tensor",
-        unpack((6, 33), 0),
+        calls(unpack_sequences, torch.zeros(6, 33), torch.tensor([0, 3, 6]), 4, seq_dim=0),
         ValueError,
         r"needs packed of shape \[T, 1, \.\.\.\], got \(6, 33\)",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`unpack_sequences` on a `[2, T]` tensor",
-        unpack((2, 6), 1),
+        calls(unpack_sequences, torch.zeros(2, 6), torch.tensor([0, 3, 6]), 4, seq_dim=1),
         ValueError,
         r"needs packed of shape \[1, T, \.\.\.\], got \(2, 6\)",
     ),
-    Probe("library", "a bare logits tensor as `forward_out`", bare_logits),
+    Probe(LIBRARY, "a bare logits tensor as `forward_out`", bare_logits),
     Probe(
-        "library",
+        LIBRARY,
         "a normalization typo (`'per_tokens'`)",
-        normalization_typo,
+        calls(BERTMLMLossWithReduction, normalization="per_tokens"),
         ValueError,
         "'per_tokens' is not a normalization; choose one of 'per_token', 'per_sequence'",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`pack_batch` with `labels` shorter than `input_ids`",
-        pack_short_labels,
+        calls(pack_batch, {"input_ids": IDS, "labels": IDS[:, :7], "attention_mask": IDS}),
         ValueError,
         r"'input_ids': \(2, 8\), 'labels': \(2, 7\)",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`pack_batch` with float lengths",
-        pack([2.7, 3.0]),
+        calls(pack_batch, {"labels": IDS}, [2.7, 3.0]),
         TypeError,
         "lengths must be integers",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`pack_batch` on a batch of `b == 0` sequences",
-        pack([], batch=0),
+        calls(pack_batch, {"labels": IDS[:0]}, []),
         ValueError,
         "b = 0 sequences",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`reduce` given a report that is a string",
-        reduce_reports_of([{"loss_sum_and_microbatch_size": torch.zeros(2)}, "loss"]),
+        calls(BERTMLMLossWithReduction().reduce, reports(torch.zeros(2), "loss")),
         TypeError,
         r"report 1 must be a mapping with key 'loss_sum_and_microbatch_size'",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`reduce` given a report of shape `[3]`",
-        reduce_reports_of([{"loss_sum_and_microbatch_size": torch.zeros(3)}]),
+        calls(BERTMLMLossWithReduction().reduce, reports(torch.zeros(3))),
         ValueError,
         r"must have shape \[2\] or \[\.\.\., 2\] \(loss_sum, denominator\), got \(3,\)",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "one `int` `num_scored` for a batch `ExactMLMModule` splits into micro-batches",
-        whole_batch_count,
+        calls(split_micro_batches, {"labels": torch.zeros(4, 3), "num_scored": 5}, 2),
         ValueError,
         r"num_scored'\] = 5 counts the whole batch of 4 samples and cannot be split into 2",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`NumScoredCollator` / `count_scored` on a batch already on the GPU",
-        count_on_a_device,
+        calls(count_scored, {"loss_mask": ON_META["loss_mask"].bool()}),
         ValueError,
         r"batch\['loss_mask'\] is on meta: reading it to count would synchronize",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`GlobalBatchLoss` given hidden states without `output_weight`",
-        head_without_weight,
+        calls(head_without_weight),
         KeyError,
         r"forward_out has no 'output_weight' key",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`output_layer_inputs` on a model without an output layer",
-        megatron_head_of(torch.nn.Linear(2, 2)),
+        calls(output_layer_inputs, torch.nn.Linear(2, 2), torch.zeros(1, 2)),
         TypeError,
         r"needs a Megatron-Core language model with an `output_layer`.*got Linear",
     ),
     Probe(
-        "library",
+        LIBRARY,
         "`reduce` given per-token and legacy `avg` reports mixed",
-        reduce_reports_of(
-            [{"loss_sum_and_microbatch_size": torch.zeros(2)}, {"avg": torch.ones(1)}]
-        ),
+        calls(BERTMLMLossWithReduction().reduce, reports(torch.zeros(2), {"avg": torch.ones(1)})),
         ValueError,
         "Cannot reduce these reports",
     ),
