@@ -45,7 +45,7 @@ HANG_GUARD_S = 540
 pytest-timeout's 600, so that the subprocess's own output is what the failure shows."""
 
 
-PRELOADED = ["torch", "torch.distributed", "megatron.core.parallel_state"]
+PRELOADED = ["torch", "torch.distributed", "megatron.core.parallel_state", "lightning.pytorch"]
 """What the forkserver imports before forking any rank (one missing is skipped)."""
 
 _START_METHOD = "forkserver"
