@@ -44,7 +44,11 @@ from bert_reduce.forward_output import (
     forward_out_key,
     head_logits,
 )
-from bert_reduce.functional import check_same_shape, validate_masked_labels
+from bert_reduce.functional import (
+    check_logits_and_labels,
+    check_same_shape,
+    validate_masked_labels,
+)
 from bert_reduce.linear_cross_entropy import (
     linear_cross_entropy_loss_sum,
     linear_cross_entropy_token_losses,
@@ -189,17 +193,6 @@ def _check_kernel(options: LossOptions) -> None:
         )
 
 
-def _check_logits(logits: Tensor, labels: Tensor, name: str) -> None:
-    dims = "b, s" if name == "logits" else "s, b"
-    expected = tuple(labels.shape) if name == "logits" else tuple(labels.shape)[::-1]
-    if logits.dim() != 3 or tuple(logits.shape[:2]) != expected:
-        raise ValueError(
-            f"{name} of shape {tuple(logits.shape)} must be [{dims}, v] = "
-            f"[{expected[0]}, {expected[1]}, v] for labels of shape {tuple(labels.shape)} "
-            "([b, s])."
-        )
-
-
 def _check_labels(labels: Tensor, weights: Tensor, vocab_shard: int) -> None:
     vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
     validate_masked_labels(labels, weights, vocab_size)
@@ -262,7 +255,7 @@ def token_losses(
         vocab_shard = weight.size(0)
     else:
         logits = _tensor(out, name, "forward_out")
-        _check_logits(logits, labels, name)
+        check_logits_and_labels(logits, labels, name)
         vocab_shard = logits.size(-1)
     if check_labels:
         _check_labels(labels, weights, vocab_shard)

@@ -58,27 +58,26 @@ def check_same_device(first: Tensor, second: Tensor, names: tuple[str, str]) -> 
         )
 
 
-def check_logits_and_labels(logits: Tensor, labels: Tensor) -> None:
-    """``ValueError`` unless logits are ``[s, b, v]``, labels ``[b, s]`` integers, on one device."""
-    if logits.dim() != 3:
-        raise ValueError(
-            f"Expected token_logits of shape [s, b, v], got {tuple(logits.shape)} "
-            f"({logits.dim()} dims)."
-        )
+def check_logits_and_labels(logits: Tensor, labels: Tensor, name: str = "token_logits") -> None:
+    """``ValueError`` unless labels are ``[b, s]`` integers, matched by the logits on their device.
+
+    Args:
+        logits: ``[s, b, v]`` (``name="token_logits"``) or ``[b, s, v]`` (``name="logits"``).
+        labels: ``[b, s]`` integer token ids.
+        name: The logits' ``forward_out`` key, which says their layout.
+    """
     if labels.dim() != 2:
+        raise ValueError(f"labels must be [b, s], got shape {tuple(labels.shape)}.")
+    dims, expected = ("b, s", labels.shape) if name == "logits" else ("s, b", labels.shape[::-1])
+    if logits.dim() != 3 or logits.shape[:2] != expected:
         raise ValueError(
-            f"Expected labels of shape [b, s], got {tuple(labels.shape)} ({labels.dim()} dims)."
-        )
-    seq_len, batch_size, _ = logits.shape
-    if tuple(labels.shape) != (batch_size, seq_len):
-        raise ValueError(
-            f"token_logits of shape {tuple(logits.shape)} ([s, b, v]) and labels of shape "
-            f"{tuple(labels.shape)} ([b, s]) do not match: expected labels of shape "
-            f"{(batch_size, seq_len)}."
+            f"{name} of shape {tuple(logits.shape)} must be [{dims}, v] = "
+            f"[{expected[0]}, {expected[1]}, v] for labels of shape {tuple(labels.shape)} "
+            "([b, s])."
         )
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
-    check_same_device(logits, labels, ("token_logits", "labels"))
+    check_same_device(logits, labels, (name, "labels"))
 
 
 def mask_weights(loss_mask: Tensor) -> Tensor:
