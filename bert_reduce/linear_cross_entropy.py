@@ -59,23 +59,11 @@ def linear_cross_entropy_token_losses(
 ) -> Tensor:
     """Hidden states, output weight, ``[b, s]`` labels and mask -> ``[b, s]`` cross-entropy.
 
-    The per-token cross-entropy of ``F.linear(hidden, weight, bias)``, on the scored rows
-    only; 0 on the others.
-
     Equal (up to rounding) to ``cross_entropy_token_losses(F.linear(hidden, weight, bias), labels,
-    loss_mask)`` with the same gradients w.r.t. ``hidden``, ``weight`` and ``bias``, while
-    computing only the selected rows' logits, a chunk at a time: the ``[s, b, v]`` logits and
-    their gradient never exist. Unscored positions get loss 0 and no gradient.
-
-    The per-token losses may be weighted by the caller in any way, so the backward
-    recomputes each chunk's logits (four products per row). When the losses are only summed
-    with weights known in the forward (every normalization mode),
-    :func:`linear_cross_entropy_loss_sum` (or :func:`linear_cross_entropy_weighted_sum`) does
-    three and is faster: this function is for a caller that needs each token's loss.
-
-    Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``. With
-    ``capacity="all"`` every row's logits are computed twice (4/3 of the dense head's
-    products).
+    loss_mask)`` with the same gradients w.r.t. ``hidden``, ``weight`` and ``bias``; the
+    ``[s, b, v]`` logits and their gradient never exist. Unscored positions get loss 0 and no
+    gradient. The backward recomputes each chunk's logits (module docstring); with
+    ``capacity="all"`` that is 4/3 of the dense head's products.
 
     Under tensor parallelism ``weight`` and ``bias`` are this rank's contiguous vocab shard
     (rank ``r`` holds ids ``[r * v, (r + 1) * v)``), the forward runs ONE all-reduce, and, as
@@ -151,18 +139,11 @@ def linear_cross_entropy_weighted_sum(
     ``sum(token_weights * cross_entropy(F.linear(hidden, weight, bias), labels))``, fused.
 
     Equal (up to rounding) to ``(token_weights * linear_cross_entropy_token_losses(hidden, weight,
-    labels, token_weights != 0, ...)).sum()``, gradients included, but faster: the weights are
-    known in the forward, so the gradients w.r.t. ``hidden``, ``weight`` and ``bias`` are
-    accumulated during the forward, chunk by chunk, and the backward only scales them by the
-    upstream gradient (Liger's fused linear cross-entropy does the same for a scalar loss):
-    three products per row, no logits recomputed, extra memory a chunk of ``[rows, v]`` logits.
-    :func:`bert_reduce.normalization.normalization_weights` gives the weights and denominator
-    of every normalization mode, which is what :func:`linear_cross_entropy_loss_sum` (every
-    integration's call) does.
-
-    Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``. With
-    ``capacity="all"`` this does the dense head's three products for every row, without its
-    logits.
+    labels, token_weights != 0, ...)).sum()``, gradients included, but faster: the gradients
+    w.r.t. ``hidden``, ``weight`` and ``bias`` are accumulated during the forward, chunk by
+    chunk, and the backward only scales them by the upstream gradient (Liger's fused linear
+    cross-entropy does the same for a scalar loss). With ``capacity="all"`` this does the
+    dense head's three products for every row, without its logits.
 
     Passes. On one process with ``chunk_vocab=None`` each chunk of ``chunk_rows`` rows spans
     the whole vocabulary (default 24 MiB of logits, at least one row): its logits, their
@@ -250,15 +231,9 @@ def linear_cross_entropy_loss_sum(
 ) -> tuple[Tensor, Tensor]:
     """Hidden states, output weight, ``[b, s]`` labels and mask -> ``(loss_sum, denominator)``.
 
-    The fused head's counterpart of :func:`bert_reduce.cross_entropy_loss_sum`: equal (up to
-    rounding, gradients included) to ``cross_entropy_loss_sum(F.linear(hidden, weight, bias),
-    labels, loss_mask, normalization, ...)``, without the ``[s, b, v]`` logits. The mode's
-    per-token weights and denominator come from
-    :func:`bert_reduce.normalization.normalization_weights` before any loss, so
-    :func:`linear_cross_entropy_weighted_sum` accumulates the gradients in the forward (three
-    products per scored row, none recomputed). The call
-    :class:`bert_reduce.BERTMLMLossWithReduction`, :class:`bert_reduce.GlobalBatchLoss` and
-    :class:`bert_reduce.hf.ExactMLMTrainer` make on hidden states.
+    Equal (up to rounding, gradients included) to ``cross_entropy_loss_sum(F.linear(hidden,
+    weight, bias), labels, loss_mask, normalization, ...)``, without the ``[s, b, v]`` logits:
+    :func:`linear_cross_entropy_weighted_sum` with the mode's weights (module docstring).
 
     Args:
         hidden: ``[s, b, h]`` hidden states (``layout="sb"``) or ``[b, s, h]`` (``"bs"``).
