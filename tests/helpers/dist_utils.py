@@ -45,7 +45,14 @@ HANG_GUARD_S = 540
 pytest-timeout's 600, so that the subprocess's own output is what the failure shows."""
 
 
-PRELOADED = ["torch", "torch.distributed", "megatron.core.parallel_state", "lightning.pytorch"]
+PRELOADED = [
+    "torch",
+    "torch.distributed",
+    "megatron.core.parallel_state",
+    "lightning.pytorch",
+    "nemo.lightning",  # in the NeMo environment only
+    "nemo.collections.llm",
+]
 """What the forkserver imports before forking any rank (one missing is skipped)."""
 
 _START_METHOD = "forkserver"
