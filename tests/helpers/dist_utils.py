@@ -16,8 +16,8 @@ Deterministic on a busy machine (the cores shared with other jobs):
   arrived there, no rank has a gloo operation left, and closing connections is safe.
 * One thread per process (``torch.set_num_threads(1)``): ``world_size`` processes on 2 cores.
 
-Ranks are forked from one ``forkserver`` process that imported torch, Megatron-Core and
-Lightning once per test session (:data:`PRELOADED`): a rank starts in a fraction of a second
+Ranks are forked from one ``forkserver`` process that imported torch, Megatron-Core, Lightning
+(and NeMo) once per test session (:data:`PRELOADED`): a rank starts in a fraction of a second
 instead of importing them afresh (seconds each, on a loaded machine). The server starts clean
 (it is not a fork of pytest) and reads its environment once: a body gets what it needs as
 arguments, not through ``os.environ`` set by the test.

@@ -43,6 +43,9 @@ from bert_reduce.recipe.resume import DATAMODULE_STATE_KEY
 from bert_reduce.recipe.run_directory import LOCK_NAME, RunDirectoryError, RunDirectoryLock
 from bert_reduce.reports import REPORT_KEY
 
+# Its probes run train.py's training in this process: the module runs in CI, outside the fast set.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "errors.md"
 TINY = [
