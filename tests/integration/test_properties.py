@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,10 @@ from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank, pac
 from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
 from bert_reduce.normalization import sequence_normalizers
 from tests.helpers.mode_reference import MODES, reference_mode_loss_and_grad
+
+# 60 random batches, each under a random split: seconds; the module runs in CI, outside the
+# fast set.
+pytestmark = pytest.mark.slow
 
 VOCAB = 7
 
