@@ -111,7 +111,7 @@ def test_collator_count_is_exact_without_host_sync_or_collective() -> None:
     assert_matches(got, linear_reference(hidden, weight, bias, labels, mask.double()), rtol=1e-10)
 
 
-def test_num_scored_overrides_capacity_and_guards_against_undercounting() -> None:
+def test_num_scored_overrides_capacity_and_an_undercount_or_overflow_is_nan() -> None:
     hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
     count = int(mask.sum())
     coef = mask.double()
@@ -120,10 +120,12 @@ def test_num_scored_overrides_capacity_and_guards_against_undercounting() -> Non
     for num_scored in (torch.tensor(count), mask.sum(dim=1), torch.tensor([count + 5])):
         got = fused(hidden, weight, bias, labels, mask, coef, capacity=1, num_scored=num_scored)
         assert_matches(got, expected, rtol=1e-10)
-    # An undercount cannot pass silently: the loss and every gradient are NaN.
-    with forbid_host_syncs():
-        got = fused(hidden, weight, bias, labels, mask, coef, num_scored=torch.tensor(count - 1))
-    assert got[0][mask].isnan().all() and all(g.isnan().any() for g in got[1:])
+    # An undercount, or a capacity overflow, cannot pass silently: the loss and every gradient
+    # are NaN, checked on the device.
+    for rows in ({"num_scored": torch.tensor(count - 1)}, {"capacity": count - 1}):
+        with forbid_host_syncs():
+            got = fused(hidden, weight, bias, labels, mask, coef, **rows)
+        assert got[0][mask].isnan().all() and all(g.isnan().any() for g in got[1:]), rows
     # A Python int (the micro-batch's total) is the same count, and needs no tensor at all.
     with forbid_host_syncs():
         got = fused(hidden, weight, bias, labels, mask, coef, num_scored=count)
@@ -132,14 +134,6 @@ def test_num_scored_overrides_capacity_and_guards_against_undercounting() -> Non
                        (-1, ValueError)]:  # fmt: skip
         with pytest.raises(error, match="num_scored"):
             linear_cross_entropy_token_losses(hidden, weight, labels, mask, num_scored=bad)
-
-
-def test_capacity_overflow_is_nan_without_sync() -> None:
-    hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
-    count = int(mask.sum())
-    with forbid_host_syncs():
-        got = fused(hidden, weight, bias, labels, mask, mask.double(), capacity=count - 1)
-    assert got[0][mask].isnan().all() and all(g.isnan().any() for g in got[1:])
 
 
 def test_masked_label_outside_vocab_is_nan_unmasked_is_ignored() -> None:
