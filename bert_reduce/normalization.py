@@ -40,27 +40,22 @@ class Normalization(str, Enum):
     CONSTANT = "constant"
 
 
-def _mode(normalization: Normalization | str) -> Normalization:
-    """The :class:`Normalization` of a mode or its name; ``ValueError`` listing the valid ones."""
-    try:
-        return Normalization(normalization)
-    except ValueError:
-        valid = ", ".join(repr(mode.value) for mode in Normalization)
-        raise ValueError(
-            f"{normalization!r} is not a normalization; choose one of {valid}."
-        ) from None
-
-
 def checked_normalization(
     normalization: Normalization | str, constant_per_sequence: int | None
 ) -> Normalization:
     """The mode, once ``constant`` is known to have its positive ``constant_per_sequence``.
 
     Raises:
-        ValueError: On an unknown mode, or ``constant`` without a positive
-            ``constant_per_sequence``.
+        ValueError: On an unknown mode (the message lists the valid ones), or ``constant``
+            without a positive ``constant_per_sequence``.
     """
-    normalization = _mode(normalization)
+    try:
+        normalization = Normalization(normalization)
+    except ValueError:
+        valid = ", ".join(repr(mode.value) for mode in Normalization)
+        raise ValueError(
+            f"{normalization!r} is not a normalization; choose one of {valid}."
+        ) from None
     if normalization is Normalization.CONSTANT and (
         constant_per_sequence is None or constant_per_sequence <= 0
     ):
@@ -217,7 +212,7 @@ def normalization_weights(
     Raises:
         ValueError: As :func:`token_loss_sum`.
     """
-    normalization = _mode(normalization)
+    normalization = checked_normalization(normalization, constant_per_sequence)
     coefficients, scored, denominator = _coefficients(
         loss_mask, normalization, dtype, sequence_weight, sequence_start, constant_per_sequence,
         weight_resolution,
@@ -260,6 +255,5 @@ def _coefficients(
         num_sequences = (sequence_start & has_tokens).sum(dtype=torch.int64)
         return per_token_weight, scored & has_tokens, num_sequences
 
-    checked_normalization(normalization, constant_per_sequence)
     denominator = sequence_start.sum(dtype=torch.int64) * constant_per_sequence
     return loss_mask.to(acc), scored, denominator
