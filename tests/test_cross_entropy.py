@@ -65,7 +65,8 @@ def test_gradcheck_with_float_weights(capacity) -> None:
     def loss_sum(x: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss_sum(x, labels, weights, capacity=capacity, chunk_elements=12)[0]
 
-    assert torch.autograd.gradcheck(loss_sum, (leaf,))
+    # fast_mode: the Jacobian against random projections, which any wrong entry fails.
+    assert torch.autograd.gradcheck(loss_sum, (leaf,), fast_mode=True)
 
 
 @pytest.mark.parametrize("capacity", ["all", "nonzero", 0.5])
