@@ -16,11 +16,11 @@ Deterministic on a busy machine (the cores shared with other jobs):
   arrived there, no rank has a gloo operation left, and closing connections is safe.
 * One thread per process (``torch.set_num_threads(1)``): ``world_size`` processes on 2 cores.
 
-Ranks are forked from one ``forkserver`` process that imported torch, Megatron-Core, Lightning
-(and NeMo) once per test session (:data:`PRELOADED`): a rank starts in a fraction of a second
-instead of importing them afresh (seconds each, on a loaded machine). The server starts clean
-(it is not a fork of pytest) and reads its environment once: a body gets what it needs as
-arguments, not through ``os.environ`` set by the test.
+Ranks are forked from one ``forkserver`` process that imported torch, Megatron-Core,
+Lightning, transformers (and NeMo) once per test session (:data:`PRELOADED`): a rank starts in
+a fraction of a second instead of importing them afresh (seconds each, on a loaded machine).
+The server starts clean (it is not a fork of pytest) and reads its environment once: a body
+gets what it needs as arguments, not through ``os.environ`` set by the test.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ PRELOADED = [
     "torch.distributed",
     "megatron.core.parallel_state",
     "lightning.pytorch",
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.esm.modeling_esm",
+    "transformers.trainer",
     "nemo.lightning",  # in the NeMo environment only
     "nemo.collections.llm",
 ]
