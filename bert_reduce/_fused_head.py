@@ -6,17 +6,18 @@ turn each chunk into its logits' gradient ``dL/dx = coef * (softmax - onehot)`` 
 that neither the ``[s, b, v]`` logits nor their gradient ever exist:
 
 * **one pass** (:func:`gradient_pass` without ``lse``; the weighted sum on one process, whole
-  vocabulary per chunk): each chunk's log-sum-exp, loss and gradient from one buffer, three
-  products per row (``x``, ``dx @ w``, ``dx^T @ h``), nothing recomputed;
+  vocabulary per chunk): each chunk's loss and gradient from ONE softmax in one buffer
+  (:func:`_softmax_minus_onehot_`), three products per row (``x``, ``dx @ w``,
+  ``dx^T @ h``), nothing recomputed;
 * **two passes** (:func:`stats_pass`, then :func:`gradient_pass` with the global
   log-sum-exp): under tensor parallelism, or with vocabulary chunks, a row's softmax needs
   every chunk's (and shard's) log-sum-exp first, combined in ONE all-reduce; the second pass
   recomputes the logits (four products per row).
 
-With ``e = exp(x - shift)`` and ``total`` its row sums (one pass: ``shift`` the row's
-maximum; two passes: the global log-sum-exp, ``total = 1``),
+With ``p`` the chunk's softmax up to a per-row factor ``1 / q`` (one pass: the softmax over
+the row and its maximum; two passes: ``exp(x - lse)`` with the global log-sum-exp, ``q = 1``),
 
-    dL/dx = coef * (e / total - onehot) = scale * (e - total * onehot),  scale = coef / total
+    dL/dx = coef * (p / q - onehot) = scale * (p - q * onehot),  scale = coef / q
 
 and the per-row ``scale`` goes into the products' small operands (``[c, h]``) rather than
 through the ``[c, v]`` chunk: ``dL/dh_rows = scale * (dx' @ w)``,
@@ -54,11 +55,20 @@ from bert_reduce.num_scored import NumScored
 
 _CHUNK_ELEMENTS = 1 << 21
 _CHUNK_VOCAB = 4096
-# One pass holds a row chunk's logits over the whole vocabulary. Each product call re-packs
-# the whole weight, so larger chunks keep the products efficient: on one CPU thread, a
-# 512-wide head's three products in chunks of 240-320 rows ran within 1% of one call on all
-# rows, 4% slower in chunks of 160, 29% in chunks of 80. 24 MiB of logits per chunk.
-_SINGLE_PASS_BYTES = 24 << 20
+# One pass holds a row chunk's logits over the whole vocabulary, in one buffer reused by every
+# chunk. Each product call re-packs the whole weight, so larger chunks keep the products
+# efficient: on one CPU thread, a 512-wide head's three products in chunks of 240-320 rows ran
+# within 1% of one call on all rows, 4% slower in chunks of 160, 29% in chunks of 80; 32 MiB
+# (4 chunks at the Geneformer-like shape) ran ~1% faster than 24 MiB (5 chunks).
+_SINGLE_PASS_BYTES = 32 << 20
+# In reduced precision the weight gradient's (high, low) pair (:class:`Gradients`) already
+# holds one [v, h] beyond the returned gradient: 6 MiB chunks keep the step's extra memory
+# within 0.1x the bf16 logits (Geneformer-like shape), and the bf16 products are fast enough
+# to afford the smaller chunks (bf16 steps stay faster than fp32 ones).
+_REDUCED_PASS_BYTES = 6 << 20
+# The pair is summed in fp32 a slice of this many vocabulary rows at a time (3 MiB of
+# temporaries at h = 512).
+_PAIR_SLICE = 1024
 # Reduced-precision chunks are converted in blocks of rows of about 2**18 values (1 MiB of
 # fp32), which stay in a core's L2 cache between the passes over them.
 _BLOCK_ELEMENTS = 1 << 18
@@ -170,48 +180,94 @@ class Gradients(NamedTuple):
     weight_low: Tensor | None = None
 
 
+def _row_width(columns: int, dtype: torch.dtype) -> int:
+    """``columns`` rounded up to whole 64-byte lines.
+
+    The products ran ~2% faster on aligned rows than on rows of ``v + 1`` values (one CPU
+    thread, Geneformer-like head).
+    """
+    align = max(1, 64 // dtype.itemsize)
+    return -(-columns // align) * align
+
+
 def _softmax_minus_onehot_(
     x: Tensor,
+    work: Tensor | None,
     column: Tensor,
     inside: Tensor,
     lse: Tensor | None,
     grad_bias: Tensor | None,
     coef: Tensor,
     gradient: bool,
-) -> Tensor | None:
-    """Overwrite a ``[c, v_chunk]`` chunk of logits with ``softmax - onehot``, in its own dtype.
+) -> tuple[Tensor | None, Tensor]:
+    """Overwrite a ``[c, v_chunk]`` chunk of logits with its gradient up to a per-row scale.
 
-    Without ``lse`` the chunk spans the whole vocabulary and its own log-softmax gives the
-    softmax (and the rows' target log-probabilities, returned); with the rows' global ``lse``
-    the softmax is ``exp(x - lse)``. The arithmetic runs in ``coef``'s (accumulation) dtype:
-    a chunk of another dtype is converted a block of rows at a time into one small buffer that
-    stays in a core's cache, and written back. ``grad_bias += (softmax - onehot)^T @ coef``
-    when given; ``gradient=False`` only computes the log-probabilities.
+    Returns ``(log_probability, scale)``: the rows' target log-probabilities (one pass, else
+    ``None``) and the ``[c]`` factor with ``dL/dx = scale * x_after``, for the products'
+    small operands; ``grad_bias += x_after^T @ scale`` when given. ``gradient=False`` only
+    computes the log-probabilities.
+
+    With the rows' global ``lse`` the chunk becomes ``exp(x - lse) - onehot`` (``scale =
+    coef``). Without, the chunk spans the whole vocabulary, and ONE softmax over the row and
+    one extra column holding the row's maximum ``m`` gives everything: with
+    ``S = sum_j exp(x_j - m)``, the softmax over ``[x, m]`` is ``p_j = exp(x_j - m) / (S + 1)``
+    and ``p_last = 1 / (S + 1)``, so that (``q = 1 - p_last = S / (S + 1)``, in ``[1/2, 1)``)
+
+        log S = log(q) - log(p_last),  softmax(x) = p / q,
+        dL/dx = coef * (softmax(x) - onehot) = (coef / q) * (p - q * onehot).
+
+    ``work`` is that buffer, ``[c, width]`` with ``width > v_chunk`` (``x`` is its first
+    columns, in the accumulation dtype; the columns past the extra one hold ``-inf``, which
+    the softmax ignores, so that it runs over whole rows of a contiguous buffer), or ``None``
+    for another dtype: the chunk is then converted a block of rows at a time into one small
+    buffer that stays in a core's cache, and written back.
     """
     acc = coef.dtype
-    step = x.size(0)
-    if x.dtype != acc and not torch.compiler.is_compiling():
-        step = max(1, _BLOCK_ELEMENTS // max(1, x.size(1)))
-    scratch = None
-    if x.dtype != acc:
-        scratch = torch.empty(min(step, x.size(0)), x.size(1), dtype=acc, device=x.device)
-    target = torch.empty(x.size(0), dtype=acc, device=x.device) if lse is None else None
-    for start in [0] if step == x.size(0) else range(0, x.size(0), step):
-        end = min(start + step, x.size(0))
-        y = x[start:end] if scratch is None else scratch[: end - start].copy_(x[start:end])
-        if lse is None:
-            torch.log_softmax(y, -1, out=y)
-            target[start:end] = y.gather(1, column[start:end]).squeeze(1)
-        else:
-            y.sub_(lse[start:end].unsqueeze(1))
+    rows = x.size(0)
+    if lse is not None:
+        y = x if x.dtype == acc else x.to(acc)
+        y.sub_(lse.unsqueeze(1))
+        if gradient:
+            y.exp_().scatter_add_(1, column, -inside.to(acc).unsqueeze(1))
+            if grad_bias is not None:
+                grad_bias.addmv_(y.t(), coef)
+            if y is not x:
+                x.copy_(y)
+        return None, coef
+    vocab = x.size(1)
+    step = rows
+    converted = work is None
+    if converted:
+        width = _row_width(vocab + 1, acc)
+        if not torch.compiler.is_compiling():
+            step = max(1, _BLOCK_ELEMENTS // width)
+        work = torch.empty(min(step, rows), width, dtype=acc, device=x.device)
+    log_probability = torch.empty(rows, dtype=acc, device=x.device)
+    scale = torch.empty(rows, dtype=acc, device=x.device)
+    for start in [0] if step == rows else range(0, rows, step):
+        end = min(start + step, rows)
+        block = work[: end - start]
+        y = block[:, :vocab]
+        if converted:
+            y.copy_(x[start:end])
+        top = y.amax(1)
+        block[:, vocab] = top
+        block[:, vocab + 1 :] = -torch.inf
+        target = y.gather(1, column[start:end]).squeeze(1)
+        torch.softmax(block, -1, out=block)
+        p_last = block[:, vocab]
+        q = 1 - p_last
+        # log_softmax(x)_t = x_t - m - log S
+        log_probability[start:end] = target - top - (q.log() - p_last.log())
         if not gradient:
             continue
-        y.exp_().scatter_add_(1, column[start:end], -inside[start:end].to(acc).unsqueeze(1))
+        y.scatter_add_(1, column[start:end], (-q * inside[start:end]).unsqueeze(1))
+        scale[start:end] = coef[start:end] / q
         if grad_bias is not None:
-            grad_bias.addmv_(y.t(), coef[start:end])
-        if scratch is not None:
+            grad_bias.addmv_(y.t(), scale[start:end])
+        if converted:
             x[start:end].copy_(y)
-    return target
+    return log_probability, scale
 
 
 def gradient_pass(
@@ -226,12 +282,12 @@ def gradient_pass(
 ) -> tuple[Tensor, Gradients]:
     """``sum(coef * loss)`` and the gradients of the needed ``(rows, weight, bias)``.
 
-    Without ``lse`` (one vocabulary chunk, one shard) each chunk's own log-softmax gives the
-    loss and the softmax; with the rows' global ``lse`` the loss is the caller's (0 is
-    returned). Per chunk, ``dx = softmax - onehot`` in the logits' own buffer, and the row
-    coefficients go into the products' small operands: ``dL/dh_rows += coef * (dx @ w)``,
-    ``dL/dw += dx^T @ (coef * h_rows)``, ``dL/db += dx^T @ coef``. Vocabulary chunks are the
-    outer loop: the weight's gradient is summed a vocabulary chunk at a time.
+    Without ``lse`` (one vocabulary chunk, one shard) each chunk's own softmax gives the loss
+    and the gradient; with the rows' global ``lse`` the loss is the caller's (0 is returned).
+    Per chunk, ``dx' = dx / scale`` in the logits' own buffer, and the per-row ``scale``
+    goes into the products' small operands: ``dL/dh_rows += scale * (dx' @ w)``,
+    ``dL/dw += dx'^T @ (scale * h_rows)``, ``dL/db += dx'^T @ scale``. Vocabulary chunks are
+    the outer loop: the weight's gradient is summed a vocabulary chunk at a time.
     """
     acc, dtype, device = coef.dtype, rows_hidden.dtype, coef.device
     grad_rows = torch.zeros(rows_hidden.shape, dtype=acc, device=device) if needs[0] else None
@@ -243,6 +299,18 @@ def gradient_pass(
     if needs[2] and bias is not None:
         grad_bias = torch.zeros(weight.size(0), dtype=acc, device=device)
     loss_sum = torch.zeros((), dtype=acc, device=device)
+    # One buffer for every chunk's logits: fresh memory per chunk costs page faults (~5% of
+    # the step on a CPU). In the accumulation dtype it has one extra column (the one pass's
+    # softmax, above); in another, the chunk is converted a block at a time. Under
+    # torch.compile (which takes no strided `out=`) each chunk is fresh, the compiler's to place.
+    compiling = torch.compiler.is_compiling()
+    spare = dtype == acc and lse is None and not compiling
+    buffer = None
+    if not compiling:
+        # Balanced chunks (:func:`row_chunks`): the widest has ceil(rows / chunks) rows.
+        widest = -(-rows_hidden.size(0) // len(plan.rows)) if plan.rows else 0
+        width = _row_width(plan.vocab[0][1] - plan.vocab[0][0] + spare, dtype)
+        buffer = torch.empty(widest, width, dtype=dtype, device=device)
     for vocab in plan.vocab:
         w = weight[vocab[0] : vocab[1]]
         b = None if bias is None else bias[vocab[0] : vocab[1]]
@@ -254,10 +322,20 @@ def gradient_pass(
                 low.zero_()
         for number, rows in enumerate(plan.rows):
             part, c = rows_hidden[rows[0] : rows[1]], coef[rows[0] : rows[1]]
-            x = F.linear(part, w, b)
+            work = None
+            if buffer is None:
+                x = F.linear(part, w, b)
+            else:
+                work = buffer[: rows[1] - rows[0]]
+                x = work[:, : vocab[1] - vocab[0]]
+                if b is None:
+                    torch.mm(part, w.t(), out=x)
+                else:
+                    torch.addmm(b, part, w.t(), out=x)
             column, inside = _hit_in_chunk(sharded.local, sharded.in_shard, rows, vocab)
-            target = _softmax_minus_onehot_(
-                x, column, inside, None if lse is None else lse[rows[0] : rows[1]],
+            target, scale = _softmax_minus_onehot_(
+                x, work if spare else None, column, inside,
+                None if lse is None else lse[rows[0] : rows[1]],
                 None if grad_bias is None else grad_bias[vocab[0] : vocab[1]], c, any(needs),
             )  # fmt: skip
             if target is not None:
@@ -265,9 +343,9 @@ def gradient_pass(
                 # `where`, not a product: whatever an unweighted row holds must not reach the sum.
                 loss_sum += torch.where(c != 0, c * loss, 0).sum()
             if grad_rows is not None:
-                grad_rows[rows[0] : rows[1]].addcmul_(x @ w, c.unsqueeze(1))
+                grad_rows[rows[0] : rows[1]].addcmul_(x @ w, scale.unsqueeze(1))
             if grad_w is not None:
-                scaled = (part.to(acc) * c.unsqueeze(1)).to(dtype)
+                scaled = (part.to(acc) * scale.unsqueeze(1)).to(dtype)
                 _add_weight_gradient(grad_w, low, x, scaled, number, acc)
     return loss_sum, Gradients(grad_rows, grad_weight, grad_bias, grad_low)
 
@@ -287,9 +365,9 @@ def _add_weight_gradient(
         else:
             grad_w.addmm_(dx.t(), scaled)
         return
-    for start in range(0, grad_w.size(0), _CHUNK_VOCAB):
-        high, rest = grad_w[start : start + _CHUNK_VOCAB], low[start : start + _CHUNK_VOCAB]
-        total = (dx[:, start : start + _CHUNK_VOCAB].t() @ scaled).to(acc)
+    for start in range(0, grad_w.size(0), _PAIR_SLICE):
+        high, rest = grad_w[start : start + _PAIR_SLICE], low[start : start + _PAIR_SLICE]
+        total = (dx[:, start : start + _PAIR_SLICE].t() @ scaled).to(acc)
         if number:
             total += high
             total += rest
@@ -312,9 +390,9 @@ def _input_gradients(
     *grads, low = grads
     if low is not None:  # the (high, low) pair: summed in fp32 and scaled, a slice at a time
         high = grads[1]
-        for start in range(0, high.size(0), _CHUNK_VOCAB):
-            total = high[start : start + _CHUNK_VOCAB].float() + low[start : start + _CHUNK_VOCAB]
-            high[start : start + _CHUNK_VOCAB] = total if scale is None else total.mul_(scale)
+        for start in range(0, high.size(0), _PAIR_SLICE):
+            total = high[start : start + _PAIR_SLICE].float() + low[start : start + _PAIR_SLICE]
+            high[start : start + _PAIR_SLICE] = total if scale is None else total.mul_(scale)
     out = []
     for number, grad in enumerate(grads):
         if grad is not None and (low is None or number != 1):
@@ -516,8 +594,8 @@ def head_rows(
     """Check the arguments and choose the rows and chunks: what every entry point shares.
 
     ``one_pass`` (the weighted sum): one process and ``chunk_vocab`` ``None`` or at least
-    ``v`` take one pass, in chunks of 24 MiB of logits; else ``chunk_vocab = min(v, 4096)``
-    and about 2**21 logits per chunk.
+    ``v`` take one pass, in chunks of 32 MiB of logits (6 MiB in reduced precision); else
+    ``chunk_vocab = min(v, 4096)`` and about 2**21 logits per chunk.
     """
     _, tp_size, _ = tensor_parallel_placement(tp_group)
     _check_shapes(
@@ -529,7 +607,9 @@ def head_rows(
     vocab = weight.size(0)
     single_pass = one_pass and tp_size == 1 and (chunk_vocab is None or chunk_vocab >= vocab)
     if single_pass:
-        chunk_vocab, elements = vocab, _SINGLE_PASS_BYTES // hidden.element_size()
+        reduced = accumulation_dtype(hidden.dtype) != hidden.dtype
+        budget = _REDUCED_PASS_BYTES if reduced else _SINGLE_PASS_BYTES
+        chunk_vocab, elements = vocab, budget // hidden.element_size()
     else:
         chunk_vocab = min(vocab, _CHUNK_VOCAB) if chunk_vocab is None else chunk_vocab
         elements = _CHUNK_ELEMENTS

@@ -145,16 +145,16 @@ def linear_cross_entropy_weighted_sum(
     cross-entropy does the same for a scalar loss). With ``capacity="all"`` this does the
     dense head's three products for every row, without its logits.
 
-    Passes. On one process with ``chunk_vocab=None`` each chunk of ``chunk_rows`` rows spans
-    the whole vocabulary (default 24 MiB of logits, at least one row): its logits, their
-    log-sum-exp, and their gradient are computed in one buffer. Under tensor parallelism a
-    row's softmax needs the log-sum-exp of every vocab shard before any gradient term, so the
-    rows are passed over twice: once for the per-row (log-sum-exp, target logit), combined in
-    ONE all-reduce, then again for the gradients (four products per row instead of three, as
-    :func:`linear_cross_entropy_token_losses`, but all in the forward). A ``chunk_vocab`` smaller
-    than ``v`` also takes the two passes, in ``[chunk_rows, chunk_vocab]`` chunks (less
-    memory for a very large vocabulary). Tensor and sequence parallelism as in
-    :func:`linear_cross_entropy_token_losses`.
+    Passes. On one process with ``chunk_vocab=None`` each chunk of ``chunk_rows`` rows spans the
+    whole vocabulary (default 32 MiB of logits, 6 MiB in bf16/fp16, at least one row): its
+    logits, their softmax, and their gradient are computed in one buffer. Under tensor
+    parallelism a row's softmax needs the log-sum-exp of every vocab shard before any gradient
+    term, so the rows are passed over twice: once for the per-row (log-sum-exp, target logit),
+    combined in ONE all-reduce, then again for the gradients (four products per row instead of
+    three, as :func:`linear_cross_entropy_token_losses`, but all in the forward). A
+    ``chunk_vocab`` smaller than ``v`` also takes the two passes, in ``[chunk_rows,
+    chunk_vocab]`` chunks (less memory for a very large vocabulary). Tensor and sequence
+    parallelism as in :func:`linear_cross_entropy_token_losses`.
 
     Memory: the gradients are computed in the forward and held until the backward: ``[rows,
     h]`` for the selected rows and ``[v, h]`` for the weight, in fp32 for bf16/fp16 inputs
@@ -177,7 +177,7 @@ def linear_cross_entropy_weighted_sum(
             means a non-zero weight.
         num_scored: The data pipeline's count of scored positions (at least the number of
             non-zero weights), as in :func:`linear_cross_entropy_token_losses`.
-        chunk_rows: Rows per chunk (``None``: 24 MiB of logits per chunk in one pass, about
+        chunk_rows: Rows per chunk (``None``: 32 MiB of logits per chunk in one pass, about
             2**21 logits in two).
         chunk_vocab: ``None`` (default): the whole vocabulary (shard) per chunk on one process
             (one pass), ``min(v, 4096)`` under tensor parallelism; smaller: two passes.

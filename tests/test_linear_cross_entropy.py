@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bert_reduce import (
     BERTMLMLossWithReduction,
@@ -359,18 +359,27 @@ def test_weighted_loss_sum_with_the_count_is_exact_without_host_sync_or_collecti
             fused_sum(hidden, weight, bias, labels, coef)
 
 
+class _LogitRows(TorchDispatchMode):
+    """Counts the logits the head computes: the elements of products by ``weight^T``."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.storage, self.rows = weight.untyped_storage().data_ptr(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            right = args[-1]
+            if right.untyped_storage().data_ptr() == self.storage and right.stride(0) == 1:
+                self.rows.append(out.numel())
+        return out
+
+
 @contextlib.contextmanager
-def logit_rows() -> Iterator[list[float]]:
-    """Count the rows whose logits the head computes (``F.linear`` calls, over the vocab)."""
-    rows: list[float] = []
-    linear = F.linear
-
-    def counted(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-        rows.append(x.size(0) * w.size(0))
-        return linear(x, w, b)
-
-    with mock.patch.object(F, "linear", counted):
-        yield rows
+def logit_rows(weight: Tensor) -> Iterator[list[float]]:
+    """Count the logits (rows times vocab) the head computes from ``weight``."""
+    with _LogitRows(weight) as mode:
+        yield mode.rows
 
 
 @pytest.mark.parametrize("entry", ["losses", "weighted sum", "loss class"])
@@ -379,7 +388,7 @@ def test_without_a_count_only_the_scored_rows_are_computed(entry, capacity) -> N
     b, s, v = 4, 30, 13
     hidden, weight, bias, labels, mask = make_head_batch(b, s, v=v, mask_prob=0.15)
     kwargs = {} if capacity is None else {"capacity": capacity}
-    with logit_rows() as rows:
+    with logit_rows(weight) as rows:
         if entry == "losses":
             linear_cross_entropy_token_losses(hidden, weight, labels, mask, bias=bias, **kwargs)
         elif entry == "weighted sum":
@@ -434,7 +443,7 @@ def test_weighted_loss_sum_computes_only_the_gradients_asked_for() -> None:
     expected = weighted_reference(hidden, weight, bias, labels, coef)
     for passes in PASSES.values():
         # Validation: no gradient at all, only the sum.
-        with torch.no_grad(), logit_rows() as rows:
+        with torch.no_grad(), logit_rows(weight) as rows:
             total = linear_cross_entropy_weighted_sum(
                 hidden, weight, labels, coef, bias=bias, **passes
             )
