@@ -54,13 +54,13 @@ def test_same_losses_for_every_split(tmp_path: Path) -> None:
 
 
 def test_trains_from_a_local_checkpoint(tmp_path: Path) -> None:
+    from bert_reduce.recipe.config import HFEsm2ModelConfig
     from bert_reduce.recipe.hf_esm import HFEsm2Model
 
     torch.manual_seed(0)
     checkpoint = tmp_path / "checkpoint"
-    HFEsm2Model(hidden_size=8, num_layers=1, num_heads=2, ffn_size=16).model.save_pretrained(
-        checkpoint
-    )
+    shape = HFEsm2ModelConfig(hidden_size=8, num_layers=1, num_heads=2, ffn_size=16)
+    HFEsm2Model(shape).model.save_pretrained(checkpoint)
     run_dir = tmp_path / "run"
     result = train(run_dir, *HF_TINY, f"model.pretrained_path={checkpoint}")
     assert not warnings_printed(result), warnings_printed(result)  # e.g. modules in eval mode
