@@ -25,7 +25,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
-from hydra.errors import InstantiationException
 from lightning.pytorch import Trainer
 
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
@@ -325,14 +324,14 @@ PROBES = [
         "`train.py`",
         "`data.mask_prob=0.0`",
         lambda t: train(t, "data.mask_prob=0.0"),
-        InstantiationException,
+        ValueError,
         r"mask_prob=0\.0.*must be in \(0, 1\]",
     ),
     Probe(
         "`train.py`",
         "`data.mask_prob=2.0`",
         lambda t: train(t, "data.mask_prob=2.0"),
-        InstantiationException,
+        ValueError,
         r"mask_prob=2\.0.*must be in \(0, 1\]",
     ),
     Probe(

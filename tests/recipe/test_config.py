@@ -40,7 +40,7 @@ def test_defaults_and_the_documented_overrides_compose() -> None:
     assert cfg.model.hidden_size == 64 and cfg.trainer.devices == 1
     assert cfg.loss.normalization is NormalizationName.per_token
     assert cfg.optim.scheduler.total_steps == cfg.trainer.max_steps
-    assert cfg.data.seed == cfg.seed
+    assert make("seed=3").data.seed == 3  # the data's seed is the run's
     assert cfg.trainer.use_distributed_sampler is False
     # docs/recipe.md, "Overrides"
     cfg = make(
