@@ -89,7 +89,7 @@ def build_from_config(node: DictConfig) -> Any:
         ``ESM2Model(config)``, ``HFEsm2Model(config)`` or ``ESMDataModule(config)``, the
         config being the node's dataclass with its interpolations resolved.
     """
-    return get_class(node._target_)(OmegaConf.to_object(node))
+    return get_class(node["_target_"])(OmegaConf.to_object(node))
 
 
 def build_module(cfg: DictConfig) -> ESM2MLMModule:
