@@ -18,15 +18,18 @@ import argparse
 import torch
 
 from bert_reduce.lightning.exact_module import split_micro_batches
+from bert_reduce.recipe.config import DataConfig
 from bert_reduce.recipe.datamodule import ESMDataModule
 
 
 def largest_weight_error(micro_batch_size: int, steps: int, global_batch_size: int) -> float:
     """Largest ``|N / (M * n_m) - 1|`` over the scored tokens of the first ``steps`` batches."""
     datamodule = ESMDataModule(
-        global_batch_size=global_batch_size,
-        micro_batch_size=micro_batch_size,
-        num_train_sequences=steps * global_batch_size,
+        DataConfig(
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            num_train_sequences=steps * global_batch_size,
+        )
     )
     datamodule.setup("fit")
     worst = 0.0

@@ -1,7 +1,8 @@
 """From a composed config to a finished run: what ``train.py`` does, importable for tests.
 
-Every object comes from ``hydra.utils.instantiate`` on its config node; this module only
-wires them together, picks the precision, adds the loggers and writes the run's outputs.
+Every object comes from its config node (``hydra.utils.instantiate``, or
+:func:`build_from_config`); this module only wires them together, picks the precision, adds
+the loggers and writes the run's outputs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -49,6 +50,7 @@ from bert_reduce.recipe.run_directory import (
 __all__ = [
     "TrainingStopped",
     "build_callbacks",
+    "build_from_config",
     "build_loggers",
     "build_module",
     "build_trainer",
@@ -75,13 +77,28 @@ def resolve_precision(precision: str) -> str:
     return "32-true"
 
 
+def build_from_config(node: DictConfig) -> Any:
+    """The ``_target_`` class of a model or data node, given the node as its typed config.
+
+    Args:
+        node: ``cfg.model`` or ``cfg.data``: a :class:`~bert_reduce.recipe.config.ModelConfig`,
+            :class:`~bert_reduce.recipe.config.HFEsm2ModelConfig` or
+            :class:`~bert_reduce.recipe.config.DataConfig` node.
+
+    Returns:
+        ``ESM2Model(config)``, ``HFEsm2Model(config)`` or ``ESMDataModule(config)``, the
+        config being the node's dataclass with its interpolations resolved.
+    """
+    return get_class(node["_target_"])(OmegaConf.to_object(node))
+
+
 def build_module(cfg: DictConfig) -> ESM2MLMModule:
     """The model, training loss, optimizer and schedule of ``cfg``, in an ESM2MLMModule."""
     loss_cfg = OmegaConf.to_container(cfg.loss, resolve=True)
     # The loss takes the normalization's name; the config holds it as a typed enum.
     loss_cfg["normalization"] = cfg.loss.normalization.value  # type: ignore[index]
     return ESM2MLMModule(
-        model=instantiate(cfg.model),
+        model=build_from_config(cfg.model),
         micro_batch_size=cfg.data.micro_batch_size,
         optimizer=instantiate(cfg.optim.optimizer),
         lr_scheduler=None if cfg.optim.scheduler is None else instantiate(cfg.optim.scheduler),
@@ -250,7 +267,7 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
     global_batch_size = cfg.data.global_batch_size
     resumed_step = None if explicit is None else read_resume_step(explicit, global_batch_size)
     pl.seed_everything(cfg.seed, workers=True)
-    datamodule: ESMDataModule = instantiate(cfg.data)
+    datamodule: ESMDataModule = build_from_config(cfg.data)
     module = build_module(cfg)
     trainer = build_trainer(cfg, run_dir, resumed_step)
     check_launcher(trainer)

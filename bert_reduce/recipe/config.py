@@ -4,12 +4,10 @@
 (``conf/model/esm2_tiny.yaml``, ...) starts from its group's schema (``base_model``, ...). So
 every value is type-checked when the config is composed: ``trainer.max_steps=abc`` or an
 unknown key such as ``trainer.max_step=5`` fails with Hydra's error naming the key. Each
-node with a ``_target_`` is built with ``hydra.utils.instantiate``.
-
-The defaults of the recipe's own classes are written here once: :class:`ESM2Model`,
-:class:`HFEsm2Model` and :class:`ESMDataModule` take theirs from these dataclasses, so that
-``ESM2Model()`` and ``python train.py`` build the same model
-(``tests/recipe/test_config.py::test_recipe_classes_take_their_defaults_from_the_configs``).
+node with a ``_target_`` is built with ``hydra.utils.instantiate``, except the model and the
+data, whose ``_target_`` class takes the node itself as one typed config (:class:`ModelConfig`,
+:class:`HFEsm2ModelConfig`, :class:`DataConfig`): ``ESM2Model()`` is the model
+``python train.py`` trains.
 """
 
 from __future__ import annotations
@@ -45,7 +43,22 @@ __all__ = [
 
 @dataclass
 class ModelConfig:
-    """:class:`bert_reduce.recipe.model.ESM2Model`; see its arguments."""
+    """The shape and options of :class:`bert_reduce.recipe.model.ESM2Model`.
+
+    Attributes:
+        vocab_size: Number of tokens (33 for the ESM alphabet).
+        hidden_size: Width of the residual stream.
+        num_layers: Number of transformer blocks.
+        num_heads: Attention heads; must divide ``hidden_size``.
+        ffn_size: Width of the feed-forward layer (ESM-2 uses ``4 * hidden_size``).
+        dropout: Dropout on attention probabilities and on each block's residual branches.
+        tie_embeddings: Share the LM decoder weight with the token embeddings (as ESM-2).
+        pad_id: The ``<pad>`` id; its embedding row starts at zero.
+        init_std: Standard deviation of the normal weight initialization.
+        fused_head: In training mode, return the decoder's inputs (``hidden_states``,
+            ``output_weight``, ``output_bias``) instead of ``token_logits``, for the loss's
+            masked-only fused head; in eval mode, and with ``False``, return the logits.
+    """
 
     _target_: str = "bert_reduce.recipe.model.ESM2Model"
     vocab_size: int = 33
@@ -62,7 +75,25 @@ class ModelConfig:
 
 @dataclass
 class HFEsm2ModelConfig:
-    """:class:`bert_reduce.recipe.hf_esm.HFEsm2Model` (ESM-2 8M's shape); see its arguments."""
+    """:class:`bert_reduce.recipe.hf_esm.HFEsm2Model`, ESM-2 8M's shape by default.
+
+    Attributes:
+        pretrained_path: A local Hugging Face checkpoint directory to load (its config gives
+            the shape, the sizes below are then unused); ``None`` builds from them.
+        vocab_size: Number of tokens (33: the ESM alphabet of the recipe's tokenizer).
+        hidden_size: Width of the residual stream.
+        num_layers: Number of transformer layers.
+        num_heads: Attention heads; must divide ``hidden_size``.
+        ffn_size: Width of the feed-forward layer.
+        max_position_embeddings: Longest input (ESM-2: 1026).
+        dropout: Hidden and attention dropout.
+        token_dropout: ESM-2's rescaling of embeddings by the fraction of masked tokens.
+        pad_id: The ``<pad>`` id.
+        mask_id: The ``<mask>`` id (used by ``token_dropout``).
+        init_std: Standard deviation of the weight initialization.
+        attn_implementation: ``"sdpa"`` or ``"eager"`` (Hugging Face's choices).
+        fused_head: As :class:`ModelConfig`'s.
+    """
 
     _target_: str = "bert_reduce.recipe.hf_esm.HFEsm2Model"
     pretrained_path: str | None = None
@@ -83,7 +114,34 @@ class HFEsm2ModelConfig:
 
 @dataclass
 class DataConfig:
-    """:class:`bert_reduce.recipe.datamodule.ESMDataModule`; see its arguments."""
+    """The data of :class:`bert_reduce.recipe.datamodule.ESMDataModule`.
+
+    Attributes:
+        global_batch_size: Samples per optimizer step over all ranks.
+        micro_batch_size: Samples per forward pass on one rank; ``global_batch_size`` must be
+            a multiple of ``micro_batch_size`` times the number of ranks.
+        val_micro_batch_size: Samples per validation batch (``micro_batch_size`` when
+            ``None``).
+        max_length: Most tokens per sample, ``<cls>`` and ``<eos>`` included; longer
+            sequences are cropped to a random window.
+        mask_prob: BERT selection probability (80% ``<mask>``, 10% random, 10% kept).
+        seed: Seed of the shuffling, crops and masks (``conf/data/default.yaml``: the run's).
+        train_path: FASTA/CSV/TSV/Parquet file of training sequences; ``None`` uses the
+            built-in synthetic corpus.
+        val_path: File of validation sequences; ``None`` holds out ``val_fraction`` of
+            ``train_path`` (or makes a separate synthetic set).
+        column: Column of the sequences in CSV/TSV/Parquet files.
+        val_fraction: Share of ``train_path`` held out when there is no ``val_path``.
+        num_train_sequences: Size of the synthetic training corpus.
+        num_val_sequences: Size of the synthetic validation set.
+        corpus_seed: Seed of the synthetic corpus.
+        shuffle: Draw a new order of the training set every epoch.
+        pad_to_multiple_of: Round padded lengths up to a multiple of this.
+        num_workers: DataLoader worker processes.
+        pack_sequences: Pack each training micro-batch into one row without padding
+            (:class:`~bert_reduce.recipe.data.PackedMicroBatchCollator`); validation stays
+            padded. Same losses as unpacked, less compute on padding.
+    """
 
     _target_: str = "bert_reduce.recipe.datamodule.ESMDataModule"
     global_batch_size: int = 32
@@ -91,7 +149,7 @@ class DataConfig:
     val_micro_batch_size: int | None = None
     max_length: int = 128
     mask_prob: float = 0.15
-    seed: int = "${seed}"  # type: ignore[assignment]
+    seed: int = 0
     train_path: str | None = None
     val_path: str | None = None
     column: str = "sequence"

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
 from bert_reduce.lightning._lightning_private import training_batches_done
-from bert_reduce.recipe.config import DataConfig, TrainConfig
+from bert_reduce.recipe.config import DataConfig
 from bert_reduce.recipe.data import (
     MLMCollator,
     MLMDataset,
@@ -109,108 +109,52 @@ class ResumableDataLoader(DataLoader):
 class ESMDataModule(pl.LightningDataModule):
     """Protein MLM data: files or the built-in synthetic corpus, masked per sample.
 
-    The defaults are :class:`bert_reduce.recipe.config.DataConfig`'s, written there once.
-
     Args:
-        global_batch_size: Samples per optimizer step over all ranks.
-        micro_batch_size: Samples per forward pass on one rank; ``global_batch_size`` must be
-            a multiple of ``micro_batch_size`` times the number of ranks.
-        val_micro_batch_size: Samples per validation batch (``micro_batch_size`` when
-            ``None``).
-        max_length: Most tokens per sample, ``<cls>`` and ``<eos>`` included; longer
-            sequences are cropped to a random window.
-        mask_prob: BERT selection probability (80% ``<mask>``, 10% random, 10% kept).
-        seed: Seed of the shuffling, crops and masks.
-        train_path: FASTA/CSV/TSV/Parquet file of training sequences; ``None`` uses the
-            built-in synthetic corpus.
-        val_path: File of validation sequences; ``None`` holds out ``val_fraction`` of
-            ``train_path`` (or makes a separate synthetic set).
-        column: Column of the sequences in CSV/TSV/Parquet files.
-        val_fraction: Share of ``train_path`` held out when there is no ``val_path``.
-        num_train_sequences: Size of the synthetic training corpus.
-        num_val_sequences: Size of the synthetic validation set.
-        corpus_seed: Seed of the synthetic corpus.
-        shuffle: Draw a new order of the training set every epoch.
-        pad_to_multiple_of: Round padded lengths up to a multiple of this.
-        num_workers: DataLoader worker processes.
-        pack_sequences: Pack each training micro-batch into one row without padding
-            (:class:`~bert_reduce.recipe.data.PackedMicroBatchCollator`); validation stays
-            padded. Same losses as unpacked, less compute on padding.
+        config: The data, batch sizes and seeds; ``None``:
+            :class:`~bert_reduce.recipe.config.DataConfig`'s defaults.
 
     Raises:
         ValueError: If ``mask_prob`` is not in ``(0, 1]``; if ``val_fraction`` leaves no
             training or no validation sample.
     """
 
-    def __init__(
-        self,
-        global_batch_size: int = DataConfig.global_batch_size,
-        micro_batch_size: int = DataConfig.micro_batch_size,
-        val_micro_batch_size: int | None = DataConfig.val_micro_batch_size,
-        max_length: int = DataConfig.max_length,
-        mask_prob: float = DataConfig.mask_prob,
-        seed: int = TrainConfig.seed,
-        train_path: str | None = DataConfig.train_path,
-        val_path: str | None = DataConfig.val_path,
-        column: str = DataConfig.column,
-        val_fraction: float = DataConfig.val_fraction,
-        num_train_sequences: int = DataConfig.num_train_sequences,
-        num_val_sequences: int = DataConfig.num_val_sequences,
-        corpus_seed: int = DataConfig.corpus_seed,
-        shuffle: bool = DataConfig.shuffle,
-        pad_to_multiple_of: int = DataConfig.pad_to_multiple_of,
-        num_workers: int = DataConfig.num_workers,
-        pack_sequences: bool = DataConfig.pack_sequences,
-    ) -> None:
+    def __init__(self, config: DataConfig | None = None) -> None:
         super().__init__()
-        if not 0.0 < mask_prob <= 1.0:
+        self.config = c = config or DataConfig()
+        if not 0.0 < c.mask_prob <= 1.0:
             raise ValueError(
-                f"data.mask_prob={mask_prob}: the masking probability must be in (0, 1] (0 masks "
-                "no token, so there is no loss to train on). The BERT/ESM-2 value is 0.15."
+                f"data.mask_prob={c.mask_prob}: the masking probability must be in (0, 1] (0 "
+                "masks no token, so there is no loss to train on). The BERT/ESM-2 value is 0.15."
             )
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.val_micro_batch_size = val_micro_batch_size or micro_batch_size
-        self.max_length = max_length
-        self.mask_prob = mask_prob
-        self.seed = seed
-        self.train_path = train_path
-        self.val_path = val_path
-        self.column = column
-        self.val_fraction = val_fraction
-        self.num_train_sequences = num_train_sequences
-        self.num_val_sequences = num_val_sequences
-        self.corpus_seed = corpus_seed
-        self.shuffle = shuffle
-        self.num_workers = num_workers
         self.tokenizer = ESMTokenizer()
-        self.collate = MLMCollator(self.tokenizer.pad_id, pad_to_multiple_of)
+        self.collate = MLMCollator(self.tokenizer.pad_id, c.pad_to_multiple_of)
         self.train_collate = (
-            PackedMicroBatchCollator(micro_batch_size, self.tokenizer.pad_id)
-            if pack_sequences
+            PackedMicroBatchCollator(c.micro_batch_size, self.tokenizer.pad_id)
+            if c.pack_sequences
             else self.collate
         )
         self.train_dataset: MLMDataset | None = None
         self.val_dataset: MLMDataset | None = None
 
     def _sequences(self) -> tuple[list[str], list[str]]:
-        if self.train_path is None:
-            sequences = synthetic_proteins(self.num_train_sequences, seed=self.corpus_seed)
+        c = self.config
+        if c.train_path is None:
+            sequences = synthetic_proteins(c.num_train_sequences, seed=c.corpus_seed)
         else:
-            sequences = load_sequences(self.train_path, self.column)
-        if self.val_path is not None:
-            return sequences, load_sequences(self.val_path, self.column)
-        if self.train_path is None:
-            return sequences, synthetic_proteins(self.num_val_sequences, seed=self.corpus_seed + 1)
-        num_val = round(len(sequences) * self.val_fraction)
+            sequences = load_sequences(c.train_path, c.column)
+        if c.val_path is not None:
+            return sequences, load_sequences(c.val_path, c.column)
+        if c.train_path is None:
+            return sequences, synthetic_proteins(c.num_val_sequences, seed=c.corpus_seed + 1)
+        num_val = round(len(sequences) * c.val_fraction)
         if not 0 < num_val < len(sequences):
             raise ValueError(
-                f"data.val_fraction={self.val_fraction} of the {len(sequences)} sequences in "
-                f"{self.train_path} leaves {num_val} for validation and "
+                f"data.val_fraction={c.val_fraction} of the {len(sequences)} sequences in "
+                f"{c.train_path} leaves {num_val} for validation and "
                 f"{len(sequences) - num_val} for training; both must be non-zero "
                 "(or set data.val_path)."
             )
-        order = np.random.default_rng([self.seed, 0x5B17]).permutation(len(sequences))
+        order = np.random.default_rng([self.config.seed, 0x5B17]).permutation(len(sequences))
         val = [sequences[i] for i in order[:num_val]]
         train = [sequences[i] for i in order[num_val:]]
         return train, val
@@ -221,7 +165,8 @@ class ESMDataModule(pl.LightningDataModule):
         if self.train_dataset is not None:
             return
         train, val = self._sequences()
-        common = {"max_length": self.max_length, "seed": self.seed, "mask_prob": self.mask_prob}
+        c = self.config
+        common = {"max_length": c.max_length, "seed": c.seed, "mask_prob": c.mask_prob}
         self.train_dataset = MLMDataset(train, stream=0, tokenizer=self.tokenizer, **common)
         self.val_dataset = MLMDataset(val, stream=1, tokenizer=self.tokenizer, **common)
 
@@ -245,19 +190,19 @@ class ESMDataModule(pl.LightningDataModule):
         assert self.train_dataset is not None
         batch_sampler = GlobalBatchSampler(
             len(self.train_dataset),
-            self.global_batch_size,
-            self.micro_batch_size,
-            shuffle=self.shuffle,
-            seed=self.seed,
+            self.config.global_batch_size,
+            self.config.micro_batch_size,
+            shuffle=self.config.shuffle,
+            seed=self.config.seed,
             **self._replicas_and_rank(),
         )
         return ResumableDataLoader(
             self.train_dataset,
             batch_sampler=EpochKeyedBatchSampler(batch_sampler),
             collate_fn=self.train_collate,
-            num_workers=self.num_workers,
+            num_workers=self.config.num_workers,
             progress=lambda: training_batches_done(self.trainer),
-            seed=self.seed,
+            seed=self.config.seed,
         )
 
     @override
@@ -284,13 +229,15 @@ class ESMDataModule(pl.LightningDataModule):
         return DataLoader(
             self.val_dataset,
             batch_sampler=ShardedEvalBatchSampler(
-                len(self.val_dataset), self.val_micro_batch_size, **placement
+                len(self.val_dataset),
+                self.config.val_micro_batch_size or self.config.micro_batch_size,
+                **placement,
             ),
             collate_fn=self.collate,
-            num_workers=self.num_workers,
+            num_workers=self.config.num_workers,
             # Its own generator: starting validation must not draw from the global generator,
             # whose state the training steps' dropout continues from.
-            generator=torch.Generator().manual_seed(self.seed),
+            generator=torch.Generator().manual_seed(self.config.seed),
         )
 
     @override
@@ -300,4 +247,4 @@ class ESMDataModule(pl.LightningDataModule):
         A resume with another size is refused before training starts, by
         :func:`bert_reduce.recipe.resume.read_resume_step` and ``find_resume_checkpoint``.
         """
-        return {"global_batch_size": self.global_batch_size}
+        return {"global_batch_size": self.config.global_batch_size}

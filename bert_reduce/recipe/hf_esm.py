@@ -24,91 +24,62 @@ __all__ = ["HFEsm2Model"]
 class HFEsm2Model(nn.Module):
     """``transformers.EsmForMaskedLM`` behind the recipe's model interface.
 
-    The defaults are :class:`~bert_reduce.recipe.config.HFEsm2ModelConfig`'s: ``HFEsm2Model()``
-    is the model ``python train.py model=hf_esm2`` trains.
-
     Args:
-        pretrained_path: A local Hugging Face checkpoint directory to load (its config gives
-            the shape, the arguments below are then unused); ``None`` builds from them.
-        vocab_size: Number of tokens (33: the ESM alphabet of the recipe's tokenizer).
-        hidden_size: Width of the residual stream.
-        num_layers: Number of transformer layers.
-        num_heads: Attention heads; must divide ``hidden_size``.
-        ffn_size: Width of the feed-forward layer.
-        max_position_embeddings: Longest input (ESM-2: 1026).
-        dropout: Hidden and attention dropout.
-        token_dropout: ESM-2's rescaling of embeddings by the fraction of masked tokens.
-        pad_id: The ``<pad>`` id.
-        mask_id: The ``<mask>`` id (used by ``token_dropout``).
-        init_std: Standard deviation of the weight initialization.
-        attn_implementation: ``"sdpa"`` or ``"eager"`` (Hugging Face's choices).
-        fused_head: As :class:`~bert_reduce.recipe.model.ESM2Model`'s.
+        config: Its shape (or checkpoint) and options; ``None``:
+            :class:`~bert_reduce.recipe.config.HFEsm2ModelConfig`'s defaults, the model
+            ``python train.py model=hf_esm2`` trains.
 
     Raises:
         FileNotFoundError: If ``pretrained_path`` is not a directory with a ``config.json``.
         ModuleNotFoundError: Without ``transformers`` (install the ``hf`` extra).
     """
 
-    def __init__(
-        self,
-        pretrained_path: str | None = HFEsm2ModelConfig.pretrained_path,
-        vocab_size: int = HFEsm2ModelConfig.vocab_size,
-        hidden_size: int = HFEsm2ModelConfig.hidden_size,
-        num_layers: int = HFEsm2ModelConfig.num_layers,
-        num_heads: int = HFEsm2ModelConfig.num_heads,
-        ffn_size: int = HFEsm2ModelConfig.ffn_size,
-        max_position_embeddings: int = HFEsm2ModelConfig.max_position_embeddings,
-        dropout: float = HFEsm2ModelConfig.dropout,
-        token_dropout: bool = HFEsm2ModelConfig.token_dropout,
-        pad_id: int = HFEsm2ModelConfig.pad_id,
-        mask_id: int = HFEsm2ModelConfig.mask_id,
-        init_std: float = HFEsm2ModelConfig.init_std,
-        attn_implementation: str = HFEsm2ModelConfig.attn_implementation,
-        fused_head: bool = HFEsm2ModelConfig.fused_head,
-    ) -> None:
+    def __init__(self, config: HFEsm2ModelConfig | None = None) -> None:
         super().__init__()
+        c = config or HFEsm2ModelConfig()
         try:
             from transformers import EsmConfig, EsmForMaskedLM
         except ModuleNotFoundError as error:
             raise ModuleNotFoundError(
                 "model=hf_esm2 needs Hugging Face transformers: pip install 'bert_reduce[hf]'."
             ) from error
-        if pretrained_path is not None:
-            if not (Path(pretrained_path) / "config.json").is_file():
+        if c.pretrained_path is not None:
+            if not (Path(c.pretrained_path) / "config.json").is_file():
                 raise FileNotFoundError(
-                    f"model.pretrained_path={pretrained_path!r} is not a Hugging Face checkpoint "
-                    "directory (no config.json); save one with model.save_pretrained(DIR)."
+                    f"model.pretrained_path={c.pretrained_path!r} is not a Hugging Face "
+                    "checkpoint directory (no config.json); save one with "
+                    "model.save_pretrained(DIR)."
                 )
             self.model = EsmForMaskedLM.from_pretrained(
-                pretrained_path, local_files_only=True, attn_implementation=attn_implementation
+                c.pretrained_path, local_files_only=True, attn_implementation=c.attn_implementation
             )
             # from_pretrained returns the model in eval mode; Lightning keeps a module's modes,
             # so it would train without dropout. A module starts in training mode.
             self.model.train()
         else:
-            config = EsmConfig(
-                vocab_size=vocab_size,
-                hidden_size=hidden_size,
-                num_hidden_layers=num_layers,
-                num_attention_heads=num_heads,
-                intermediate_size=ffn_size,
-                max_position_embeddings=max_position_embeddings,
-                hidden_dropout_prob=dropout,
-                attention_probs_dropout_prob=dropout,
+            hf_config = EsmConfig(
+                vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size,
+                num_hidden_layers=c.num_layers,
+                num_attention_heads=c.num_heads,
+                intermediate_size=c.ffn_size,
+                max_position_embeddings=c.max_position_embeddings,
+                hidden_dropout_prob=c.dropout,
+                attention_probs_dropout_prob=c.dropout,
                 position_embedding_type="rotary",
                 emb_layer_norm_before=False,
-                token_dropout=token_dropout,
-                pad_token_id=pad_id,
-                mask_token_id=mask_id,
-                initializer_range=init_std,
+                token_dropout=c.token_dropout,
+                pad_token_id=c.pad_id,
+                mask_token_id=c.mask_id,
+                initializer_range=c.init_std,
                 tie_word_embeddings=True,
             )
-            config._attn_implementation = attn_implementation
-            self.model = EsmForMaskedLM(config)
+            hf_config._attn_implementation = c.attn_implementation
+            self.model = EsmForMaskedLM(hf_config)
         # The contact-prediction head is not on the masked-LM path: it never gets a gradient,
         # which DDP would refuse as unused parameters.
         self.model.esm.contact_head.requires_grad_(False)
-        self.fused_head = fused_head
+        self.fused_head = c.fused_head
 
     def forward(
         self,

@@ -114,69 +114,38 @@ class _Block(nn.Module):
 class ESM2Model(nn.Module):
     """ESM-2-style masked-language model.
 
-    The defaults are :class:`~bert_reduce.recipe.config.ModelConfig`'s: ``ESM2Model()`` is the
-    model ``python train.py`` trains.
-
     Args:
-        vocab_size: Number of tokens (33 for the ESM alphabet).
-        hidden_size: Width of the residual stream.
-        num_layers: Number of transformer blocks.
-        num_heads: Attention heads; must divide ``hidden_size``.
-        ffn_size: Width of the feed-forward layer (ESM-2 uses ``4 * hidden_size``).
-        dropout: Dropout on attention probabilities and on each block's residual branches.
-        tie_embeddings: Share the LM decoder weight with the token embeddings (as ESM-2).
-        pad_id: The ``<pad>`` id; its embedding row starts at zero.
-        init_std: Standard deviation of the normal weight initialization.
-        fused_head: In training mode, return the decoder's inputs (``hidden_states``,
-            ``output_weight``, ``output_bias``) instead of ``token_logits``, for the loss's
-            masked-only fused head; in eval mode, and with ``False``, return the logits.
+        config: Its shape and options; ``None``: :class:`~bert_reduce.recipe.config.ModelConfig`'s
+            defaults, the model ``python train.py`` trains.
 
     Raises:
         ValueError: If ``num_heads`` does not divide ``hidden_size``, or a size is not
             positive, or ``dropout`` is outside ``[0, 1)``.
     """
 
-    def __init__(
-        self,
-        vocab_size: int = ModelConfig.vocab_size,
-        hidden_size: int = ModelConfig.hidden_size,
-        num_layers: int = ModelConfig.num_layers,
-        num_heads: int = ModelConfig.num_heads,
-        ffn_size: int = ModelConfig.ffn_size,
-        dropout: float = ModelConfig.dropout,
-        tie_embeddings: bool = ModelConfig.tie_embeddings,
-        pad_id: int = ModelConfig.pad_id,
-        init_std: float = ModelConfig.init_std,
-        fused_head: bool = ModelConfig.fused_head,
-    ) -> None:
+    def __init__(self, config: ModelConfig | None = None) -> None:
         super().__init__()
-        sizes = {
-            "vocab_size": vocab_size,
-            "hidden_size": hidden_size,
-            "num_layers": num_layers,
-            "num_heads": num_heads,
-            "ffn_size": ffn_size,
-        }
-        for name, value in sizes.items():
-            if value <= 0:
-                raise ValueError(f"model.{name} must be positive, got {value}.")
-        if hidden_size % num_heads:
+        c = config or ModelConfig()
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size"):
+            if getattr(c, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(c, name)}.")
+        if c.hidden_size % c.num_heads:
             raise ValueError(
-                f"model.num_heads={num_heads} must divide model.hidden_size={hidden_size}."
+                f"model.num_heads={c.num_heads} must divide model.hidden_size={c.hidden_size}."
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {dropout}.")
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size, padding_idx=pad_id)
+        if not 0.0 <= c.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {c.dropout}.")
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_id)
         self.layers = nn.ModuleList(
-            _Block(hidden_size, num_heads, ffn_size, dropout) for _ in range(num_layers)
+            _Block(c.hidden_size, c.num_heads, c.ffn_size, c.dropout) for _ in range(c.num_layers)
         )
-        self.final_norm = nn.LayerNorm(hidden_size)
-        self.lm_dense = nn.Linear(hidden_size, hidden_size)
-        self.lm_norm = nn.LayerNorm(hidden_size)
-        self.lm_decoder = nn.Linear(hidden_size, vocab_size)
-        self.fused_head = fused_head
-        self._init_weights(init_std, num_layers)
-        if tie_embeddings:
+        self.final_norm = nn.LayerNorm(c.hidden_size)
+        self.lm_dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.lm_norm = nn.LayerNorm(c.hidden_size)
+        self.lm_decoder = nn.Linear(c.hidden_size, c.vocab_size)
+        self.fused_head = c.fused_head
+        self._init_weights(c.init_std, c.num_layers)
+        if c.tie_embeddings:
             self.lm_decoder.weight = self.embed_tokens.weight
 
     def _init_weights(self, std: float, num_layers: int) -> None:

@@ -96,10 +96,12 @@ def wait_until(done: Callable[[], bool], process: subprocess.Popen[str]) -> None
         time.sleep(0.05)
 
 
-def train(run_dir: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path, *overrides: str, multirun: bool = False, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """A ``TINY`` run (or a Hydra multirun) into ``run_dir``."""
     where = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
-    return run_train_py(*(["-m"] if multirun else []), *TINY, *overrides, where)
+    return run_train_py(*(["-m"] if multirun else []), *TINY, *overrides, where, env=env)
 
 
 def warnings_printed(result: subprocess.CompletedProcess) -> list[str]:

@@ -25,7 +25,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
-from hydra.errors import InstantiationException
 from lightning.pytorch import Trainer
 
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
@@ -36,7 +35,7 @@ from bert_reduce.normalization import token_loss_sum
 from bert_reduce.num_scored import count_scored
 from bert_reduce.packing import pack_batch, unpack_sequences
 from bert_reduce.recipe.build import run
-from bert_reduce.recipe.config import register_configs
+from bert_reduce.recipe.config import DataConfig, register_configs
 from bert_reduce.recipe.data import load_sequences
 from bert_reduce.recipe.datamodule import ESMDataModule
 from bert_reduce.recipe.resume import DATAMODULE_STATE_KEY
@@ -170,7 +169,9 @@ def no_launcher(tmp: Path) -> str:
 
 
 def val_smaller_than_devices(tmp: Path) -> str:
-    datamodule = ESMDataModule(global_batch_size=4, micro_batch_size=2, num_val_sequences=1)
+    datamodule = ESMDataModule(
+        DataConfig(global_batch_size=4, micro_batch_size=2, num_val_sequences=1)
+    )
     # A real (unstarted) 2-process Trainer gives the data module its world size and rank.
     datamodule.trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False
@@ -288,14 +289,14 @@ PROBES = [
         TRAIN,
         "`data.mask_prob=0.0`",
         lambda t: train(t, "data.mask_prob=0.0"),
-        InstantiationException,
+        ValueError,
         r"mask_prob=0\.0.*must be in \(0, 1\]",
     ),
     Probe(
         TRAIN,
         "`data.mask_prob=2.0`",
         lambda t: train(t, "data.mask_prob=2.0"),
-        InstantiationException,
+        ValueError,
         r"mask_prob=2\.0.*must be in \(0, 1\]",
     ),
     Probe(

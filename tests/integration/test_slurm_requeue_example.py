@@ -18,17 +18,22 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.dist_utils import HANG_GUARD_S
-from tests.helpers.recipe_runs import CHECKPOINTED, ENV, training_steps
+from tests.helpers.recipe_runs import (
+    CHECKPOINTED,
+    ENV,
+    ROOT,
+    run_train_py,
+    training_steps,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = [*CHECKPOINTED, "data.micro_batch_size=4", "trainer.max_steps=20"]
 SRUN = """#!{python}
 # srun stand-in: the command once per node, with SLURM's per-task variables; ends them all as
@@ -127,19 +132,10 @@ def sbatch(env: dict[str, str]) -> subprocess.Popen[str]:
 
 def test_requeued_job_finishes_the_run_once(slurm_env: dict[str, str], tmp_path: Path) -> None:
     reference = tmp_path / "reference"
-    uninterrupted = subprocess.run(
-        [sys.executable, "train.py", *OVERRIDES, "trainer.devices=2", f"hydra.run.dir={reference}"],
-        cwd=ROOT, env=slurm_env, capture_output=True, text=True, timeout=HANG_GUARD_S,
-    )  # fmt: skip
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-
+    run_train_py(*OVERRIDES, "trainer.devices=2", f"hydra.run.dir={reference}", env=slurm_env)
     run_dir = Path(slurm_env["RUN_DIR"])
     job = sbatch(slurm_env)
-    deadline = time.monotonic() + HANG_GUARD_S
-    while len(training_steps(run_dir)) < 7:
-        assert job.poll() is None, job.communicate()[0][-5000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: len(training_steps(run_dir)) >= 7, job)
     kill_job(job)
     killed_at = len(training_steps(run_dir))
     assert killed_at < 20

@@ -2,46 +2,45 @@
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from hydra.utils import instantiate
 from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf import OmegaConf
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.lightning import ValidationPerplexityCallback
 from bert_reduce.normalization import Normalization
-from bert_reduce.recipe.build import build_module, build_trainer, resolve_precision
+from bert_reduce.recipe.build import (
+    build_from_config,
+    build_module,
+    build_trainer,
+    resolve_precision,
+)
 from bert_reduce.recipe.callbacks import RunCheckpoint, StopOnSignal
 from bert_reduce.recipe.config import (
     DataConfig,
-    HFEsm2ModelConfig,
     ModelConfig,
     NormalizationName,
-    SchedulerConfig,
-    TrainConfig,
 )
 from bert_reduce.recipe.csv_logger import AppendingCSVLogger
 from bert_reduce.recipe.datamodule import ESMDataModule
 from bert_reduce.recipe.files import AtomicCheckpointIO
-from bert_reduce.recipe.hf_esm import HFEsm2Model
 from bert_reduce.recipe.model import ESM2Model
-from bert_reduce.recipe.optim import warmup_cosine_schedule
 from tests.helpers.recipe_runs import compose_config as make
 
 
 def test_defaults_and_the_documented_overrides_compose() -> None:
     cfg = make()
+    # ESM2Model() and ESMDataModule() build what `python train.py` builds.
+    assert OmegaConf.to_object(cfg.model) == ModelConfig()
+    assert OmegaConf.to_object(cfg.data) == DataConfig()
     assert cfg.model.hidden_size == 64 and cfg.trainer.devices == 1
     assert cfg.loss.normalization is NormalizationName.per_token
     assert cfg.optim.scheduler.total_steps == cfg.trainer.max_steps
-    assert cfg.data.seed == cfg.seed
+    assert make("seed=3").data.seed == 3  # the data's seed is the run's
     assert cfg.trainer.use_distributed_sampler is False
     # docs/recipe.md, "Overrides"
     cfg = make(
@@ -88,9 +87,9 @@ def test_instantiate_every_part(tmp_path: Path) -> None:
         "data.num_train_sequences=40",
         "data.num_val_sequences=7",
     )
-    model = instantiate(cfg.model)
+    model = build_from_config(cfg.model)
     assert isinstance(model, ESM2Model) and len(model.layers) == cfg.model.num_layers
-    datamodule = instantiate(cfg.data)
+    datamodule = build_from_config(cfg.data)
     assert isinstance(datamodule, ESMDataModule)
     datamodule.setup("fit")
     assert len(datamodule.train_dataset) == 40 and len(datamodule.val_dataset) == 7
@@ -130,34 +129,6 @@ def test_precision_auto() -> None:
         "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
     )
     assert resolve_precision("auto") == expected
-
-
-@pytest.mark.parametrize(
-    ("key", "schema", "target"),
-    [
-        ("model", ModelConfig, ESM2Model),
-        ("model", HFEsm2ModelConfig, HFEsm2Model),
-        ("data", DataConfig, ESMDataModule),
-        ("optim.scheduler", SchedulerConfig, warmup_cosine_schedule),
-    ],
-    ids=["ESM2Model", "HFEsm2Model", "ESMDataModule", "warmup_cosine_schedule"],
-)
-def test_recipe_classes_take_their_defaults_from_the_configs(
-    key: str, schema: type, target: Callable
-) -> None:
-    # Every default the recipe's class (or function) and its config both state is the same,
-    # so that ESM2Model() builds what `python train.py` builds; "${seed}" and other
-    # interpolations are resolved as train.py resolves them.
-    assert schema.__dict__["_target_"] == f"{target.__module__}.{target.__qualname__}"
-    root = OmegaConf.structured(TrainConfig(model=schema()))
-    resolved = OmegaConf.to_container(OmegaConf.select(root, key), resolve=True)
-    fields = {f.name for f in dataclasses.fields(schema) if not f.name.startswith("_")}
-    parameters = inspect.signature(target).parameters
-    assert fields <= set(parameters), "a config key the target does not take"
-    empty = inspect.Parameter.empty
-    defaults = {name: p.default for name, p in parameters.items() if p.default is not empty}
-    assert set(defaults) <= fields, "a default the config cannot override"
-    assert defaults == {name: resolved[name] for name in defaults}
 
 
 def test_normalization_names_are_the_modes() -> None:

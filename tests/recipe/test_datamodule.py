@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.recipe.config import DataConfig
 from bert_reduce.recipe.datamodule import EpochKeyedBatchSampler, ESMDataModule
 
 
 def datamodule(**kwargs) -> ESMDataModule:
     defaults = {"num_train_sequences": 48, "num_val_sequences": 11, "max_length": 32}
-    dm = ESMDataModule(**{**defaults, **kwargs})
+    dm = ESMDataModule(DataConfig(**{**defaults, **kwargs}))
     dm.setup("fit")
     return dm
 
@@ -39,11 +40,11 @@ def global_batches(dm: ESMDataModule, micro: int, ranks: int, epoch: int) -> lis
         sampler = EpochKeyedBatchSampler(
             GlobalBatchSampler(
                 len(dm.train_dataset),
-                dm.global_batch_size,
+                dm.config.global_batch_size,
                 micro,
                 num_replicas=ranks,
                 rank=rank,
-                seed=dm.seed,
+                seed=dm.config.seed,
             )
         )
         sampler.sampler.set_epoch(epoch)

@@ -7,15 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from bert_reduce.recipe.build import build_from_config
+from bert_reduce.recipe.config import HFEsm2ModelConfig
 from tests.helpers.recipe_runs import compose_config
 
 pytest.importorskip("transformers")
 
 from bert_reduce.recipe.hf_esm import HFEsm2Model
 
+TINY_SHAPE = HFEsm2ModelConfig(hidden_size=16, num_layers=1, num_heads=2, ffn_size=32)
 TINY = ["model.hidden_size=16", "model.num_layers=1", "model.num_heads=2", "model.ffn_size=32"]
 
 
@@ -35,7 +37,7 @@ def test_defaults_are_esm2_8m_and_typed() -> None:
 
 def test_instantiated_model_gives_sbv_logits_and_fused_head_inputs() -> None:
     torch.manual_seed(0)
-    model = instantiate(make(*TINY).model)
+    model = build_from_config(make(*TINY).model)
     assert isinstance(model, HFEsm2Model) and model.fused_head
     ids = torch.randint(4, 24, (3, 9))
     mask = torch.ones_like(ids)
@@ -57,9 +59,9 @@ def test_instantiated_model_gives_sbv_logits_and_fused_head_inputs() -> None:
 
 def test_pretrained_path_loads_a_local_checkpoint(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    saved = HFEsm2Model(hidden_size=16, num_layers=1, num_heads=2, ffn_size=32)
+    saved = HFEsm2Model(TINY_SHAPE)
     saved.model.save_pretrained(tmp_path)
-    loaded = instantiate(make(f"model.pretrained_path={tmp_path}").model)
+    loaded = build_from_config(make(f"model.pretrained_path={tmp_path}").model)
     assert loaded.model.config.hidden_size == 16  # the checkpoint's shape, not the config's
     # In training mode, as a model built from a config (from_pretrained returns eval mode).
     assert all(module.training for module in loaded.modules())
@@ -70,8 +72,8 @@ def test_pretrained_path_loads_a_local_checkpoint(tmp_path: Path) -> None:
 
 def test_clear_errors() -> None:
     with pytest.raises(FileNotFoundError, match=r"model\.pretrained_path='/nonexistent'"):
-        HFEsm2Model(pretrained_path="/nonexistent")
-    model = HFEsm2Model(hidden_size=16, num_layers=1, num_heads=2, ffn_size=32)
+        HFEsm2Model(HFEsm2ModelConfig(pretrained_path="/nonexistent"))
+    model = HFEsm2Model(TINY_SHAPE)
     ids = torch.randint(4, 24, (1, 8))
     with pytest.raises(ValueError, match=r"data\.pack_sequences=false"):
         model(ids, cu_seqlens=torch.tensor([0, 3, 8]))

@@ -1,25 +1,30 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from bert_reduce.recipe.config import ModelConfig
 from bert_reduce.recipe.model import ESM2Model, RotaryEmbedding
+
+SMALL = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64)
 
 
 def test_output_layout_and_tied_head() -> None:
-    model = ESM2Model(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64)
+    model = ESM2Model(SMALL)
     ids = torch.randint(4, 24, (3, 7))
     logits = model(ids, logits=True)["token_logits"]
     assert logits.shape == (7, 3, 33)
     assert model.lm_decoder.weight is model.embed_tokens.weight
-    untied = ESM2Model(hidden_size=32, num_heads=4, tie_embeddings=False)
+    untied = ESM2Model(replace(SMALL, tie_embeddings=False))
     assert untied.lm_decoder.weight is not untied.embed_tokens.weight
     names = {name for name, _ in model.named_parameters()}
     assert "lm_decoder.weight" not in names  # tied: one parameter, counted once
 
 
 def test_padding_does_not_change_real_positions() -> None:
-    model = ESM2Model(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64).double().eval()
+    model = ESM2Model(SMALL).double().eval()
     ids = torch.randint(4, 24, (2, 9))
     ids[1, 5:] = 1
     mask = ids != 1
@@ -46,7 +51,7 @@ def test_rotary_scores_depend_on_relative_position_only() -> None:
 
 
 def test_dropout_only_in_training() -> None:
-    model = ESM2Model(hidden_size=32, num_heads=4, dropout=0.5)
+    model = ESM2Model(replace(SMALL, dropout=0.5))
     ids = torch.randint(4, 24, (2, 6))
     model.eval()
     torch.testing.assert_close(model(ids)["token_logits"], model(ids)["token_logits"])
@@ -65,11 +70,11 @@ def test_dropout_only_in_training() -> None:
 )
 def test_bad_sizes_raise(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ESM2Model(**kwargs)
+        ESM2Model(ModelConfig(**kwargs))
 
 
 def test_input_shape_errors() -> None:
-    model = ESM2Model(hidden_size=16, num_heads=2)
+    model = ESM2Model(SMALL)
     with pytest.raises(ValueError, match=r"input_ids must be \[b, s\]"):
         model(torch.zeros(5, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 4\)"):
@@ -80,7 +85,7 @@ def test_input_shape_errors() -> None:
 def test_packed_row_equals_padded_batch(pad_to_multiple_of: int) -> None:
     from bert_reduce.packing import pack_batch
 
-    model = ESM2Model(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64).double().eval()
+    model = ESM2Model(SMALL).double().eval()
     lengths = [5, 9, 2, 7]
     ids = torch.randint(4, 24, (4, 9))
     mask = torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]
@@ -108,7 +113,7 @@ def test_packed_row_equals_padded_batch(pad_to_multiple_of: int) -> None:
 
 def test_fused_head_outputs_in_training_logits_in_eval() -> None:
     # No dropout: the fused and the logits forward passes must see the same network.
-    model = ESM2Model(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, dropout=0.0).double()
+    model = ESM2Model(replace(SMALL, dropout=0.0)).double()
     ids = torch.randint(4, 24, (3, 7))
     fused = model(ids)
     assert set(fused) == {"hidden_states", "hidden_layout", "output_weight", "output_bias"}
@@ -120,4 +125,4 @@ def test_fused_head_outputs_in_training_logits_in_eval() -> None:
     expected = model(ids, logits=True)["token_logits"]
     torch.testing.assert_close(logits.transpose(0, 1), expected, rtol=1e-12, atol=1e-12)
     assert set(model.eval()(ids)) == {"token_logits"}
-    assert set(ESM2Model(hidden_size=32, num_heads=4, fused_head=False)(ids)) == {"token_logits"}
+    assert set(ESM2Model(replace(SMALL, fused_head=False))(ids)) == {"token_logits"}

@@ -7,10 +7,14 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from bert_reduce import BERTMLMLossWithReduction
+from bert_reduce.recipe.config import ModelConfig
 from bert_reduce.recipe.data import MLMCollator, MLMDataset, PackedMicroBatchCollator
 from bert_reduce.recipe.model import ESM2Model
 from bert_reduce.recipe.module import ESM2MLMModule
 from tests.helpers.sync_guard import forbid_host_syncs
+
+# No dropout: the fused and the logits forward passes must see the same network.
+TINY = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, ffn_size=32, dropout=0.0)
 
 
 def samples(count: int = 6) -> list[dict[str, torch.Tensor]]:
@@ -38,8 +42,7 @@ def gradients(model: ESM2Model, batch: dict, mode: str) -> tuple[torch.Tensor, d
 @pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_fused_head_gives_the_gradients_of_the_logits(mode, packed) -> None:
-    # No dropout: the two forward passes must see the same network.
-    model = ESM2Model(hidden_size=16, num_layers=1, num_heads=2, ffn_size=32, dropout=0.0).double()
+    model = ESM2Model(TINY).double()
     batch = (
         PackedMicroBatchCollator(6)(samples())["micro_batches"][0]
         if packed
@@ -57,7 +60,7 @@ def test_fused_head_gives_the_gradients_of_the_logits(mode, packed) -> None:
 
 def test_counts_stay_host_ints_through_lightnings_own_batch_transfer() -> None:
     """No transfer hook of ours (Lightning warns about one beside a datamodule): ints survive."""
-    module = ESM2MLMModule(ESM2Model(hidden_size=16, num_heads=2), micro_batch_size=2)
+    module = ESM2MLMModule(ESM2Model(TINY), micro_batch_size=2)
     for hook in ("transfer_batch_to_device", "on_before_batch_transfer", "on_after_batch_transfer"):
         assert not is_overridden(hook, module), hook
     padded = MLMCollator()(samples(4))

@@ -1,9 +1,10 @@
 """``python train.py`` run as a user runs it: the end-to-end guarantee of the recipe.
 
 The same global batches give the same per-step ``train_loss`` and final ``val_ppl`` whatever
-the micro-batch size and number of DDP processes (gloo), on a validation set whose size
-divides neither the batch sizes nor the number of ranks; and a run stopped after step k and
-resumed writes the rows of an uninterrupted run. The README's runs print no warning.
+the micro-batch size, packing and number of DDP processes (gloo), on a validation set whose
+size divides neither the batch sizes nor the number of ranks; and a run resumed from a
+checkpoint of step k on another layout writes the rows of an uninterrupted run. Every run
+shows every Python warning (deprecations too) and prints none.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import csv
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.helpers.recipe_runs import (
     run_train_py,
@@ -23,51 +25,62 @@ from tests.helpers.recipe_runs import (
 
 pytestmark = pytest.mark.slow
 
-SPLITS = [(16, 1), (4, 1), (2, 2), (8, 2)]  # (micro_batch_size, devices)
-PACKED = (4, 2)  # also packing each micro-batch into one row: the same losses again
+Split = tuple[int, int, bool]  # (micro_batch_size, devices, packed)
+SINGLE = [(16, 1, False), (16, 1, True), (4, 1, False), (4, 1, True)]  # one multirun
+DDP = [(2, 2, False), (8, 2, True)]
+REFERENCE = SINGLE[0]
+WARNINGS_SHOWN = {"PYTHONWARNINGS": "default", "HF_HUB_OFFLINE": "1"}
+
+
+def train_printing_no_warning(run_dir: Path, *overrides: str, **kwargs) -> None:
+    result = train(run_dir, *overrides, env=WARNINGS_SHOWN, **kwargs)
+    assert not warnings_printed(result), "\n".join(warnings_printed(result))
+
+
+def split_of(run_dir: Path) -> Split:
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    return cfg.data.micro_batch_size, cfg.trainer.devices, cfg.data.pack_sequences
 
 
 @pytest.fixture(scope="module")
-def split_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int] | str, Path]:
+def split_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Split, Path]:
     # One Hydra multirun sweeps the single-process splits (its jobs share one interpreter,
-    # which saves a start-up); DDP runs launch their own processes, one run each.
+    # which saves start-ups); DDP runs launch their own processes, one run each. A
+    # checkpoint every step: the resume below starts from step 1's.
     sweep = tmp_path_factory.mktemp("sweep")
-    single = [micro for micro, devices in SPLITS if devices == 1]
-    micro_sizes = ",".join(map(str, single))
-    train(sweep, "trainer.max_steps=3", f"data.micro_batch_size={micro_sizes}", multirun=True)
-    runs = {(micro, 1): sweep / str(job) for job, micro in enumerate(single)}
-    for micro, devices in SPLITS:
-        if devices > 1:
-            run_dir = tmp_path_factory.mktemp(f"m{micro}_d{devices}")
-            train(
-                run_dir,
-                "trainer.max_steps=3",
-                f"data.micro_batch_size={micro}",
-                f"trainer.devices={devices}",
-            )
-            runs[micro, devices] = run_dir
-    micro, devices = PACKED
-    run_dir = tmp_path_factory.mktemp("packed")
-    train(
-        run_dir,
+    train_printing_no_warning(
+        sweep,
         "trainer.max_steps=3",
-        f"data.micro_batch_size={micro}",
-        f"trainer.devices={devices}",
-        "data.pack_sequences=true",
+        "callbacks.checkpoint.every_n_train_steps=1",
+        "data.micro_batch_size=16,4",
+        "data.pack_sequences=false,true",
+        multirun=True,
     )
-    runs["packed"] = run_dir
+    runs = {split_of(job): job for job in sweep.iterdir() if job.name.isdigit()}
+    assert sorted(runs) == sorted(SINGLE)  # one run directory per job
+    for micro, devices, packed in DDP:
+        run_dir = tmp_path_factory.mktemp(f"m{micro}_d{devices}")
+        train_printing_no_warning(
+            run_dir,
+            "trainer.max_steps=3",
+            f"data.micro_batch_size={micro}",
+            f"trainer.devices={devices}",
+            f"data.pack_sequences={str(packed).lower()}",
+        )
+        runs[micro, devices, packed] = run_dir
     return runs
 
 
-def test_same_losses_for_every_split(split_runs: dict[tuple[int, int] | str, Path]) -> None:
-    reference = split_runs[SPLITS[0]]
-    ref_losses = train_losses(reference)
-    ref_val = validations(reference)
+def test_same_losses_for_every_split(split_runs: dict[Split, Path]) -> None:
+    ref_losses = train_losses(split_runs[REFERENCE])
+    ref_val = validations(split_runs[REFERENCE])
     assert sorted(ref_losses) == [1, 2, 3]
     assert sorted(ref_val) == [3]  # validated once, at the end
     # Training did something: the loss moved (so equal losses are not trivially equal).
     assert ref_losses[1] != ref_losses[3]
+    assert sorted(split_runs) == sorted(SINGLE + DDP)
     for split, run_dir in split_runs.items():
+        assert split_of(run_dir) == split
         losses = train_losses(run_dir)
         assert sorted(losses) == [1, 2, 3], split
         for step, loss in ref_losses.items():
@@ -77,71 +90,40 @@ def test_same_losses_for_every_split(split_runs: dict[tuple[int, int] | str, Pat
         assert val_loss == pytest.approx(ref_loss, rel=1e-5), split
 
 
-def test_run_directory_outputs(split_runs: dict[tuple[int, int] | str, Path]) -> None:
-    run_dir = split_runs[2, 2]
+def test_run_directory_outputs(split_runs: dict[Split, Path]) -> None:
+    run_dir = split_runs[DDP[0]]
     header = next(csv.reader(open(run_dir / "metrics.csv")))
     assert {"step", "train_loss", "val_loss", "val_ppl"} <= set(header)
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
-    resolved = (run_dir / "config.yaml").read_text()
-    assert "micro_batch_size: 2" in resolved and "devices: 2" in resolved
-    assert "${" not in resolved  # interpolations resolved
+    assert "${" not in (run_dir / "config.yaml").read_text()  # interpolations resolved
 
 
 def test_resume_gives_the_rows_of_an_uninterrupted_run(
-    split_runs: dict[tuple[int, int] | str, Path], tmp_path: Path
+    split_runs: dict[Split, Path], tmp_path: Path
 ) -> None:
-    # The uninterrupted run: 3 steps, micro-batch 16, one process. Stop it after step 1
-    # (same schedule: total_steps stays 3) and resume on 2 processes with micro-batch 8:
-    # the checkpoint counts global batches, so the layout may change.
-    full = split_runs[16, 1]
-    first, second = tmp_path / "first", tmp_path / "second"
-    common = ["optim.scheduler.total_steps=3", "callbacks.checkpoint.every_n_train_steps=1"]
-    train(first, *common, "trainer.max_steps=1", "data.micro_batch_size=16")
-    train(
-        second,
-        *common,
-        "trainer.max_steps=3",
-        "data.micro_batch_size=8",
-        "trainer.devices=2",
-        f"resume={first / 'checkpoints' / 'last.ckpt'}",
-    )
+    # The uninterrupted run: 3 steps, micro-batch 16, one process. Resume its checkpoint of
+    # step 1 on 2 processes with micro-batch 8: the checkpoint counts global batches, so the
+    # layout may change.
+    full = split_runs[REFERENCE]
+    step1 = full / "checkpoints" / "step000001.ckpt"
+    overrides = ["trainer.max_steps=3", "data.micro_batch_size=8", "trainer.devices=2"]
+    train_printing_no_warning(tmp_path, *overrides, f"resume={step1}")
     expected = train_losses(full)
-    resumed = {**train_losses(first), **train_losses(second)}
-    assert sorted(train_losses(second)) == [2, 3]
-    assert sorted(resumed) == sorted(expected)
-    for step, loss in expected.items():
-        assert resumed[step] == pytest.approx(loss, rel=1e-5), step
-    assert validations(second)[3] == pytest.approx(validations(full)[3], rel=1e-5)
+    assert sorted(train_losses(tmp_path)) == [2, 3]
+    for step, loss in train_losses(tmp_path).items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+    assert validations(tmp_path)[3] == pytest.approx(validations(full)[3], rel=1e-5)
 
 
-def test_multirun_wrote_one_run_directory_per_job(
-    split_runs: dict[tuple[int, int] | str, Path],
-) -> None:
-    for split, run_dir in split_runs.items():
-        micro, devices = PACKED if split == "packed" else split
-        resolved = (run_dir / "config.yaml").read_text()
-        assert f"micro_batch_size: {micro}" in resolved and f"devices: {devices}" in resolved
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        [],
-        ["model=hf_esm2"],
-        ["trainer.devices=2", "loss.normalization=per_sequence"],
-        ["resume=auto"],
-    ],
-    ids=["default", "hf_esm2", "ddp", "resume-auto"],
-)
-def test_runs_print_no_warning(overrides: list[str], tmp_path: Path) -> None:
-    # The README's runs as a user starts them, shortened (2 steps, small data), with every
-    # Python warning shown (PYTHONWARNINGS=default: deprecations too) and the progress bar on.
+def test_the_default_run_prints_no_warning(tmp_path: Path) -> None:
+    # The README's run as a user starts it (progress bar, TensorBoard, curves.png), shortened
+    # (2 steps, small data), with resume=auto into its empty run directory.
     result = run_train_py(
-        *overrides,
+        "resume=auto",
         "trainer.max_steps=2",
         "data.num_train_sequences=64",
         "data.num_val_sequences=16",
         f"hydra.run.dir={tmp_path}",
-        env={"PYTHONWARNINGS": "default", "HF_HUB_OFFLINE": "1"},
+        env=WARNINGS_SHOWN,
     )
     assert not warnings_printed(result), "\n".join(warnings_printed(result))
