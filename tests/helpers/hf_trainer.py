@@ -24,6 +24,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,7 @@ def reference_step(kind: str, rows: Sequence[dict[str, Tensor]]) -> dict[str, An
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     loss = cross_entropy_mean(logits, batch["labels"])
     loss.backward()
-    return {"grads": _grads(model), "loss": loss.item()}
+    return {"grads": grads(model), "loss": loss.item()}
 
 
 def reference_eval(kind: str, rows: Sequence[dict[str, Tensor]]) -> float:
@@ -117,7 +118,8 @@ def reference_eval(kind: str, rows: Sequence[dict[str, Tensor]]) -> float:
     return cross_entropy_mean(logits.logits, batch["labels"]).item()
 
 
-def _grads(model: nn.Module) -> dict[str, Tensor]:
+def grads(model: nn.Module) -> dict[str, Tensor]:
+    """A copy of every parameter's gradient, by name."""
     return {
         name: param.grad.detach().clone()
         for name, param in model.named_parameters()
@@ -154,8 +156,6 @@ class Case:
     sampling: str = "sequential"  # TrainingArguments.train_sampling_strategy
     seed: int = 0
     fused_head: bool = False
-    train_masked: tuple[int, ...] = TRAIN_MASKED
-    eval_batch: int = 3  # for evaluation cases
     with_metrics: bool = False  # evaluation: a compute_metrics that needs the logits
 
 
@@ -213,17 +213,24 @@ class GradientAtStep(TrainerCallback):
         self.grads: dict[str, Tensor] | None = None
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = _grads(model)
+        self.grads = grads(model)
 
 
 def logged_losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+def step_gradient(trainer) -> dict[str, Tensor]:
+    """``trainer.train()``; the gradient of its (one) optimizer step, after DDP's all-reduce."""
+    capture = GradientAtStep()
+    trainer.add_callback(capture)
+    trainer.train()
+    return capture.grads
+
+
 def trainer_step(case: Case, output_dir: str) -> dict[str, Any]:
     """One optimizer step (lr 0) on the global batch of 8 over this process group."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    capture = GradientAtStep()
     args = training_arguments(
         output_dir,
         per_device_train_batch_size=8 // (world * case.accumulation),
@@ -232,19 +239,17 @@ def trainer_step(case: Case, output_dir: str) -> dict[str, Any]:
         train_sampling_strategy=case.sampling,
         seed=case.seed,
     )
-    rows = samples(TRAIN_LENGTHS, case.train_masked)
+    rows = samples(TRAIN_LENGTHS, TRAIN_MASKED)
     trainer = _trainer(case, output_dir, args=args, train_dataset=ListDataset(rows))
-    trainer.add_callback(capture)
-    trainer.train()
     return {
-        "grads": capture.grads,
+        "grads": step_gradient(trainer),
         "loss": logged_losses(trainer)[0],
         "micro_batch_losses": trainer.micro_batch_losses,
     }
 
 
 def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
-    """``evaluate()`` over the 13 eval samples with eval batch ``case.eval_batch``."""
+    """``evaluate()`` over the 13 eval samples with eval batch 3."""
     rows = samples(EVAL_LENGTHS, EVAL_MASKED, seed=1)
     seen: dict[str, Any] = {}
 
@@ -255,7 +260,7 @@ def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
         accuracy = float((logits.argmax(-1)[scored] == labels[scored]).mean())
         return {"masked_accuracy": accuracy}
 
-    args = training_arguments(output_dir, per_device_eval_batch_size=case.eval_batch)
+    args = training_arguments(output_dir, per_device_eval_batch_size=3)
     trainer = _trainer(
         case,
         output_dir,
@@ -268,13 +273,20 @@ def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one thread: these tiny models then run several times faster on a busy
-    machine than with two threads fighting for its cores."""
+def fast_cpu_runs() -> Iterator[None]:
+    """Run torch on one thread and skip the ``gc.collect()`` that ends every ``train()``.
+
+    These tiny models run several times faster on a busy machine with one thread than with
+    two fighting for its cores; and Trainer's ``accelerator.free_memory()`` after training
+    collects the garbage of the whole test session, most of a short run's time.
+    """
+    from accelerate.utils import memory
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield
+        with mock.patch.object(memory, "clear_device_cache", lambda garbage_collection=False: None):
+            yield
     finally:
         torch.set_num_threads(threads)
 
@@ -302,7 +314,7 @@ Job = tuple[str, Case]
 
 def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> list[dict]:
     results = []
-    with one_thread():
+    with fast_cpu_runs():
         for index, (runner_name, case) in enumerate(jobs):
             runner: Callable[[Case, str], dict[str, Any]] = globals()[runner_name]
             results.append(runner(case, os.path.join(output_dir, str(index))))

@@ -1,4 +1,7 @@
-"""examples/hf_trainer_esm2.py and examples/hf_trainer_geneformer.py, briefly, in one process."""
+"""examples/hf_trainer_esm2.py and examples/hf_trainer_geneformer.py, briefly, in one process.
+
+End-to-end training runs: ``slow``.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 from examples import hf_trainer_esm2, hf_trainer_geneformer
-from tests.helpers.hf_trainer import one_thread
+from tests.helpers.hf_trainer import fast_cpu_runs
+
+pytestmark = pytest.mark.slow
 
 TINY_ESM = ["--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--max-length", "40"]
 SHORT_RUN = ["--batch-size", "4", "--accumulation", "2", "--max-steps", "2", "--eval-steps", "1"]
@@ -19,7 +24,7 @@ SHORT_RUN = ["--batch-size", "4", "--accumulation", "2", "--max-steps", "2", "--
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    with one_thread():
+    with fast_cpu_runs():
         yield
 
 

@@ -26,10 +26,12 @@ from torch.nn.parallel import DistributedDataParallel
 from bert_reduce import GlobalBatchLoss
 from bert_reduce.num_scored import count_scored
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.hf_bert import tiny_bert_config
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
 
 pytest.importorskip("transformers")
+
+from tests.helpers import hf_trainer as H
+
 pytestmark = pytest.mark.slow
 
 SEQ_LEN = 24
@@ -38,18 +40,9 @@ ROWS = {0: ([20, 24, 18, 24], [9, 10, 8, 8]), 1: ([24, 12, 20, 16], [2, 0, 3, 0]
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from transformers import BertForMaskedLM, EsmForMaskedLM
-
-    torch.manual_seed(0)
+    model = H.tiny_model(kind)
     if kind == "esm":
-        model = EsmForMaskedLM(tiny_esm_config()).double()
         model.esm.contact_head.requires_grad_(False)  # not on the masked-LM path
-    else:
-        model = BertForMaskedLM(tiny_bert_config()).double()
-    with torch.no_grad():  # a non-zero output bias, so that a lost bias gradient would show
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.1)
     return model
 
 
