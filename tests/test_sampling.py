@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 
 import pytest
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
@@ -13,15 +11,6 @@ from bert_reduce.sampling import (
     check_no_repeated_samples,
     check_sampler_placement,
 )
-
-
-def test_imports_with_lightning_absent() -> None:
-    code = (
-        "import sys; sys.modules['lightning'] = None; "
-        "from bert_reduce.sampling import ShardedEvalBatchSampler, check_no_repeated_samples; "
-        "import bert_reduce.evaluation, bert_reduce.accumulation"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def _global_batches(world_size: int, micro_batch_size: int, epoch: int) -> list[list[int]]:
