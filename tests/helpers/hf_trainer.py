@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import Dataset
 from transformers import TrainerCallback
 
 from tests.helpers.hf_bert import tiny_bert_config
@@ -76,17 +75,6 @@ def samples(
 
 def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-
-
-class ListDataset(Dataset):
-    def __init__(self, rows: Sequence[dict[str, Tensor]]) -> None:
-        self.rows = list(rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        return self.rows[index]
 
 
 def cross_entropy_mean(logits: Tensor, labels: Tensor) -> Tensor:
@@ -240,7 +228,7 @@ def trainer_step(case: Case, output_dir: str) -> dict[str, Any]:
         seed=case.seed,
     )
     rows = samples(TRAIN_LENGTHS, TRAIN_MASKED)
-    trainer = _trainer(case, output_dir, args=args, train_dataset=ListDataset(rows))
+    trainer = _trainer(case, output_dir, args=args, train_dataset=rows)
     return {
         "grads": step_gradient(trainer),
         "loss": logged_losses(trainer)[0],
@@ -265,7 +253,7 @@ def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
         case,
         output_dir,
         args=args,
-        eval_dataset=ListDataset(rows),
+        eval_dataset=rows,
         compute_metrics=compute_metrics if case.with_metrics else None,
     )
     metrics = trainer.evaluate()

@@ -131,8 +131,8 @@ def test_fused_head_is_exact_and_forms_logits_only_for_compute_metrics(kind: str
         trainer = ExactMLMTrainer(
             model=model,
             args=args,
-            train_dataset=H.ListDataset(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)),
-            eval_dataset=H.ListDataset(eval_rows),
+            train_dataset=H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED),
+            eval_dataset=eval_rows,
             fused_head=True,
         )
         grads = H.step_gradient(trainer)  # lr 0: evaluate() sees the initial model
@@ -189,7 +189,7 @@ def test_packed_batches_count_each_sequence(flash_attn_kwargs: bool) -> None:
         trainer = ExactMLMTrainer(
             model=H.tiny_model("esm"),
             args=args,
-            train_dataset=H.ListDataset(rows),
+            train_dataset=rows,
             data_collator=collator,
             normalization="per_sequence",
         )
@@ -216,9 +216,7 @@ def test_float_loss_mask_column_weights_the_tokens() -> None:
             gradient_accumulation_steps=4,
             remove_unused_columns=False,
         )
-        trainer = ExactMLMTrainer(
-            model=H.tiny_model("bert"), args=args, train_dataset=H.ListDataset(rows)
-        )
+        trainer = ExactMLMTrainer(model=H.tiny_model("bert"), args=args, train_dataset=rows)
         assert H.relative_error(H.step_gradient(trainer), H.grads(model)) <= EXACT
 
 
@@ -230,7 +228,7 @@ def test_predict_without_labels_keeps_trainers_metrics() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args = H.training_arguments(tmp, per_device_eval_batch_size=3)
         trainer = ExactMLMTrainer(model=H.tiny_model("esm"), args=args)
-        output = trainer.predict(H.ListDataset(rows))
+        output = trainer.predict(rows)
     assert output.predictions.shape == (13, H.SEQ_LEN, 33)
     assert "test_loss" not in output.metrics and "test_perplexity" not in output.metrics
 
@@ -249,7 +247,7 @@ def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch) -> No
             {k: v for k, v in row.items() if k != "labels"}
             for row in H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
         ]
-        trainer = ExactMLMTrainer(model=model, args=args, train_dataset=H.ListDataset(rows))
+        trainer = ExactMLMTrainer(model=model, args=args, train_dataset=rows)
         with pytest.raises(KeyError, match="labels"):
             trainer.train()
         monkeypatch.delattr(Trainer, "loss_is_scaled_for_ga")
