@@ -1,8 +1,8 @@
 """``transformers.Trainer`` with the exact masked-LM loss of every global batch and eval set.
 
-The plain ``Trainer`` averages micro-batch means over accumulation steps and processes (and
-gives NaN on an empty micro-batch); :class:`ExactMLMTrainer` counts first and divides once,
-through :class:`bert_reduce.GlobalBatchLoss` (``docs/hf_trainer.md``).
+:class:`ExactMLMTrainer` counts first and divides once, through
+:class:`bert_reduce.GlobalBatchLoss`, where the plain ``Trainer`` averages micro-batch means
+(``docs/hf_trainer.md``).
 """
 
 from __future__ import annotations
@@ -133,21 +133,13 @@ class ExactMLMTrainer(Trainer):
         trainer.train()                 # every step: the gradient of the global batch's mean
         trainer.evaluate()              # eval_loss, eval_perplexity over the whole eval set
 
-    * ``train()``: each optimizer step's gradient is that of the global batch's loss (all
-      ``gradient_accumulation_steps`` micro-batches on all processes), whatever the sampler,
-      ``average_tokens_across_devices`` or the model's ``accepts_loss_kwargs`` (the model
-      gets no ``labels``); the logged ``loss`` is the exact global-batch loss.
-    * ``evaluate()`` (and ``predict()`` with labels): ``eval_loss`` is the exact mean over the
-      eval set, each sample counted once across processes, and
-      ``eval_perplexity = exp(eval_loss)``.
-
-    It relies on Trainer's public hooks (``get_batch_samples``, ``num_items_in_batch``,
-    ``loss_is_scaled_for_ga``, ``model_accepts_loss_kwargs``, ``prediction_step``,
-    ``evaluation_loop``; ``docs/hf_trainer.md``), tested with transformers
-    :data:`TESTED_TRANSFORMERS_VERSIONS`; a version lacking them raises at construction.
-    Data parallelism only (``torchrun``/``accelerate launch``). The loss's batch keys
-    (:data:`LOSS_ONLY_KEYS`) are not passed to the model; a
-    ``loss_mask`` column of the *dataset* needs ``remove_unused_columns=False``.
+    The gradient of every optimizer step is that of the global batch (all accumulation
+    micro-batches on all processes), whatever the sampler or ``average_tokens_across_devices``;
+    ``eval_loss`` counts every eval sample once across processes. It relies on Trainer's
+    public hooks (``docs/hf_trainer.md``), tested with transformers
+    :data:`TESTED_TRANSFORMERS_VERSIONS`. Data parallelism only. The model is not given the
+    loss's batch keys (:data:`LOSS_ONLY_KEYS`); a ``loss_mask`` column of the *dataset* needs
+    ``remove_unused_columns=False``.
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments.

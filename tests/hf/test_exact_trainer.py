@@ -258,14 +258,6 @@ def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch) -> No
 # --- The model's inputs, and the per-sample terms of evaluation batches -----------------------
 
 
-def _options(mode: str) -> LossOptions:
-    return LossOptions(normalization=mode, constant_per_sequence=7)
-
-
-def _terms(batch, weights, losses, mode):
-    return mode_terms(batch, weights, losses, _options(mode))
-
-
 def test_model_inputs_leave_out_the_loss_keys() -> None:
     batch = {
         **H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)),
@@ -276,37 +268,28 @@ def test_model_inputs_leave_out_the_loss_keys() -> None:
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
-def test_sample_terms_of_rows(mode: str) -> None:
-    batch = H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
+@pytest.mark.parametrize("layout", ["rows", "position_ids", "cu_seq_lens_q"])
+def test_sample_terms_are_each_samples_own_terms(mode: str, layout: str) -> None:
+    # A sample is a row, or a sequence of DataCollatorWithFlattening's [1, T] row: its terms
+    # are those it has as a batch of its own, and they sum to the batch's.
+    if layout == "rows":
+        batch = H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
+        parts = [(slice(row, row + 1), slice(None)) for row in range(8)]
+    else:
+        collator = DataCollatorWithFlattening(return_flash_attn_kwargs=layout == "cu_seq_lens_q")
+        batch = collator(_packable_rows())
+        if layout == "cu_seq_lens_q":
+            del batch["position_ids"]
+        bounds = [0, *torch.tensor(H.TRAIN_LENGTHS).add(1).cumsum(0).tolist()]  # <cls> + sample
+        parts = [(slice(None), slice(bounds[i], bounds[i + 1])) for i in range(8)]
+    options = LossOptions(normalization=mode, constant_per_sequence=7)
     weights = scored_weights(batch)
     losses = torch.rand(weights.shape, dtype=torch.float64)
-    samples = sample_loss_terms(batch, weights, losses, _options(mode))
+    samples = sample_loss_terms(batch, weights, losses, options)
     assert samples.shape == (8, 2)
-    numerator, denominator = _terms(batch, weights, losses, mode)
+    numerator, denominator = mode_terms(batch, weights, losses, options)
     torch.testing.assert_close(samples.sum(0), torch.stack([numerator, denominator.double()]))
-    for row in range(8):
-        alone = {key: value[row : row + 1] for key, value in batch.items()}
-        pair = _terms(alone, weights[row : row + 1], losses[row : row + 1], mode)
-        torch.testing.assert_close(samples[row], torch.stack([pair[0], pair[1].double()]))
-
-
-@pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
-@pytest.mark.parametrize("boundaries", ["position_ids", "cu_seq_lens_q"])
-def test_sample_terms_of_packed_sequences(mode: str, boundaries: str) -> None:
-    # DataCollatorWithFlattening's [1, T] row: each packed sequence is one sample, with the
-    # terms it has as a row of its own.
-    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=boundaries == "cu_seq_lens_q")
-    packed = collator(_packable_rows())
-    if boundaries == "cu_seq_lens_q":
-        del packed["position_ids"]
-    weights = scored_weights(packed)
-    losses = torch.rand(weights.shape, dtype=torch.float64)
-    samples = sample_loss_terms(packed, weights, losses, _options(mode))
-    assert samples.shape == (8, 2)
-    start = 0
-    for index, length in enumerate(n + 1 for n in H.TRAIN_LENGTHS):  # <cls> + the sample
-        part = slice(start, start + length)
-        alone = {"labels": packed["labels"][:, part]}
-        pair = _terms(alone, weights[:, part], losses[:, part], mode)
-        torch.testing.assert_close(samples[index], torch.stack([pair[0], pair[1].double()]))
-        start += length
+    for sample, (rows, columns) in zip(samples, parts, strict=True):
+        alone = {"labels": batch["labels"][rows, columns]}
+        pair = mode_terms(alone, weights[rows, columns], losses[rows, columns], options)
+        torch.testing.assert_close(sample, torch.stack([pair[0], pair[1].double()]))
