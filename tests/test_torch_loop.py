@@ -83,7 +83,7 @@ def head_inputs(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", ["bs", "sb"])
 @pytest.mark.parametrize("weights", [False, True])
-@pytest.mark.parametrize("sizes", [[8], [1, 3, 2, 2], [3, 0, 5], [1] * 8])
+@pytest.mark.parametrize("sizes", [[8], [3, 0, 5], [1] * 8])
 @pytest.mark.parametrize("output", ["logits", "fused head"])
 def test_every_output_mode_layout_and_split_equals_reference(
     mode, layout, weights, sizes, output

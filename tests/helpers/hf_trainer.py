@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
-from tests.helpers.hf_bert import tiny_bert_config
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
 
 SEQ_LEN = 16
@@ -44,6 +43,23 @@ TRAIN_MASKED = (11, 9, 7, 5, 3, 1, 0, 0)
 # processes the distributed sampler pads it with duplicates.
 EVAL_LENGTHS = (16, 9, 14, 12, 16, 7, 11, 15, 10, 13, 8, 16, 12)
 EVAL_MASKED = (12, 1, 2, 9, 3, 1, 7, 2, 5, 1, 4, 13, 2)
+
+
+def tiny_bert_config():
+    """A BERT masked-LM config (Geneformer's architecture: post-LN, tied head with bias)."""
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
 
 
 def tiny_model(kind: str, seed: int = 0) -> nn.Module:
