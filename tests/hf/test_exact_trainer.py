@@ -33,7 +33,7 @@ LOGGED = 1e-6  # Trainer accumulates the logged loss in fp32
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _fast_cpu_runs():
     with H.fast_cpu_runs():
         yield
 

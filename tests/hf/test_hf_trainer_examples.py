@@ -21,7 +21,7 @@ SHORT_RUN = ["--batch-size", "4", "--accumulation", "2", "--max-steps", "2", "--
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _fast_cpu_runs():
     with fast_cpu_runs():
         yield
 
