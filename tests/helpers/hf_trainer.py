@@ -1,18 +1,10 @@
 """Real ``transformers.Trainer`` runs on CPU, 1 or several gloo processes, and their references.
 
 Shared by ``tests/hf``, ``tests/integration/test_hf_exact_trainer.py`` and
-``bench/hf_trainer_exactness.py`` (which prints the table of ``docs/hf_trainer.md``):
-
-* :func:`tiny_model` and :func:`samples`: a tiny fp64 ``EsmForMaskedLM`` / ``BertForMaskedLM``
-  (dropout 0, non-zero biases) and pre-padded samples with chosen numbers of masked tokens;
-* :func:`reference_step` / :func:`reference_eval`: one process, the whole unsplit batch (or
-  eval set), ``F.cross_entropy`` over its masked tokens. Nothing from bert_reduce is used;
-* :func:`trainer_step` / :func:`trainer_eval`: one optimizer step (lr 0) or one ``evaluate()``
-  of a plain ``Trainer`` or an ``ExactMLMTrainer``; the gradient is read at
-  ``on_pre_optimizer_step`` (after DDP's all-reduce), the loss from the log;
-* :func:`run_jobs` / :func:`run_cases`: runs on 1 process here, or on ``processes`` gloo processes
-  (``run_distributed``; the environment ``accelerate`` reads for a CPU run is set from the
-  initialized process group: no port, no launcher).
+``bench/hf_trainer_exactness.py`` (which prints the table of ``docs/hf_trainer.md``). The
+references (:func:`reference_step`, :func:`reference_eval`) use nothing from bert_reduce;
+:func:`run_jobs` runs :func:`trainer_step` and :func:`trainer_eval` here or on ``processes``
+gloo processes (the environment ``accelerate`` reads is set from the initialized group).
 """
 
 from __future__ import annotations
