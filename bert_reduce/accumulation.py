@@ -21,13 +21,10 @@ def accumulation_steps(
 ) -> Iterator[list[Mapping[str, Any]]]:
     """Each optimizer step's ``steps`` micro-batches, after ``loss_fn.begin()`` on them.
 
-    Reads one micro-batch ahead, so that a loader has ended before its last group runs:
-    Accelerate's ``accelerator.accumulate()`` synchronizes gradients and steps the optimizer
-    at every micro-batch once its loader has handed over its last one, which would otherwise
-    happen from the last group's first micro-batch on. Under ``accelerator.backward``, which
-    divides every loss by ``gradient_accumulation_steps``, build the loss with
-    ``GlobalBatchLoss(gradient_average_size=num_processes * gradient_accumulation_steps)``
-    (docs/pytorch_loop.md).
+    Reads one micro-batch ahead, so that a loader has ended before its last group runs (once
+    its loader has handed over its last batch, ``accelerator.accumulate()`` steps at every
+    micro-batch). With Accelerate, build the loss with
+    ``GlobalBatchLoss(gradient_average_size=num_processes * steps)`` (docs/pytorch_loop.md).
 
     Args:
         micro_batches: This rank's micro-batches, in order (a loader).

@@ -1,13 +1,7 @@
 """Exact evaluation in a loop of one's own: every sample counted once, every rank in step.
 
-Summing ``(loss_sum, denominator)`` over every rank's evaluation batches (e.g. in
-:class:`bert_reduce.metrics.TokenPerplexity`) gives the loss of the whole evaluation set only
-if every sample sits on exactly one rank (:class:`bert_reduce.sampling.ShardedEvalBatchSampler`;
-a padding ``DistributedSampler`` repeats samples). Such ranks hold different numbers of
-batches, some none at all, while under FSDP2 every forward all-gathers parameters: a rank
-that stops early leaves the others waiting forever. :func:`eval_batches` does both jobs: it
-refuses a loader that repeats samples, and gives the short ranks batches that score nothing,
-so that every rank runs as many forwards.
+:func:`eval_batches` refuses a loader that repeats samples and gives the short ranks batches
+that score nothing, so that every rank runs as many forwards (``docs/pytorch_loop.md``).
 """
 
 from __future__ import annotations
@@ -46,13 +40,16 @@ def eval_batches(
 ) -> Iterator[dict[str, Any]]:
     """This rank's evaluation batches, then batches scoring nothing until all ranks ran as many.
 
-    Every rank of ``group`` yields as many batches as the rank with the most: its own, then
-    copies of its last one (of ``dataloader.collate_fn([dataset[0]])`` on a rank without
-    batches, not moved to any device) whose ``labels`` are all ``ignore_index``, whose
-    ``loss_mask`` (if any) is 0 and whose ``num_scored`` (if any) is 0. Their forwards keep
-    FSDP2's all-gathers in step and add nothing to a loss or a :class:`TokenPerplexity`.
-    Finding the largest count takes one all-reduce and one host read per evaluation, before
-    the first batch.
+    Summing ``(loss_sum, denominator)`` over every rank's batches (e.g. in
+    :class:`bert_reduce.metrics.TokenPerplexity`) gives the loss of the whole evaluation set
+    if every sample sits on exactly one rank (checked first); the ranks then hold different
+    numbers of batches, some none. Every rank of ``group`` yields as many as the rank with
+    the most: its own, then copies of its last one (of
+    ``dataloader.collate_fn([dataset[0]])`` on a rank without any, not moved to any device)
+    whose ``labels`` are all ``ignore_index``, ``loss_mask`` (if any) 0 and ``num_scored`` (if
+    any) 0. Their forwards keep FSDP2's all-gathers in step (a rank that stopped early would
+    leave the others waiting forever) and add nothing to a sum. Finding the largest count
+    takes one all-reduce and one host read per evaluation, before the first batch.
 
     Args:
         dataloader: This rank's evaluation loader, of mappings with ``labels`` (``[b, s]``);

@@ -1,18 +1,11 @@
 """Batch samplers that hand every step the same global batch, whatever the number of ranks.
 
-Training: :class:`GlobalBatchSampler` orders the whole dataset from ``(seed, epoch)`` alone,
-cuts that order into global batches of ``global_batch_size`` samples, and gives each rank its
-contiguous share (``global_batch_size // world_size`` samples) of each. Concatenating the
-shares of ranks ``0 .. world_size - 1`` gives back the global batch, so a step sees the same
-samples on 1 rank or on 8, with any micro-batch size.
-
-Validation: :class:`ShardedEvalBatchSampler` gives each rank a contiguous slice of the dataset,
-every sample exactly once (no padding with repeated samples as ``DistributedSampler`` does), so
-summing ``(loss_sum, denominator)`` over ranks gives the exact loss of the whole set.
-
-Plain torch: a loop of one's own uses them as any batch sampler,
-``DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), 16, 4))``; with Lightning,
-pass ``Trainer(use_distributed_sampler=False)`` so that Lightning does not replace them.
+:class:`GlobalBatchSampler` for training (each rank's contiguous share of every global batch),
+:class:`ShardedEvalBatchSampler` for validation (every sample on exactly one rank, so that
+summing ``(loss_sum, denominator)`` over ranks gives the exact loss of the set), and checks
+that a loader's sampler does either. A loop of one's own passes them as
+``DataLoader(dataset, batch_sampler=...)``; with Lightning, also
+``Trainer(use_distributed_sampler=False)``, so that Lightning does not replace them.
 """
 
 from __future__ import annotations
@@ -48,7 +41,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
     shuffle=shuffle, seed=seed)`` at the current epoch (a permutation drawn from ``seed +
     epoch``), available as ``self.sampler``; Lightning calls its ``set_epoch`` at the start of
     every epoch. The last global batch is dropped when incomplete, so every step has exactly
-    ``global_batch_size`` samples.
+    ``global_batch_size`` samples. The shares of ranks ``0 .. num_replicas - 1``, concatenated,
+    are the global batch: a step sees the same samples on 1 rank or on 8.
 
     Args:
         dataset_size: Number of samples in the dataset.

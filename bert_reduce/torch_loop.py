@@ -37,9 +37,8 @@ class GlobalBatchLoss:
     ``end()`` and the optimizer step (``docs/pytorch_loop.md``). The output is logits or any
     model output of :mod:`bert_reduce.forward_output`, e.g. the fused masked-only head's
     inputs (:func:`bert_reduce.hf.lm_head_inputs`); a micro-batch's ``num_scored`` sizes the
-    work with no device sync (``docs/fast_path.md``). FSDP2 all-gathers parameters in every
-    forward, so every rank must run as many micro-batches as the others
-    (``equal_micro_batch_counts`` checks it).
+    work with no device sync (``docs/fast_path.md``). Under FSDP2 every rank must run as
+    many micro-batches as the others (``equal_micro_batch_counts``).
 
     A micro-batch is a mapping with ``labels`` (``[b, s]`` token ids, ``ignore_index`` where
     unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights;
@@ -61,10 +60,9 @@ class GlobalBatchLoss:
             parallelism). Above 1, the per-sequence and constant modes need
             ``sequence_weight`` and ``sequence_start`` in every micro-batch.
         equal_micro_batch_counts: Require every rank of ``group`` to run as many micro-batches
-            as the others (FSDP2): the all-reduce of :meth:`begin` then also carries each
-            rank's count, which it reads on the host (one sync per step) and raises
-            ``ValueError`` on every rank, naming the counts, when they differ. Off by default:
-            DDP runs any number per rank, and the check costs a sync.
+            as the others (FSDP2, whose every forward all-gathers): the all-reduce of
+            :meth:`begin` also carries the counts, read on the host (one sync per step). Off
+            by default: DDP runs any number per rank.
         **options: The loss options, :class:`bert_reduce.LossOptions`' fields
             (``normalization``, ``constant_per_sequence``, ``weight_resolution``,
             ``capacity``, ``cross_entropy``, ``ignore_index``).

@@ -5,7 +5,6 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from bert_reduce.evaluation import eval_batches
-from bert_reduce.sampling import ShardedEvalBatchSampler
 
 DATA = [{"labels": torch.tensor([i, -100])} for i in range(5)]
 
@@ -14,12 +13,6 @@ def test_a_padding_distributed_sampler_is_refused_before_any_batch() -> None:
     loader = DataLoader(DATA, batch_size=2, sampler=DistributedSampler(DATA, 2, 0, shuffle=False))
     with pytest.raises(ValueError, match=r"its DistributedSampler repeats 1 of the 5 samples"):
         next(eval_batches(loader))
-
-
-def test_one_process_gets_the_loaders_batches() -> None:
-    loader = DataLoader(DATA, batch_sampler=ShardedEvalBatchSampler(5, 2))
-    labels = [batch["labels"][:, 0].tolist() for batch in eval_batches(loader)]
-    assert labels == [[0, 1], [2, 3], [4]]
 
 
 def test_batches_must_carry_labels() -> None:

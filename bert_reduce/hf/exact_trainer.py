@@ -1,8 +1,8 @@
 """``transformers.Trainer`` with the exact masked-LM loss of every global batch and eval set.
 
-The plain ``Trainer`` averages micro-batch means over accumulation steps and processes (and
-gives NaN on an empty micro-batch); :class:`ExactMLMTrainer` counts first and divides once,
-through :class:`bert_reduce.GlobalBatchLoss` (``docs/hf_trainer.md``).
+:class:`ExactMLMTrainer` counts first and divides once, through
+:class:`bert_reduce.GlobalBatchLoss`, where the plain ``Trainer`` averages micro-batch means
+(``docs/hf_trainer.md``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from bert_reduce import distributed
 from bert_reduce.engine import LossOptions, loss_terms, mode_terms, scored_weights, token_losses
 from bert_reduce.functional import safe_divide
 from bert_reduce.hf.lm_head import lm_head_inputs
-from bert_reduce.normalization import token_loss_sum
+from bert_reduce.normalization import sequence_normalizers
 from bert_reduce.packing import batch_sequence_normalizers
 from bert_reduce.torch_loop import GlobalBatchLoss
 
@@ -69,7 +69,7 @@ def sample_loss_terms(
     row of a ``[b, s]`` batch, or a sequence of a packed one (in order): the unit a distributed
     evaluation sampler pads with duplicates and ``accelerate``'s ``gather_for_metrics`` drops
     again.
-    Reads the number of packed sequences on the host (an evaluation-time sync).
+    Reads the number of samples on the host (an evaluation-time sync).
 
     Args:
         batch: The batch; its sequences as
@@ -81,40 +81,21 @@ def sample_loss_terms(
     Returns:
         ``[n, 2]`` fp64, detached.
     """
-    sequences = batch_sequence_normalizers(batch, weights)
-    per_token_loss = per_token_loss.detach()
-    pairs = []
-    if not sequences:
-        # Each row is one sample (and one sequence).
-        for row in range(weights.size(0)):
-            numerator, denominator = token_loss_sum(
-                per_token_loss[row : row + 1],
-                weights[row : row + 1],
-                options.normalization,
-                constant_per_sequence=options.constant_per_sequence,
-                weight_resolution=options.weight_resolution,
-            )
-            pairs.append(torch.stack([numerator.double(), denominator.double()]))
-    else:
-        sequence_weight, sequence_start = sequences["sequence_weight"], sequences["sequence_start"]
-        start = sequence_start != 0
-        # Sequence id of each token in row-major order (a sequence runs to the next start).
-        sequence_id = start.reshape(-1).cumsum(0).view(start.shape) - 1
-        for index in range(int(start.sum())):
-            inside = sequence_id == index
-            numerator, denominator = token_loss_sum(
-                per_token_loss,
-                torch.where(inside, weights, torch.zeros_like(weights)),
-                options.normalization,
-                sequence_weight=sequence_weight,
-                sequence_start=start & inside,
-                constant_per_sequence=options.constant_per_sequence,
-                weight_resolution=options.weight_resolution,
-            )
-            pairs.append(torch.stack([numerator.double(), denominator.double()]))
-    if not pairs:
-        return torch.zeros(0, 2, dtype=torch.float64, device=weights.device)
-    return torch.stack(pairs)
+    # Rows without packing keys are sequences of their own: their markers, then one loop.
+    sequences = batch_sequence_normalizers(batch, weights) or dict(
+        zip(("sequence_weight", "sequence_start"), sequence_normalizers(weights), strict=True)
+    )
+    start = sequences["sequence_start"] != 0
+    # Sequence id of each token in row-major order (a sequence runs to the next start).
+    sequence_id = start.reshape(-1).cumsum(0).view(start.shape) - 1
+    pairs = [torch.zeros(0, 2, dtype=torch.float64, device=weights.device)]
+    for index in range(int(start.sum())):
+        inside = sequence_id == index
+        sample = {**sequences, "sequence_start": start & inside}
+        alone = torch.where(inside, weights, torch.zeros_like(weights))
+        numerator, denominator = mode_terms(sample, alone, per_token_loss.detach(), options)
+        pairs.append(torch.stack([numerator.double(), denominator.double()]).view(1, 2))
+    return torch.cat(pairs)
 
 
 def _check_trainer_hooks() -> None:
@@ -152,21 +133,13 @@ class ExactMLMTrainer(Trainer):
         trainer.train()                 # every step: the gradient of the global batch's mean
         trainer.evaluate()              # eval_loss, eval_perplexity over the whole eval set
 
-    * ``train()``: each optimizer step's gradient is that of the global batch's loss (all
-      ``gradient_accumulation_steps`` micro-batches on all processes), whatever the sampler,
-      ``average_tokens_across_devices`` or the model's ``accepts_loss_kwargs`` (the model
-      gets no ``labels``); the logged ``loss`` is the exact global-batch loss.
-    * ``evaluate()`` (and ``predict()`` with labels): ``eval_loss`` is the exact mean over the
-      eval set, each sample counted once across processes, and
-      ``eval_perplexity = exp(eval_loss)``.
-
-    It relies on Trainer's public hooks (``get_batch_samples``, ``num_items_in_batch``,
-    ``loss_is_scaled_for_ga``, ``model_accepts_loss_kwargs``, ``prediction_step``,
-    ``evaluation_loop``; ``docs/hf_trainer.md``), tested with transformers
-    :data:`TESTED_TRANSFORMERS_VERSIONS`; a version lacking them raises at construction.
-    Data parallelism only (``torchrun``/``accelerate launch``). The loss's batch keys
-    (:data:`LOSS_ONLY_KEYS`) are not passed to the model; a
-    ``loss_mask`` column of the *dataset* needs ``remove_unused_columns=False``.
+    The gradient of every optimizer step is that of the global batch (all accumulation
+    micro-batches on all processes), whatever the sampler or ``average_tokens_across_devices``;
+    ``eval_loss`` counts every eval sample once across processes. It relies on Trainer's
+    public hooks (``docs/hf_trainer.md``), tested with transformers
+    :data:`TESTED_TRANSFORMERS_VERSIONS`. Data parallelism only. The model is not given the
+    loss's batch keys (:data:`LOSS_ONLY_KEYS`); a ``loss_mask`` column of the *dataset* needs
+    ``remove_unused_columns=False``.
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments.
@@ -309,15 +282,14 @@ class ExactMLMTrainer(Trainer):
         if model.training and num_items_in_batch is not None:
             # This micro-batch's share of the step that get_batch_samples began.
             loss = self._global_loss(forward_out, inputs)
-        elif model.training:
+        elif model.training or self._eval_local is None:
             loss = safe_divide(*loss_terms(inputs, forward_out, self.options, layout="bs"))
         else:
-            # Evaluation keeps each token's loss, for the per-sample sums of the last batch.
+            # evaluation_loop keeps each token's loss, for the per-sample sums of the last batch.
             weights = scored_weights(inputs, self.options.ignore_index)
             losses = token_losses(inputs, forward_out, self.options, layout="bs", weights=weights)
             numerator, denominator = mode_terms(inputs, weights, losses, self.options)
-            if self._eval_local is not None:
-                self._add_eval_terms(inputs, weights, losses, numerator, denominator)
+            self._add_eval_terms(inputs, weights, losses, numerator, denominator)
             loss = safe_divide(numerator, denominator)
         if return_outputs:
             return loss, ({} if outputs is None else outputs)

@@ -32,13 +32,18 @@ from bert_reduce.forward_output import (
 __all__ = ["lm_head_inputs"]
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside ``DistributedDataParallel`` (FSDP2 keeps the model's own class)."""
+def _unwrap(model: nn.Module) -> tuple[nn.Module, bool]:
+    """``(model inside DistributedDataParallel, whether DDP finds unused parameters)``.
+
+    FSDP2 keeps the model's own class. A DDP with ``find_unused_parameters=True`` marks the
+    parameters its outputs do not reach as unused.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
+    finds_unused = isinstance(model, DistributedDataParallel) and model.find_unused_parameters
     while isinstance(model, DistributedDataParallel):
         model = model.module
-    return model
+    return model, finds_unused
 
 
 def _check_output_layer_is_in_the_root_unit(model: nn.Module, decoder: nn.Module) -> None:
@@ -81,22 +86,14 @@ def _prediction_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Te
     )
 
 
-def _finds_unused_parameters(model: nn.Module) -> bool:
-    """Whether ``model`` is a DDP that marks parameters its outputs do not reach as unused."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return isinstance(model, DistributedDataParallel) and model.find_unused_parameters
-
-
 @contextlib.contextmanager
 def _head_stops_before_decoder(
     head: nn.Module,
     transform: Callable[[Tensor], Tensor],
     decoder: nn.Module,
-    seen: dict,
     keep_decoder_in_graph: bool,
-) -> Iterator[None]:
-    """Make ``head(x)`` return ``transform(x)`` and record the decoder's parameters.
+) -> Iterator[dict[str, Tensor | None]]:
+    """Make ``head(x)`` return ``transform(x)``; yields the decoder's ``weight`` and ``bias``.
 
     An instance attribute shadows the class's ``forward`` for this call only; module hooks
     (FSDP2's all-gather, DDP's) still run, as ``nn.Module.__call__`` is unchanged. The
@@ -108,26 +105,23 @@ def _head_stops_before_decoder(
     before the backward, and the loss's gradient of the bias would then fail ("marked as
     ready twice").
     """
+    seen: dict[str, Tensor | None] = {}
 
     def forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        weight, bias = decoder.weight, _decoder_bias(head, decoder)
-        seen["weight"], seen["bias"] = weight, bias
+        # ESM's decoder has no bias; its head adds its own `bias` parameter after the decoder.
+        bias = decoder.bias if decoder.bias is not None else getattr(head, "bias", None)
+        weight, seen["weight"], seen["bias"] = decoder.weight, decoder.weight, bias
         hidden = transform(features)
         if keep_decoder_in_graph:
-            anchor = weight[:1, :1].sum() if bias is None else weight[:1, :1].sum() + bias[:1].sum()
+            anchor = weight[:1, :1].sum() + (0 if bias is None else bias[:1].sum())
             hidden = hidden + anchor * 0
         return hidden
 
     head.forward = forward
     try:
-        yield
+        yield seen
     finally:
         del head.forward
-
-
-def _decoder_bias(head: nn.Module, decoder: nn.Module) -> Tensor | None:
-    # ESM's decoder has no bias; its head adds its own `bias` parameter after the decoder.
-    return decoder.bias if decoder.bias is not None else getattr(head, "bias", None)
 
 
 def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
@@ -167,12 +161,10 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
             "lm_head_inputs takes the model's inputs without 'labels': the model would score "
             "its hidden states as logits. Give the labels to the loss instead."
         )
-    inner = _unwrap(model)
+    inner, keep_decoder_in_graph = _unwrap(model)
     head, transform, decoder = _prediction_head(inner)
     _check_output_layer_is_in_the_root_unit(inner, decoder)
-    seen: dict[str, Tensor | None] = {}
-    keep = _finds_unused_parameters(model)
-    with _head_stops_before_decoder(head, transform, decoder, seen, keep):
+    with _head_stops_before_decoder(head, transform, decoder, keep_decoder_in_graph) as seen:
         hidden = model(**inputs).logits
     return {
         HIDDEN_STATES_KEY: hidden,

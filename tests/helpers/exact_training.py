@@ -27,6 +27,7 @@ from bert_reduce.functional import safe_divide
 from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, ShardedEvalBatchSampler
 from bert_reduce.num_scored import NumScoredCollator
 from bert_reduce.reduction import BERTMLMLossWithReduction
+from tests.helpers.mode_reference import reference_mode_loss
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 VOCAB = 11
@@ -92,23 +93,6 @@ def adamw() -> OptimizerFactory:
     return functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
 
 
-def reference_loss(logits_bsv: Tensor, labels: Tensor, mask: Tensor, mode: str) -> Tensor:
-    """The loss of a whole ``[b, s]`` batch, by definition of each normalization mode."""
-    if mode == "per_token":
-        return F.cross_entropy(logits_bsv[mask], labels[mask])
-    if mode == "per_sequence":
-        means = [
-            F.cross_entropy(logits_bsv[row][mask[row]], labels[row][mask[row]])
-            for row in range(len(mask))
-            if mask[row].any()
-        ]
-        return torch.stack(means).mean()
-    if mode == "constant":
-        total = F.cross_entropy(logits_bsv[mask], labels[mask], reduction="sum")
-        return total / (CONSTANT_PER_SEQUENCE * len(mask))
-    raise ValueError(mode)
-
-
 def reference_train(
     optimizer: OptimizerFactory, clip: float | None, mode: str = "per_token", steps: int = STEPS
 ) -> tuple[ParamDict, list[float]]:
@@ -121,9 +105,10 @@ def reference_train(
         batch = default_collate(
             [dataset[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)]
         )
-        logits = model(batch)["token_logits"].transpose(0, 1)  # [b, s, v]
-        mask = batch["loss_mask"]
-        loss = reference_loss(logits, batch["labels"], mask, mode)
+        logits, mask = model(batch)["token_logits"], batch["loss_mask"]
+        loss = reference_mode_loss(
+            logits, batch["labels"], mask, mode, constant_per_sequence=CONSTANT_PER_SEQUENCE
+        )
         opt.zero_grad()
         loss.backward()
         if clip is not None:

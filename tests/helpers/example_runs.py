@@ -1,6 +1,6 @@
-"""Several runs of an example's ``train(args)`` in one ``torchrun`` launch (the examples' tests).
+"""Several runs of the examples' ``train(args)`` in one ``torchrun`` launch (the examples' tests).
 
-    torchrun --nproc-per-node N -m tests.helpers.example_runs EXAMPLE "ARGS" ["ARGS" ...]
+    torchrun --nproc-per-node N -m tests.helpers.example_runs "EXAMPLE ARGS" ["EXAMPLE ARGS" ...]
 
 Before each run rank 0 prints ``run <i>``, then the example's own lines; after it,
 ``reference val_loss <L>``: the trained model's Hugging Face ``outputs.loss`` over the whole
@@ -22,12 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 
 def main() -> None:
-    example = importlib.import_module(sys.argv[1])
     dist.init_process_group("gloo")
-    for index, argv in enumerate(sys.argv[2:]):
+    for index, run in enumerate(sys.argv[1:]):
         if dist.get_rank() == 0:
             print(f"run {index}", flush=True)
-        args = example.parse_args(shlex.split(argv))
+        name, *argv = shlex.split(run)
+        example = importlib.import_module(name)
+        args = example.parse_args(argv)
         model = example.train(args)
         whole = default_collate(example.validation_set(args))
         model.eval()

@@ -1,18 +1,10 @@
 """Real ``transformers.Trainer`` runs on CPU, 1 or several gloo processes, and their references.
 
 Shared by ``tests/hf``, ``tests/integration/test_hf_exact_trainer.py`` and
-``bench/hf_trainer_exactness.py`` (which prints the table of ``docs/hf_trainer.md``):
-
-* :func:`tiny_model` and :func:`samples`: a tiny fp64 ``EsmForMaskedLM`` / ``BertForMaskedLM``
-  (dropout 0, non-zero biases) and pre-padded samples with chosen numbers of masked tokens;
-* :func:`reference_step` / :func:`reference_eval`: one process, the whole unsplit batch (or
-  eval set), ``F.cross_entropy`` over its masked tokens. Nothing from bert_reduce is used;
-* :func:`trainer_step` / :func:`trainer_eval`: one optimizer step (lr 0) or one ``evaluate()``
-  of a plain ``Trainer`` or an ``ExactMLMTrainer``; the gradient is read at
-  ``on_pre_optimizer_step`` (after DDP's all-reduce), the loss from the log;
-* :func:`run_jobs` / :func:`run_cases`: runs on 1 process here, or on ``processes`` gloo processes
-  (``run_distributed``; the environment ``accelerate`` reads for a CPU run is set from the
-  initialized process group: no port, no launcher).
+``bench/hf_trainer_exactness.py`` (which prints the table of ``docs/hf_trainer.md``). The
+references (:func:`reference_step`, :func:`reference_eval`) use nothing from bert_reduce;
+:func:`run_jobs` runs :func:`trainer_step` and :func:`trainer_eval` here or on ``processes``
+gloo processes (the environment ``accelerate`` reads is set from the initialized group).
 """
 
 from __future__ import annotations
@@ -24,15 +16,14 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import Dataset
 from transformers import TrainerCallback
 
-from tests.helpers.hf_bert import tiny_bert_config
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
 
 SEQ_LEN = 16
@@ -44,6 +35,23 @@ TRAIN_MASKED = (11, 9, 7, 5, 3, 1, 0, 0)
 # processes the distributed sampler pads it with duplicates.
 EVAL_LENGTHS = (16, 9, 14, 12, 16, 7, 11, 15, 10, 13, 8, 16, 12)
 EVAL_MASKED = (12, 1, 2, 9, 3, 1, 7, 2, 5, 1, 4, 13, 2)
+
+
+def tiny_bert_config():
+    """A BERT masked-LM config (Geneformer's architecture: post-LN, tied head with bias)."""
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
 
 
 def tiny_model(kind: str, seed: int = 0) -> nn.Module:
@@ -77,17 +85,6 @@ def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
-class ListDataset(Dataset):
-    def __init__(self, rows: Sequence[dict[str, Tensor]]) -> None:
-        self.rows = list(rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        return self.rows[index]
-
-
 def cross_entropy_mean(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean ``F.cross_entropy`` over the labelled (``!= -100``) tokens; 0 if there are none."""
     scored = labels != -100
@@ -104,7 +101,7 @@ def reference_step(kind: str, rows: Sequence[dict[str, Tensor]]) -> dict[str, An
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     loss = cross_entropy_mean(logits, batch["labels"])
     loss.backward()
-    return {"grads": _grads(model), "loss": loss.item()}
+    return {"grads": grads(model), "loss": loss.item()}
 
 
 def reference_eval(kind: str, rows: Sequence[dict[str, Tensor]]) -> float:
@@ -117,7 +114,8 @@ def reference_eval(kind: str, rows: Sequence[dict[str, Tensor]]) -> float:
     return cross_entropy_mean(logits.logits, batch["labels"]).item()
 
 
-def _grads(model: nn.Module) -> dict[str, Tensor]:
+def grads(model: nn.Module) -> dict[str, Tensor]:
+    """A copy of every parameter's gradient, by name."""
     return {
         name: param.grad.detach().clone()
         for name, param in model.named_parameters()
@@ -154,8 +152,6 @@ class Case:
     sampling: str = "sequential"  # TrainingArguments.train_sampling_strategy
     seed: int = 0
     fused_head: bool = False
-    train_masked: tuple[int, ...] = TRAIN_MASKED
-    eval_batch: int = 3  # for evaluation cases
     with_metrics: bool = False  # evaluation: a compute_metrics that needs the logits
 
 
@@ -213,17 +209,24 @@ class GradientAtStep(TrainerCallback):
         self.grads: dict[str, Tensor] | None = None
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = _grads(model)
+        self.grads = grads(model)
 
 
 def logged_losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+def step_gradient(trainer) -> dict[str, Tensor]:
+    """``trainer.train()``; the gradient of its (one) optimizer step, after DDP's all-reduce."""
+    capture = GradientAtStep()
+    trainer.add_callback(capture)
+    trainer.train()
+    return capture.grads
+
+
 def trainer_step(case: Case, output_dir: str) -> dict[str, Any]:
     """One optimizer step (lr 0) on the global batch of 8 over this process group."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    capture = GradientAtStep()
     args = training_arguments(
         output_dir,
         per_device_train_batch_size=8 // (world * case.accumulation),
@@ -232,19 +235,17 @@ def trainer_step(case: Case, output_dir: str) -> dict[str, Any]:
         train_sampling_strategy=case.sampling,
         seed=case.seed,
     )
-    rows = samples(TRAIN_LENGTHS, case.train_masked)
-    trainer = _trainer(case, output_dir, args=args, train_dataset=ListDataset(rows))
-    trainer.add_callback(capture)
-    trainer.train()
+    rows = samples(TRAIN_LENGTHS, TRAIN_MASKED)
+    trainer = _trainer(case, output_dir, args=args, train_dataset=rows)
     return {
-        "grads": capture.grads,
+        "grads": step_gradient(trainer),
         "loss": logged_losses(trainer)[0],
         "micro_batch_losses": trainer.micro_batch_losses,
     }
 
 
 def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
-    """``evaluate()`` over the 13 eval samples with eval batch ``case.eval_batch``."""
+    """``evaluate()`` over the 13 eval samples with eval batch 3."""
     rows = samples(EVAL_LENGTHS, EVAL_MASKED, seed=1)
     seen: dict[str, Any] = {}
 
@@ -255,12 +256,12 @@ def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
         accuracy = float((logits.argmax(-1)[scored] == labels[scored]).mean())
         return {"masked_accuracy": accuracy}
 
-    args = training_arguments(output_dir, per_device_eval_batch_size=case.eval_batch)
+    args = training_arguments(output_dir, per_device_eval_batch_size=3)
     trainer = _trainer(
         case,
         output_dir,
         args=args,
-        eval_dataset=ListDataset(rows),
+        eval_dataset=rows,
         compute_metrics=compute_metrics if case.with_metrics else None,
     )
     metrics = trainer.evaluate()
@@ -268,13 +269,20 @@ def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one thread: these tiny models then run several times faster on a busy
-    machine than with two threads fighting for its cores."""
+def fast_cpu_runs() -> Iterator[None]:
+    """Run torch on one thread and skip the ``gc.collect()`` that ends every ``train()``.
+
+    These tiny models run several times faster on a busy machine with one thread than with
+    two fighting for its cores; and Trainer's ``accelerator.free_memory()`` after training
+    collects the garbage of the whole test session, most of a short run's time.
+    """
+    from accelerate.utils import memory
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield
+        with mock.patch.object(memory, "clear_device_cache", lambda garbage_collection=False: None):
+            yield
     finally:
         torch.set_num_threads(threads)
 
@@ -302,7 +310,7 @@ Job = tuple[str, Case]
 
 def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> list[dict]:
     results = []
-    with one_thread():
+    with fast_cpu_runs():
         for index, (runner_name, case) in enumerate(jobs):
             runner: Callable[[Case, str], dict[str, Any]] = globals()[runner_name]
             results.append(runner(case, os.path.join(output_dir, str(index))))

@@ -26,14 +26,15 @@ from bert_reduce.engine import LossOptions, mode_terms, scored_weights
 from bert_reduce.hf import ExactMLMTrainer
 from bert_reduce.hf.exact_trainer import sample_loss_terms, split_model_inputs
 from tests.helpers import hf_trainer as H
+from tests.helpers.mode_reference import reference_mode_loss
 
 EXACT = 1e-9  # relative, fp64
 LOGGED = 1e-6  # Trainer accumulates the logged loss in fp32
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    with H.one_thread():
+def _fast_cpu_runs():
+    with H.fast_cpu_runs():
         yield
 
 
@@ -43,96 +44,67 @@ def _refs(kind: str) -> dict:
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
 @pytest.mark.parametrize("accumulation", [1, 2, 4])
-@pytest.mark.parametrize("average_tokens", [True, False])
-def test_step_gradient_and_logged_loss_are_the_unsplit_batch(
-    kind: str, accumulation: int, average_tokens: bool
-) -> None:
+def test_step_gradient_and_logged_loss_are_the_unsplit_batch(kind: str, accumulation: int) -> None:
     # Heavily masked samples first; with accumulation 4 the last micro-batch scores nothing.
     reference = _refs(kind)
-    case = H.Case(kind, exact=True, accumulation=accumulation, average_tokens=average_tokens)
-    (result,) = H.run_cases("trainer_step", [case])
+    (result,) = H.run_cases("trainer_step", [H.Case(kind, exact=True, accumulation=accumulation)])
     assert H.relative_error(result["grads"], reference["grads"]) <= EXACT
     assert H.relative(result["loss"], reference["loss"]) <= LOGGED
+    # Each micro-batch's share is finite (an empty one's is 0, not NaN) and they sum to the loss.
+    shares = result["micro_batch_losses"]
+    assert len(shares) == accumulation and all(math.isfinite(share) for share in shares)
+    assert math.isclose(sum(shares), reference["loss"], rel_tol=EXACT)
+    assert shares[-1] == 0.0 if accumulation == 4 else shares[-1] > 0
 
 
 @pytest.mark.parametrize(
     ("kind", "accumulation", "smallest_error"),
     # ESM: a mean of micro-batch means; BERT: `forward(**kwargs)` makes Trainer skip the
     # division by the accumulation steps, but its loss is still a plain mean.
-    [("esm", 2, 0.3), ("esm", 4, 0.3), ("bert", 2, 1.0), ("bert", 4, 1.0)],
+    [("esm", 4, 0.3), ("bert", 2, 1.0)],
 )
 def test_plain_trainer_step_is_off(kind: str, accumulation: int, smallest_error: float) -> None:
     reference = _refs(kind)
     (plain,) = H.run_cases("trainer_step", [H.Case(kind, exact=False, accumulation=accumulation)])
     assert H.relative_error(plain["grads"], reference["grads"]) > smallest_error
+    if accumulation == 4:  # the empty last micro-batch's mean
+        assert math.isnan(plain["micro_batch_losses"][-1])
 
 
 def test_random_sampler_steps_are_exact_where_plain_trainer_is_not() -> None:
     reference = _refs("esm")
-    cases = [
-        H.Case("esm", exact, accumulation=4, sampling="random", seed=seed)
-        for seed in (0, 1)
-        for exact in (False, True)
-    ]
-    results = H.run_cases("trainer_step", cases)
-    for case, result in zip(cases, results, strict=True):
-        error = H.relative_error(result["grads"], reference["grads"])
-        assert (error <= EXACT) if case.exact else (error > 0.01), (case, error)
-
-
-@pytest.mark.parametrize("kind", ["esm", "bert"])
-def test_empty_micro_batch_adds_zero_not_nan(kind: str) -> None:
-    # Accumulation 4 over the sequential sampler: the last micro-batch (samples 6 and 7)
-    # scores nothing.
-    reference = _refs(kind)
-    plain, exact = H.run_cases(
-        "trainer_step", [H.Case(kind, e, accumulation=4) for e in (False, True)]
-    )
-    assert math.isnan(plain["micro_batch_losses"][-1])
-    shares = exact["micro_batch_losses"]
-    assert shares[-1] == 0.0 and all(math.isfinite(value) for value in shares)
-    assert math.isclose(sum(shares), reference["loss"], rel_tol=EXACT)
+    cases = [H.Case("esm", exact, accumulation=4, sampling="random") for exact in (False, True)]
+    plain, exact = H.run_cases("trainer_step", cases)
+    assert H.relative_error(plain["grads"], reference["grads"]) > 0.01
     assert H.relative_error(exact["grads"], reference["grads"]) <= EXACT
 
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
-@pytest.mark.parametrize("fused_head", [False, True])
-def test_evaluate_is_the_exact_mean_over_the_eval_set(kind: str, fused_head: bool) -> None:
+def test_evaluate_is_the_exact_mean_over_the_eval_set(kind: str) -> None:
     # 13 samples, eval batch 3: a partial last batch; compute_metrics still gets every logit.
     reference = H.reference_eval(kind, H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1))
-    cases = [
-        H.Case(kind, exact=True, fused_head=fused_head, with_metrics=with_metrics)
-        for with_metrics in (False, True)
-    ]
-    for case, result in zip(cases, H.run_cases("trainer_eval", cases), strict=True):
-        metrics = result["metrics"]
-        assert H.relative(metrics["eval_loss"], reference) <= EXACT
-        assert H.relative(metrics["eval_perplexity"], math.exp(reference)) <= EXACT
-        if case.with_metrics:
-            vocab = H.tiny_model(kind).config.vocab_size
-            assert result["metric_shapes"] == ((13, H.SEQ_LEN, vocab), (13, H.SEQ_LEN))
-            assert 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
+    (result,) = H.run_cases("trainer_eval", [H.Case(kind, exact=True, with_metrics=True)])
+    metrics = result["metrics"]
+    assert H.relative(metrics["eval_loss"], reference) <= EXACT
+    assert H.relative(metrics["eval_perplexity"], math.exp(reference)) <= EXACT
+    vocab = H.tiny_model(kind).config.vocab_size
+    assert result["metric_shapes"] == ((13, H.SEQ_LEN, vocab), (13, H.SEQ_LEN))
+    assert 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
 
 
-@pytest.mark.parametrize("kind", ["esm", "bert"])
-def test_plain_trainer_evaluate_is_a_mean_of_batch_means(kind: str) -> None:
+def test_plain_trainer_evaluate_is_a_mean_of_batch_means() -> None:
     rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
-    reference = H.reference_eval(kind, rows)
-    (plain,) = H.run_cases("trainer_eval", [H.Case(kind, exact=False)])
+    reference = H.reference_eval("bert", rows)
+    (plain,) = H.run_cases("trainer_eval", [H.Case("bert", exact=False)])
     # The mean of the 5 batch means, weighted by their number of samples (the last has 1).
-    model = H.tiny_model(kind).eval()
+    model = H.tiny_model("bert").eval()
+    means = []
     with torch.no_grad():
-        means = [
-            H.cross_entropy_mean(
-                model(
-                    **{k: v for k, v in H.stack(rows[i : i + 3]).items() if k != "labels"}
-                ).logits,
-                H.stack(rows[i : i + 3])["labels"],
-            ).item()
-            for i in range(0, 13, 3)
-        ]
-    sizes = [3, 3, 3, 3, 1]
-    mean_of_means = sum(m * n for m, n in zip(means, sizes, strict=True)) / 13
+        for start in range(0, 13, 3):
+            batch = H.stack(rows[start : start + 3])
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            means.append(H.cross_entropy_mean(logits.logits, batch["labels"]).item())
+    mean_of_means = sum(m * n for m, n in zip(means, [3, 3, 3, 3, 1], strict=True)) / 13
     assert math.isclose(plain["metrics"]["eval_loss"], mean_of_means, rel_tol=1e-12)
     assert H.relative(plain["metrics"]["eval_loss"], reference) > 1e-4
 
@@ -142,33 +114,35 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
-def test_fused_head_forms_no_logits_in_training(kind: str) -> None:
+def test_fused_head_is_exact_and_forms_logits_only_for_compute_metrics(kind: str) -> None:
     reference = _refs(kind)
-    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
     eval_rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
+    eval_reference = H.reference_eval(kind, eval_rows)
     model = H.tiny_model(kind)
     decoder_calls = []
     _decoder(model).register_forward_pre_hook(lambda m, a: decoder_calls.append(model.training))
     with tempfile.TemporaryDirectory() as tmp:
         args = H.training_arguments(
-            tmp, per_device_train_batch_size=4, gradient_accumulation_steps=2
+            tmp,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            per_device_eval_batch_size=3,
         )
         trainer = ExactMLMTrainer(
             model=model,
             args=args,
-            train_dataset=H.ListDataset(rows),
-            eval_dataset=H.ListDataset(eval_rows),
+            train_dataset=H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED),
+            eval_dataset=eval_rows,
             fused_head=True,
         )
-        capture = H.GradientAtStep()
-        trainer.add_callback(capture)
-        trainer.train()
+        grads = H.step_gradient(trainer)  # lr 0: evaluate() sees the initial model
         assert decoder_calls == []  # no [b, s, v] logits in training
-        assert H.relative_error(capture.grads, reference["grads"]) <= EXACT
-        trainer.evaluate()  # no compute_metrics: the loss alone, fused
+        assert H.relative_error(grads, reference["grads"]) <= EXACT
+        # No compute_metrics: the loss alone, fused; with one, the logits it needs.
+        assert H.relative(trainer.evaluate()["eval_loss"], eval_reference) <= EXACT
         assert decoder_calls == []
         trainer.compute_metrics = lambda prediction: {}
-        trainer.evaluate()  # compute_metrics needs the logits
+        assert H.relative(trainer.evaluate()["eval_loss"], eval_reference) <= EXACT
         assert decoder_calls and not any(decoder_calls)
 
 
@@ -187,54 +161,40 @@ def _packable_rows() -> list[dict[str, list[int]]]:
     return packable
 
 
-@pytest.mark.parametrize("mode", ["per_token", "per_sequence"])
 @pytest.mark.parametrize("flash_attn_kwargs", [False, True])
-def test_packed_batches_count_each_sequence(mode: str, flash_attn_kwargs: bool) -> None:
+def test_packed_batches_count_each_sequence(flash_attn_kwargs: bool) -> None:
     # Hugging Face's DataCollatorWithFlattening: one [1, T] row per micro-batch, sequences
-    # marked by position_ids restarting at 0 (and cu_seq_lens_q with flash_attn_kwargs).
+    # marked by position_ids restarting at 0 (and cu_seq_lens_q with flash_attn_kwargs); in
+    # per-sequence mode, the mean of the sequences' means.
     rows = _packable_rows()
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_attn_kwargs)
     model = H.tiny_model("esm")
-    per_token, labels_all, sequence_ids, offset = [], [], [], 0
+    means = []
     for start in (0, 4):  # the two micro-batches, as the trainer sees them
         packed = collator(rows[start : start + 4])
         assert packed["input_ids"].shape[0] == 1
-        inputs = {k: v for k, v in packed.items() if k != "labels"}
-        logits = model(**inputs).logits[0]
+        logits = model(**{k: v for k, v in packed.items() if k != "labels"}).logits[0]
         labels = packed["labels"][0]
-        per_token.append(F.cross_entropy(logits, labels.clamp(min=0), reduction="none"))
-        labels_all.append(labels)
-        starts = packed["position_ids"][0] == 0
-        sequence_ids.append(starts.cumsum(0) - 1 + offset)
-        offset += int(starts.sum())
-    per_token_loss, labels, ids = map(torch.cat, (per_token, labels_all, sequence_ids))
-    scored = labels != -100
-    if mode == "per_token":
-        loss = per_token_loss[scored].mean()
-    else:
-        means = [per_token_loss[scored & (ids == i)].mean() for i in range(offset)]
-        means = [m for i, m in enumerate(means) if (scored & (ids == i)).any()]
-        loss = torch.stack(means).mean()
+        sequence_ids = (packed["position_ids"][0] == 0).cumsum(0)
+        for index in sequence_ids.unique().tolist():
+            scored = (labels != -100) & (sequence_ids == index)
+            if scored.any():
+                means.append(F.cross_entropy(logits[scored], labels[scored]))
+    loss = torch.stack(means).mean()
     loss.backward()
-    reference = H._grads(model)
     with tempfile.TemporaryDirectory() as tmp:
         args = H.training_arguments(
-            tmp,
-            per_device_train_batch_size=4,
-            gradient_accumulation_steps=2,
-            train_sampling_strategy="sequential",
+            tmp, per_device_train_batch_size=4, gradient_accumulation_steps=2
         )
         trainer = ExactMLMTrainer(
             model=H.tiny_model("esm"),
             args=args,
-            train_dataset=H.ListDataset(rows),
+            train_dataset=rows,
             data_collator=collator,
-            normalization=mode,
+            normalization="per_sequence",
         )
-        capture = H.GradientAtStep()
-        trainer.add_callback(capture)
-        trainer.train()
-    assert H.relative_error(capture.grads, reference) <= EXACT
+        grads = H.step_gradient(trainer)
+    assert H.relative_error(grads, H.grads(model)) <= EXACT
     assert H.relative(H.logged_losses(trainer)[0], loss.item()) <= LOGGED
 
 
@@ -246,12 +206,8 @@ def test_float_loss_mask_column_weights_the_tokens() -> None:
     model = H.tiny_model("bert")
     batch = H.stack(rows)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    scored = batch["labels"] != -100
-    weights = batch["loss_mask"][scored]
-    losses = F.cross_entropy(logits[scored], batch["labels"][scored], reduction="none")
-    loss = (weights * losses).sum() / weights.sum()
-    loss.backward()
-    reference = H._grads(model)
+    weights = torch.where(batch["labels"] != -100, batch["loss_mask"], 0)
+    reference_mode_loss(logits.transpose(0, 1), batch["labels"], weights, "per_token").backward()
     with tempfile.TemporaryDirectory() as tmp:
         # The dataset's loss_mask column survives only with remove_unused_columns=False.
         args = H.training_arguments(
@@ -260,13 +216,8 @@ def test_float_loss_mask_column_weights_the_tokens() -> None:
             gradient_accumulation_steps=4,
             remove_unused_columns=False,
         )
-        trainer = ExactMLMTrainer(
-            model=H.tiny_model("bert"), args=args, train_dataset=H.ListDataset(rows)
-        )
-        capture = H.GradientAtStep()
-        trainer.add_callback(capture)
-        trainer.train()
-    assert H.relative_error(capture.grads, reference) <= EXACT
+        trainer = ExactMLMTrainer(model=H.tiny_model("bert"), args=args, train_dataset=rows)
+        assert H.relative_error(H.step_gradient(trainer), H.grads(model)) <= EXACT
 
 
 def test_predict_without_labels_keeps_trainers_metrics() -> None:
@@ -277,7 +228,7 @@ def test_predict_without_labels_keeps_trainers_metrics() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args = H.training_arguments(tmp, per_device_eval_batch_size=3)
         trainer = ExactMLMTrainer(model=H.tiny_model("esm"), args=args)
-        output = trainer.predict(H.ListDataset(rows))
+        output = trainer.predict(rows)
     assert output.predictions.shape == (13, H.SEQ_LEN, 33)
     assert "test_loss" not in output.metrics and "test_perplexity" not in output.metrics
 
@@ -296,7 +247,7 @@ def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch) -> No
             {k: v for k, v in row.items() if k != "labels"}
             for row in H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
         ]
-        trainer = ExactMLMTrainer(model=model, args=args, train_dataset=H.ListDataset(rows))
+        trainer = ExactMLMTrainer(model=model, args=args, train_dataset=rows)
         with pytest.raises(KeyError, match="labels"):
             trainer.train()
         monkeypatch.delattr(Trainer, "loss_is_scaled_for_ga")
@@ -305,14 +256,6 @@ def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # --- The model's inputs, and the per-sample terms of evaluation batches -----------------------
-
-
-def _options(mode: str) -> LossOptions:
-    return LossOptions(normalization=mode, constant_per_sequence=7)
-
-
-def _terms(batch, weights, losses, mode):
-    return mode_terms(batch, weights, losses, _options(mode))
 
 
 def test_model_inputs_leave_out_the_loss_keys() -> None:
@@ -325,44 +268,28 @@ def test_model_inputs_leave_out_the_loss_keys() -> None:
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
-def test_sample_terms_of_rows(mode: str) -> None:
-    batch = H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
+@pytest.mark.parametrize("layout", ["rows", "position_ids", "cu_seq_lens_q"])
+def test_sample_terms_are_each_samples_own_terms(mode: str, layout: str) -> None:
+    # A sample is a row, or a sequence of DataCollatorWithFlattening's [1, T] row: its terms
+    # are those it has as a batch of its own, and they sum to the batch's.
+    if layout == "rows":
+        batch = H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
+        parts = [(slice(row, row + 1), slice(None)) for row in range(8)]
+    else:
+        collator = DataCollatorWithFlattening(return_flash_attn_kwargs=layout == "cu_seq_lens_q")
+        batch = collator(_packable_rows())
+        if layout == "cu_seq_lens_q":
+            del batch["position_ids"]
+        bounds = [0, *torch.tensor(H.TRAIN_LENGTHS).add(1).cumsum(0).tolist()]  # <cls> + sample
+        parts = [(slice(None), slice(bounds[i], bounds[i + 1])) for i in range(8)]
+    options = LossOptions(normalization=mode, constant_per_sequence=7)
     weights = scored_weights(batch)
     losses = torch.rand(weights.shape, dtype=torch.float64)
-    samples = sample_loss_terms(batch, weights, losses, _options(mode))
+    samples = sample_loss_terms(batch, weights, losses, options)
     assert samples.shape == (8, 2)
-    numerator, denominator = _terms(batch, weights, losses, mode)
+    numerator, denominator = mode_terms(batch, weights, losses, options)
     torch.testing.assert_close(samples.sum(0), torch.stack([numerator, denominator.double()]))
-    for row in range(8):
-        alone = {key: value[row : row + 1] for key, value in batch.items()}
-        pair = _terms(alone, weights[row : row + 1], losses[row : row + 1], mode)
-        torch.testing.assert_close(samples[row], torch.stack([pair[0], pair[1].double()]))
-
-
-@pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
-@pytest.mark.parametrize("boundaries", ["position_ids", "cu_seq_lens_q"])
-def test_sample_terms_of_packed_sequences(mode: str, boundaries: str) -> None:
-    # DataCollatorWithFlattening's [1, T] row: each packed sequence is one sample, with the
-    # terms it has as a row of its own.
-    from transformers import DataCollatorWithFlattening
-
-    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
-    features = [
-        {"input_ids": row["input_ids"][:n].tolist(), "labels": [-100, *row["labels"][1:n].tolist()]}
-        for row, n in zip(rows, H.TRAIN_LENGTHS, strict=True)
-    ]
-    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=boundaries == "cu_seq_lens_q")
-    packed = collator(features)
-    if boundaries == "cu_seq_lens_q":
-        del packed["position_ids"]
-    weights = scored_weights(packed)
-    losses = torch.rand(weights.shape, dtype=torch.float64)
-    samples = sample_loss_terms(packed, weights, losses, _options(mode))
-    assert samples.shape == (8, 2)
-    start = 0
-    for index, length in enumerate(H.TRAIN_LENGTHS):
-        part = slice(start, start + length)
-        alone = {"labels": packed["labels"][:, part]}
-        pair = _terms(alone, weights[:, part], losses[:, part], mode)
-        torch.testing.assert_close(samples[index], torch.stack([pair[0], pair[1].double()]))
-        start += length
+    for sample, (rows, columns) in zip(samples, parts, strict=True):
+        alone = {"labels": batch["labels"][rows, columns]}
+        pair = mode_terms(alone, weights[rows, columns], losses[rows, columns], options)
+        torch.testing.assert_close(sample, torch.stack([pair[0], pair[1].double()]))

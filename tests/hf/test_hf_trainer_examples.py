@@ -1,4 +1,7 @@
-"""examples/hf_trainer_esm2.py and examples/hf_trainer_geneformer.py, briefly, in one process."""
+"""examples/hf_trainer_esm2.py and examples/hf_trainer_geneformer.py, briefly, in one process.
+
+The training runs are end to end: ``slow``.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +14,15 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 from examples import hf_trainer_esm2, hf_trainer_geneformer
-from tests.helpers.hf_trainer import one_thread
+from tests.helpers.hf_trainer import fast_cpu_runs
 
 TINY_ESM = ["--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--max-length", "40"]
 SHORT_RUN = ["--batch-size", "4", "--accumulation", "2", "--max-steps", "2", "--eval-steps", "1"]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
+def _fast_cpu_runs():
+    with fast_cpu_runs():
         yield
 
 
@@ -28,6 +31,7 @@ def _check(metrics: dict[str, float]) -> None:
     assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]), rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused_head", [False, True])
 def test_esm2_example_trains_and_evaluates(tmp_path: Path, fused_head: bool) -> None:
     argv = [*TINY_ESM, *SHORT_RUN, "--train-sequences", "24", "--eval-sequences", "6"]
@@ -35,6 +39,7 @@ def test_esm2_example_trains_and_evaluates(tmp_path: Path, fused_head: bool) -> 
     _check(hf_trainer_esm2.main(argv))
 
 
+@pytest.mark.slow
 def test_esm2_example_fine_tunes_a_local_checkpoint(tmp_path: Path) -> None:
     args = hf_trainer_esm2.parse_args(TINY_ESM)
     tokenizer = hf_trainer_esm2.build_tokenizer(args)
@@ -46,6 +51,7 @@ def test_esm2_example_fine_tunes_a_local_checkpoint(tmp_path: Path) -> None:
     _check(hf_trainer_esm2.main([*argv, "--output-dir", str(tmp_path / "run")]))
 
 
+@pytest.mark.slow
 def test_geneformer_example_trains_and_evaluates(tmp_path: Path) -> None:
     # Geneformer's ~25k gene tokens, short cells and a tiny model.
     argv = ["--max-length", "96", "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2"]

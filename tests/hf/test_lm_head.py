@@ -8,25 +8,16 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from transformers import BertForMaskedLM, EsmForMaskedLM
-
 from bert_reduce import linear_cross_entropy_token_losses
 from bert_reduce.hf import lm_head_inputs
-from tests.helpers.hf_bert import tiny_bert_config
-from tests.helpers.hf_esm import esm_batch, tiny_esm_config
+from tests.helpers import hf_trainer as H
+from tests.helpers.hf_esm import esm_batch
 
 
-def _model(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = (
-        EsmForMaskedLM(tiny_esm_config()) if kind == "esm" else BertForMaskedLM(tiny_bert_config())
-    )
-    model = model.double()
-    with torch.no_grad():  # a non-zero bias, so that a dropped bias would show
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.1)
-    return model
+@pytest.fixture(autouse=True)
+def _fast_cpu_runs():
+    with H.fast_cpu_runs():
+        yield
 
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
@@ -35,12 +26,12 @@ def test_head_inputs_reproduce_the_logits_and_their_gradients(kind: str) -> None
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     labels = batch["labels"]
 
-    reference = _model(kind)
+    reference = H.tiny_model(kind)
     logits = reference(**inputs).logits
     scored = labels != -100
     F.cross_entropy(logits[scored], labels[scored], reduction="sum").backward()
 
-    model = _model(kind)
+    model = H.tiny_model(kind)
     out = lm_head_inputs(model, **inputs)
     assert out["hidden_layout"] == "bs" and out["hidden_states"].shape == (3, 9, 16)
     assert out["output_weight"].shape == (logits.size(-1), 16)
@@ -72,7 +63,7 @@ def test_head_inputs_reproduce_the_logits_and_their_gradients(kind: str) -> None
 
 
 def test_head_is_restored_after_an_error_and_bad_calls_are_named() -> None:
-    model = _model("esm")
+    model = H.tiny_model("esm")
     with pytest.raises(IndexError):  # a token id outside the embedding table
         lm_head_inputs(model, input_ids=torch.full((2, 3), 10**6))
     assert "forward" not in vars(model.lm_head)

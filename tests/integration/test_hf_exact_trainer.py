@@ -1,7 +1,7 @@
 """ExactMLMTrainer on 2 gloo processes: real ``transformers.Trainer`` + accelerate DDP runs.
 
-All cases of a test run one after the other in one pair of spawned processes
-(``tests/helpers/hf_trainer.run_cases``); the references are one process on the unsplit batch
+Every case runs one after the other in one pair of spawned processes
+(``tests/helpers/hf_trainer.run_jobs``); the references are one process on the unsplit batch
 or eval set. The plain ``Trainer`` runs beside them where it is wrong.
 """
 
@@ -21,56 +21,53 @@ LOGGED = 1e-6
 
 
 @pytest.mark.slow
-def test_two_process_steps_equal_the_unsplit_batch() -> None:
-    # Global batch 8 over 2 processes; the heavily masked samples land first; with
+def test_two_process_steps_and_evaluate_equal_one_process() -> None:
+    # Training: global batch 8 over 2 processes; the heavily masked samples land first; with
     # accumulation 2 and 4 the last micro-batch of process 1 scores nothing, and with
     # accumulation 1 process 1 holds 4 masked tokens against process 0's 32.
-    exact = [
+    steps = [
         H.Case(kind, exact=True, accumulation=accumulation, average_tokens=average_tokens)
         for kind in ("esm", "bert")
         for accumulation in (1, 2, 4)
         for average_tokens in (True, False)
     ]
-    fused = [H.Case(kind, exact=True, accumulation=2, fused_head=True) for kind in ("esm", "bert")]
-    plain = [H.Case("bert", exact=False), H.Case("esm", exact=False, accumulation=2)]
-    cases = exact + fused + plain
-    results = H.run_cases("trainer_step", cases, processes=2)
+    steps += [H.Case(kind, exact=True, accumulation=2, fused_head=True) for kind in ("esm", "bert")]
+    steps += [H.Case("bert", exact=False), H.Case("esm", exact=False, accumulation=2)]
+    # Evaluation: 13 samples, eval batch 3 per process: the last global batch holds 1 real
+    # sample and 5 duplicates added by the distributed sampler.
+    evals = [
+        H.Case(kind, exact=True, fused_head=fused_head, with_metrics=with_metrics)
+        for kind in ("esm", "bert")
+        for fused_head, with_metrics in ((False, True), (True, False))
+    ]
+    evals += [H.Case("bert", exact=False)]
+    jobs = [("trainer_step", case) for case in steps] + [("trainer_eval", case) for case in evals]
+    results = H.run_jobs(jobs, processes=2)
+    step_results, eval_results = results[: len(steps)], results[len(steps) :]
+
     references = {
         kind: H.reference_step(kind, H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
         for kind in ("esm", "bert")
     }
-    for case, result in zip(cases, results, strict=True):
+    for case, result in zip(steps[:-2], step_results, strict=False):
         reference = references[case.kind]
         error = H.relative_error(result["grads"], reference["grads"])
-        if case.exact:
-            assert error <= EXACT, (case, error)
-            assert H.relative(result["loss"], reference["loss"]) <= LOGGED, case
-    bert_plain, esm_plain = results[-2:]
+        assert error <= EXACT, (case, error)
+        assert H.relative(result["loss"], reference["loss"]) <= LOGGED, case
+    bert_plain, esm_plain = step_results[-2:]
     # BERT without accumulation: gradient and logged loss x2 (average_tokens_across_devices
     # multiplies the loss by the process count, and BERT's loss is a plain mean).
     assert H.norm_ratio(bert_plain["grads"], references["bert"]["grads"]) > 1.5
     assert bert_plain["loss"] > 1.5 * references["bert"]["loss"]
     assert H.relative_error(esm_plain["grads"], references["esm"]["grads"]) > 0.1
 
-
-@pytest.mark.slow
-def test_two_process_evaluate_counts_each_sample_once() -> None:
-    # 13 samples, eval batch 3 per process: the last global batch holds 1 real sample and 5
-    # duplicates added by the distributed sampler.
     rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
-    references = {kind: H.reference_eval(kind, rows) for kind in ("esm", "bert")}
-    cases = [
-        H.Case(kind, exact=True, fused_head=fused_head, with_metrics=with_metrics)
-        for kind in ("esm", "bert")
-        for fused_head, with_metrics in ((False, True), (True, False))
-    ] + [H.Case("bert", exact=False)]
-    results = H.run_cases("trainer_eval", cases, processes=2)
-    for case, result in zip(cases[:-1], results, strict=False):
-        metrics, reference = result["metrics"], references[case.kind]
+    eval_references = {kind: H.reference_eval(kind, rows) for kind in ("esm", "bert")}
+    for case, result in zip(evals[:-1], eval_results, strict=False):
+        metrics, reference = result["metrics"], eval_references[case.kind]
         assert H.relative(metrics["eval_loss"], reference) <= EXACT, case
         assert H.relative(metrics["eval_perplexity"], math.exp(reference)) <= EXACT, case
         if case.with_metrics:  # compute_metrics saw each sample once, with its logits
             assert result["metric_shapes"][1] == (13, H.SEQ_LEN)
     # The plain Trainer: BERT's eval_loss x2 (the process count), perplexity squared and more.
-    plain = results[-1]["metrics"]["eval_loss"]
-    assert plain > 1.9 * references["bert"]
+    assert eval_results[-1]["metrics"]["eval_loss"] > 1.9 * eval_references["bert"]

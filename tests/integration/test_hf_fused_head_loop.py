@@ -6,7 +6,7 @@ step's loss and every parameter gradient equal one process back-propagating
 ``F.cross_entropy`` over every masked token of the whole global batch (and the logits path).
 Hugging Face's ``outputs.loss`` divided by the accumulation steps is shown off under FSDP2
 (a mean of means). And under FSDP2, ranks given different numbers of micro-batches get a
-clear error from ``begin()`` instead of a silent hang.
+clear error from ``begin()`` instead of a silent hang. All in one spawn of 2 processes.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from torch.nn.parallel import DistributedDataParallel
 from bert_reduce import GlobalBatchLoss
 from bert_reduce.num_scored import count_scored
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.hf_bert import tiny_bert_config
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
 
 pytest.importorskip("transformers")
+
+from tests.helpers import hf_trainer as H
+
 pytestmark = pytest.mark.slow
 
 SEQ_LEN = 24
@@ -38,18 +40,9 @@ ROWS = {0: ([20, 24, 18, 24], [9, 10, 8, 8]), 1: ([24, 12, 20, 16], [2, 0, 3, 0]
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from transformers import BertForMaskedLM, EsmForMaskedLM
-
-    torch.manual_seed(0)
+    model = H.tiny_model(kind)
     if kind == "esm":
-        model = EsmForMaskedLM(tiny_esm_config()).double()
         model.esm.contact_head.requires_grad_(False)  # not on the masked-LM path
-    else:
-        model = BertForMaskedLM(tiny_bert_config()).double()
-    with torch.no_grad():  # a non-zero output bias, so that a lost bias gradient would show
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.1)
     return model
 
 
@@ -116,8 +109,11 @@ def _body(out_path: str) -> None:
         ref_loss = F.cross_entropy(logits[scored], whole["labels"][scored])
         ref_loss.backward()
         ref_grads = _full_grads(reference)
-        cases = [(w, h) for w in ("ddp", "ddp_find_unused", "fsdp2") for h in ("fused", "logits")]
-        for wrapper, head in [*cases, ("fsdp2", "outputs.loss")] if kind == "esm" else cases:
+        # The fused head under each wrapper; the logits and outputs.loss beside it under FSDP2.
+        cases = [("ddp", "fused"), ("ddp_find_unused", "fused"), ("fsdp2", "fused")]
+        if kind == "esm":
+            cases += [("fsdp2", "logits"), ("fsdp2", "outputs.loss")]
+        for wrapper, head in cases:
             model = _wrap(_model(kind), kind, wrapper, None)
             loss = _step(model, micro_batches, head)
             if head != "outputs.loss":
@@ -134,9 +130,9 @@ def _body(out_path: str) -> None:
                 worst = max(worst, float((grad - ref).abs().max()) / scale)
             errors[f"{kind} {wrapper} {head}"] = worst
     _refused_wrappings(micro_batches[0])
+    errors["unequal counts"] = _unequal_counts_message()
     dist.barrier()
-    if rank == 0:
-        torch.save(errors, out_path)
+    torch.save(errors, f"{out_path}.{rank}")
 
 
 def _refused_wrappings(mb: dict) -> None:
@@ -154,22 +150,12 @@ def _refused_wrappings(mb: dict) -> None:
         lm_head_inputs(untied, **inputs)
 
 
-def test_ddp_and_fsdp2_equal_one_process_and_outputs_loss_does_not(tmp_path) -> None:
-    out_path = str(tmp_path / "errors.pt")
-    run_distributed(_body, 2, out_path, megatron=False)
-    errors = torch.load(out_path)
-    assert errors.pop("esm fsdp2 outputs.loss") > 0.1
-    assert len(errors) == 12
-    for case, error in errors.items():
-        assert error < 1e-10, (case, error)
-
-
-def _unequal_counts_body(out_path: str) -> None:
+def _unequal_counts_message() -> str:
+    """What ``begin()`` raises when FSDP2 ranks hold different numbers of micro-batches."""
     # A group whose collectives time out after a minute: without the check this run would hang
     # in FSDP2's all-gathers; with it, begin() raises on both ranks before any forward.
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     mesh = DeviceMesh.from_group(group, "cpu")
-    torch.set_default_dtype(torch.float64)
     rank = dist.get_rank()
     batch = esm_batch(ROWS[rank][0], SEQ_LEN, ROWS[rank][1], seed=rank)
     splits = (slice(0, 2), slice(2, 4)) if rank == 0 else (slice(0, 4),)
@@ -178,16 +164,19 @@ def _unequal_counts_body(out_path: str) -> None:
     try:
         _step(model, micro_batches, "fused", group=group, equal_micro_batch_counts=True)
     except ValueError as error:
-        message = str(error)
-    else:
-        message = "no error"
-    torch.save(message, f"{out_path}.{rank}")
+        return str(error)
+    return "no error"
 
 
-def test_fsdp2_ranks_with_different_micro_batch_counts_get_an_error_not_a_hang(tmp_path) -> None:
-    out_path = str(tmp_path / "message")
-    run_distributed(_unequal_counts_body, 2, out_path, megatron=False)
+def test_ddp_and_fsdp2_equal_one_process_and_unequal_fsdp2_counts_raise(tmp_path) -> None:
+    out_path = str(tmp_path / "errors.pt")
+    run_distributed(_body, 2, out_path, megatron=False)
     for rank, mine in ((0, 2), (1, 1)):
-        message = torch.load(f"{out_path}.{rank}")
+        errors = torch.load(f"{out_path}.{rank}")
+        message = errors.pop("unequal counts")
         assert "different numbers of micro-batches ({0: 2, 1: 1} by rank" in message, message
         assert f"this rank, {rank}, holds {mine}" in message
+        assert errors.pop("esm fsdp2 outputs.loss") > 0.1
+        assert len(errors) == 7
+        for case, error in errors.items():
+            assert error < 1e-10, (case, error)
