@@ -70,17 +70,6 @@ def test_bf16_logits_accumulate_in_fp32() -> None:
     assert loss_sum.dtype == torch.float32
 
 
-def test_logits_unchanged_after_loss_and_backward() -> None:
-    logits, labels, mask = make_mlm_batch(2, 8, 9, dtype=torch.float32)
-    logits.requires_grad_(True)
-    before = logits.detach().clone()
-    loss_fn = BERTMLMLossWithReduction()
-    loss_fn.setup({"labels": labels, "loss_mask": mask})
-    loss_sum, _, _ = loss_fn({"token_logits": logits})
-    loss_sum.backward()
-    assert torch.equal(logits.detach(), before)
-
-
 def test_reports_by_default_hold_only_two_numbers() -> None:
     # Validation included: NeMo keeps every report of a validation step until reduce, so
     # retaining logits is opt-in (send_val_output=True).
