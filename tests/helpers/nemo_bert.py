@@ -45,6 +45,7 @@ from bert_reduce.megatron import output_layer_inputs
 from bert_reduce.nemo import (
     ExactValidationDataSampler,
     NeMoValidationPerplexityCallback,
+    RealSampleTracker,
     num_scored_data_step,
 )
 from examples.nemo2_recipe import mlm_pretrain_recipe
@@ -489,7 +490,8 @@ def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, vali
             assert perplexity.result is not None
             tracker = trainer.val_dataloaders.batch_sampler
             extra["val_result"] = perplexity.result._asdict()
-            extra["real_on_rank"] = sum(tracker.is_real)
+            real = isinstance(tracker, RealSampleTracker)
+            extra["real_on_rank"] = sum(tracker.is_real) if real else None
             extra["nemo_step_means"] = step_means.step_means
         extra["logged"] = logger.values
         extra["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
