@@ -1,17 +1,10 @@
 """Token perplexity from ``(loss_sum, denominator)``: a pure-torch core and a torchmetrics shell.
 
-Perplexity is ``exp(mean NLL over every scored token)``. Like the loss, it is exact only when
-sums and counts are added up first and divided once: averaging per-batch perplexities (or
-per-batch mean losses) weights small batches as much as large ones. The functions here work
-on the same ``(loss_sum, denominator)`` the loss reduction produces, so the metric needs
-neither the logits nor a second forward pass. Given logits instead
-(:meth:`TokenPerplexity.update_from_logits`), it runs the loss's own engine
-(:func:`bert_reduce.engine.loss_terms`, without a graph): a few fp32 chunks of extra memory
-whatever the logits' dtype, and vocab-sharded logits (tensor parallelism) give the loss of
-the full vocabulary with one all-reduce.
-
-An empty set of tokens has a mean loss of 0 by the library's convention (see
-:func:`bert_reduce.functional.safe_divide`), hence a perplexity of ``exp(0) = 1.0``: never NaN.
+Perplexity is ``exp(mean NLL over every scored token)``: exact only when sums and counts are
+added up first and divided once, never averaged per batch. The functions here work on the
+``(loss_sum, denominator)`` the loss reduction produces, so the metric needs neither the
+logits nor a second forward pass (given logits, it runs the loss's own engine,
+:func:`bert_reduce.engine.loss_terms`). An empty set of tokens gives 1.0, never NaN.
 """
 
 from __future__ import annotations

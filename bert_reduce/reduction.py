@@ -1,10 +1,7 @@
 """NeMo 2 / Megatron-Core loss reduction for BERT masked-language modelling.
 
 Each micro-batch reports ``(loss_sum, num_tokens)``; nothing is averaged until the whole step
-is in. The schedule (Megatron-Core's ``forward_backward_*`` with
-``calculate_per_token_loss=True``) sums the token counts over micro-batches and data x context
-ranks and divides the summed gradients once, in ``finalize_model_grads``; ``reduce`` does the
-same for the logged value with a single all-reduce.
+is in (:class:`BERTMLMLossWithReduction`; the Megatron settings: ``docs/megatron.md``).
 """
 
 from __future__ import annotations

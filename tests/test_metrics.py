@@ -56,11 +56,12 @@ def test_micro_batches_equal_one_pass_reference_and_torchmetrics() -> None:
     assert abs(float(torch.stack(per_batch).mean() - expected)) > 1e-2
 
 
+@pytest.mark.slow  # 130M logits per dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_update_from_logits_needs_a_tenth_of_the_logits_and_gives_the_same_perplexity(
     dtype,
 ) -> None:
-    # Issue 19's shape: [512, 8, 32000] logits, 15% scored. The previous path (a full
+    # An ESM-2-sized step: [512, 8, 32000] logits, 15% scored. The previous path (a full
     # log-softmax in fp32) allocated 1.0x the logits' bytes in fp32 and 4.0x in bf16.
     seq_len, batch_size, vocab = 512, 8, 32000
     gen = torch.Generator().manual_seed(0)
@@ -130,10 +131,6 @@ def test_errors_name_keys_and_shapes() -> None:
     metric = TokenPerplexity()
     with pytest.raises(ValueError, match=r"loss_sum of shape \(2,\) and denominator of shape \(\)"):
         metric.update(torch.zeros(2), torch.tensor(1))
-    with pytest.raises(KeyError, match=r"report 1 has no 'loss_sum_and_microbatch_size' or 'loss"):
-        sum_reports([{"loss_sum_and_microbatch_size": torch.zeros(2)}, {"avg": 1}])
-    with pytest.raises(ValueError, match=r"must have shape \[2\] or \[\.\.\., 2\].*got \(3,\)"):
-        sum_reports({"loss_sum_and_microbatch_size": torch.zeros(3)})
     with pytest.raises(TypeError, match=r"or a sequence of them, got Tensor"):
         metric.update_from_reports(torch.zeros(2))  # type: ignore[arg-type]
     logits, labels, mask = uneven_mlm_batch()

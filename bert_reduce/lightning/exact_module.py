@@ -1,11 +1,8 @@
 """A LightningModule whose optimizer step is exactly that of the whole global batch.
 
-Each ``training_step`` splits this rank's share of one global batch into micro-batches,
-back-propagates each loss numerator with gradient synchronization off but for the last,
-all-reduces the summed ``(numerator, denominator)`` once and scales the gradients by
-``dp_size / global_denominator``: after backward, because a micro-batch's denominator is
-known only once the loss object has seen it. The algebra: ``docs/guarantees.md``; the
-strategies and switches: ``docs/lightning.md``.
+The micro-batch numerators are back-propagated as they are and the gradients scaled once by
+``dp_size / global_denominator`` after backward (:class:`ExactMLMModule`; the algebra:
+``docs/guarantees.md``; the strategies and switches: ``docs/lightning.md``).
 """
 
 from __future__ import annotations

@@ -12,12 +12,7 @@ that one call stopped, and returns what :class:`bert_reduce.BERTMLMLossWithReduc
     # F.linear(forward_out["hidden_states"] [s, b, h], forward_out["output_weight"] [v/tp, h],
     #          forward_out["output_bias"] [v/tp])  ==  this rank's [s, b, v/tp] logits
 
-Under tensor parallelism the hidden states go through the mapping the output layer itself
-applies, so their gradient is summed over the tensor-parallel ranks: Megatron-Core's
-``copy_to_tensor_model_parallel_region``, or, with sequence parallelism,
-``gather_from_sequence_parallel_region`` (all-gather of the ``[s/tp, b, h]`` shards, whose
-gradient is reduce-scattered). The loss then combines the vocab shards' statistics in its one
-all-reduce.
+Under tensor and sequence parallelism: ``docs/megatron.md``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """A NeMo data step that hands the loss this rank's ``num_scored``, counted on the host.
 
-NeMo's and BioNeMo's data steps would lose or break the count (:mod:`bert_reduce.num_scored`):
-``biobert_data_step`` (BioNeMo) and ``bert_data_step`` (NeMo's BERT) keep only the keys they
-know and set the others to ``None``, and Megatron's ``get_batch_on_this_cp_rank``, which both
-call under context parallelism, slices every value along the sequence, which a count does not
-have. :func:`num_scored_data_step` wraps any of them: it takes the micro-batch from the
-iterator while it is still on the host, counts this context-parallel rank's scored positions
-there, hands the wrapped step the micro-batch without ``num_scored`` and adds the count to
-what it returns.
+NeMo's and BioNeMo's data steps drop the count or, under context parallelism, slice it as a
+sequence (:mod:`bert_reduce.num_scored`); :func:`num_scored_data_step` counts before them.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Validation data for NeMo 2 that drops nothing: every sample of the set on exactly one rank.
 
-NeMo 2's ``MegatronDataSampler`` drops the validation set's last partial global batch, and it
-tells a validation loader from a training one by a ``mode`` attribute that only NeMo's
-``WrappedDataLoader`` has: a plain ``DataLoader`` from ``val_dataloader`` is sampled as
-training data. :class:`ExactValidationDataSampler` asks the trainer instead: Lightning builds
-each loader while ``trainer.state.stage`` says which one it is. It pads the validation (and
-test) set to a multiple of the global batch with copies of its first sample whose
-``loss_mask`` is all zero (:class:`PaddedEvalDataset`), so nothing is dropped and each rank
-holds the real samples Megatron's sampler deals it (uneven shards). A padding sample adds 0 to
-the loss sum and 0 to the token count. The validation loader's batch sampler is wrapped in a
-:class:`RealSampleTracker`, which records which of the samples it deals are real, so that
-:class:`bert_reduce.nemo.NeMoValidationPerplexityCallback` can check that the loss it logs
-covers every sample of the set exactly once.
+NeMo 2's ``MegatronDataSampler`` drops the validation set's last partial global batch and
+samples a plain ``DataLoader`` from ``val_dataloader`` as training data;
+:class:`ExactValidationDataSampler` pads the set with unscored samples
+(:class:`PaddedEvalDataset`) and records which dealt samples are real
+(:class:`RealSampleTracker`), for :class:`bert_reduce.nemo.NeMoValidationPerplexityCallback`.
 """
 
 from __future__ import annotations

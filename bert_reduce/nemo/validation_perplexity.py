@@ -1,16 +1,8 @@
 """Exact ``val_loss`` / ``val_ppl`` under NeMo 2, from the reports NeMo hands its callbacks.
 
-NeMo 2 logs ``val_loss`` as a mean over validation steps of each step's reduced loss.
-:class:`NeMoValidationPerplexityCallback` reads the per-micro-batch reports NeMo hands its
-``MegatronParallel`` callbacks (``on_megatron_reduce_microbatches_end``, on the last pipeline
-stage), adds up their ``(loss_sum, denominator)`` and, at the end of the epoch, sums them over
-data-parallel ranks, hands them from the last pipeline stage to the others and logs
-
-    val_loss = sum(loss_sum) / sum(denominator),   val_ppl = exp(val_loss)
-
-over every masked token of the validation set, with
-:class:`bert_reduce.nemo.ExactValidationDataSampler` feeding it. It counts the real samples
-behind the reports it summed and raises unless that is the size of the validation set.
+NeMo 2 logs ``val_loss`` as a mean over validation steps of each step's reduced loss;
+:class:`NeMoValidationPerplexityCallback` logs ``sum(loss_sum) / sum(denominator)`` over every
+masked token of the validation set, or raises when its reports do not cover the whole set.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ their masked tokens, ``clip_grad_norm_``, ``torch.optim.SGD``. Import only where
 from __future__ import annotations
 
 import functools
+import math
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -41,10 +42,16 @@ from typing_extensions import override
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.megatron import output_layer_inputs
-from bert_reduce.nemo import ExactValidationDataSampler, num_scored_data_step
+from bert_reduce.nemo import (
+    ExactValidationDataSampler,
+    NeMoValidationPerplexityCallback,
+    RealSampleTracker,
+    num_scored_data_step,
+)
 from examples.nemo2_recipe import mlm_pretrain_recipe
 from tests.helpers.dist_utils import load_rank_results, run_launched
 from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
+from tests.helpers.tiny_lightning import RecordingLogger
 
 VOCAB, SEQ_LEN, MASK_ID = 32, 12, 3
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
@@ -53,6 +60,9 @@ GLOBAL_BATCH, MICRO_BATCH = 8, 2
 EMPTY_IN_GLOBAL_BATCH = (2, 3)
 LR, MOMENTUM, CLIP_GRAD = 0.5, 0.9, 1.0
 STEPS = 3  # optimizer steps of every fit
+# Validated after the last step: with the global batch of 8, ExactValidationDataSampler pads
+# the 13 samples (one without a masked token) to 16; at DP = 2 the ranks hold 7 and 6 real ones.
+VAL_SAMPLES = 13
 
 
 def tiny_bert_config(**overrides: Any) -> TransformerConfig:
@@ -159,17 +169,27 @@ def val_dataset(num_samples: int) -> MLMDataset:
 
 
 class TinyBertDataModule(pl.LightningDataModule):
-    """Training data cut by NeMo's ``MegatronDataSampler`` into micro-batches per DP rank."""
+    """Training data cut by NeMo's ``MegatronDataSampler`` into micro-batches per DP rank.
 
-    def __init__(self, steps: int, val_samples: int = 0, exact_validation: bool = False) -> None:
+    Args:
+        steps: Global batches of training data.
+        validation: ``None`` (no validation set), or :data:`VAL_SAMPLES` validation samples
+            served by ``"wrapped"`` (NeMo's ``WrappedDataLoader(mode="validation")``) or
+            ``"plain"`` (a plain ``DataLoader``, which NeMo's sampler takes for a training
+            loader) under :class:`~bert_reduce.nemo.ExactValidationDataSampler`, or by
+            ``"nemo_sampler"`` (a wrapped loader under NeMo's own ``MegatronDataSampler``).
+    """
+
+    def __init__(self, steps: int, validation: str | None = None) -> None:
         super().__init__()
         self.steps = steps
-        self.val_samples = val_samples
+        self.validation = validation
         # What NeMo's llm.pretrain checks on a data module.
         self.micro_batch_size, self.global_batch_size = MICRO_BATCH, GLOBAL_BATCH
         self.seq_length = SEQ_LEN
         self.tokenizer = None  # token ids are made here; llm.pretrain hands it to the model
-        sampler = ExactValidationDataSampler if exact_validation else nl.MegatronDataSampler
+        exact = validation in ("wrapped", "plain")
+        sampler = ExactValidationDataSampler if exact else nl.MegatronDataSampler
         self.data_sampler = sampler(
             seq_len=SEQ_LEN, micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH
         )
@@ -195,10 +215,11 @@ class TinyBertDataModule(pl.LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
+        dataset = val_dataset(VAL_SAMPLES if self.validation else 1)
+        if self.validation == "plain":
+            return DataLoader(dataset, batch_size=MICRO_BATCH)
         # NeMo's data modules mark their loaders' mode; its data samplers read it.
-        return WrappedDataLoader(
-            mode="validation", dataset=val_dataset(max(self.val_samples, 1)), batch_size=MICRO_BATCH
-        )
+        return WrappedDataLoader(mode="validation", dataset=dataset, batch_size=MICRO_BATCH)
 
 
 class TinyBertMLM(pl.LightningModule, io.IOMixin):
@@ -277,12 +298,13 @@ def _plain_data_step(dataloader_iter: Iterator[Any]) -> dict[str, Tensor]:
     return batch[0] if isinstance(batch, tuple) else batch
 
 
-def reference_val_loss(steps: int, val_samples: int) -> float:
-    """After ``steps`` reference steps: the mean NLL over every masked validation token."""
+@functools.cache
+def reference_val_loss() -> float:
+    """After :data:`STEPS` reference steps: the mean NLL over every masked validation token."""
     with single_process_megatron(), megatron_on_cpu():
-        model = _reference_model(steps)[0]
+        model = _reference_model(STEPS)[0]
         with torch.no_grad():
-            batch = val_dataset(val_samples).batch(0, val_samples)
+            batch = val_dataset(VAL_SAMPLES).batch(0, VAL_SAMPLES)
             logits, _ = model(batch["text"], batch["attention_mask"])
     mask = batch["loss_mask"]
     return F.cross_entropy(logits[mask].double(), batch["labels"][mask]).item()
@@ -352,11 +374,16 @@ class ResultSaver(pl.Callback):
     """Keeps ``reduced_train_loss`` as NeMo logged it after every step; saves at the end.
 
     ``<out_dir>/rank<r>.pt``: this rank's parameters by global name, its pipeline and data
-    parallel ranks, and the logged losses.
+    parallel ranks, and the logged losses; :meth:`save` adds more.
+
+    Args:
+        out_dir: Where the results go.
+        on_train_end: Save when the fit ends; ``False``: the caller calls :meth:`save`.
     """
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self, out_dir: str, on_train_end: bool = True) -> None:
         self.out_dir = out_dir
+        self.save_on_train_end = on_train_end
         self.losses: list[float] = []
 
     @override
@@ -365,6 +392,11 @@ class ResultSaver(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_on_train_end:
+            self.save(trainer, pl_module)
+
+    def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, **extra: Any) -> None:
+        """Write this rank's results, with ``extra`` entries."""
         bert = next(m for m in pl_module.modules() if isinstance(m, BertModel))
         params = {n: p.detach().clone() for n, p in global_named_parameters(bert).items()}
         result = {
@@ -372,8 +404,21 @@ class ResultSaver(pl.Callback):
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
             "dp_rank": parallel_state.get_data_parallel_rank(),
             "losses": self.losses,
+            **extra,
         }
         torch.save(result, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+
+
+class StepMeanRecorder(pl.Callback):
+    """NeMo's own ``val_loss`` (logged from ``validation_step``): one value per validation step."""
+
+    def __init__(self) -> None:
+        self.step_means: list[float] = []
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module, outputs, *args) -> None:
+        if not trainer.sanity_checking:
+            self.step_means.append(float(outputs))
 
 
 def optimizer_module() -> MegatronOptimizerModule:
@@ -414,23 +459,82 @@ def nemo_trainer(world_size: int, steps: int, pp: int = 1, tp: int = 1, **kwargs
     return nl.Trainer(**options)
 
 
-def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str) -> None:
-    trainer = nemo_trainer(world_size, STEPS, pp, tp, callbacks=[ResultSaver(out_dir)])
+def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, validation) -> None:
+    saver = ResultSaver(out_dir, on_train_end=False)
+    callbacks: list[pl.Callback] = [saver]
+    options: dict[str, Any] = {}
+    if validation is not None:
+        perplexity = NeMoValidationPerplexityCallback()
+        step_means, logger = StepMeanRecorder(), RecordingLogger()
+        callbacks += [perplexity, step_means]
+        options = {
+            "logger": logger,
+            "limit_val_batches": None,
+            "val_check_interval": STEPS,
+            "num_sanity_val_steps": 2,  # Lightning's default: not counted, must not disturb it
+        }
+    trainer = nemo_trainer(world_size, STEPS, pp, tp, callbacks=callbacks, **options)
     config = tiny_bert_config(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp)
     model = TinyBertMLM(config, output=output)
     optimizer_module().connect(model)
-    with megatron_on_cpu():
-        trainer.fit(model, TinyBertDataModule(STEPS))
+    extra: dict[str, Any] = {}
+    try:
+        with megatron_on_cpu():
+            trainer.fit(model, TinyBertDataModule(STEPS, validation))
+    except RuntimeError as error:
+        if validation is None:
+            raise
+        extra["error"] = str(error)
+    if validation is not None:
+        if "error" not in extra:
+            assert perplexity.result is not None
+            tracker = trainer.val_dataloaders.batch_sampler
+            extra["val_result"] = perplexity.result._asdict()
+            real = isinstance(tracker, RealSampleTracker)
+            extra["real_on_rank"] = sum(tracker.is_real) if real else None
+            extra["nemo_step_means"] = step_means.step_means
+        extra["logged"] = logger.values
+        extra["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    saver.save(trainer, model, **extra)
 
 
-def fit(world_size: int, pp: int = 1, tp: int = 1, output: str = "logits") -> list[dict]:
+def fit(
+    world_size: int, pp: int = 1, tp: int = 1, output: str = "logits", validation=None
+) -> list[dict]:
     """A :data:`STEPS`-step fit on ``world_size`` processes (DP = ``world_size / (pp * tp)``).
 
-    Returns every rank's :class:`ResultSaver` result.
+    With ``validation`` (:class:`TinyBertDataModule`'s), a sanity check, then one validation
+    epoch after the last step, through :class:`~bert_reduce.nemo.NeMoValidationPerplexityCallback`.
+
+    Returns:
+        Every rank's :class:`ResultSaver` result; with ``validation`` also what reached the
+        logger (``logged``), ``callback_metrics`` and either the callback's ``val_result``
+        (with ``real_on_rank``, the real samples this rank validated, and ``nemo_step_means``,
+        NeMo's own per-step ``val_loss``) or the fit's ``error``.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        run_launched(_fit_body, world_size, out_dir, world_size, pp, tp, output)
+        run_launched(_fit_body, world_size, out_dir, world_size, pp, tp, output, validation)
         return load_rank_results(out_dir, world_size)
+
+
+def assert_exact_validation(results: list[dict[str, Any]]) -> None:
+    """Every rank logged the one-pass ``val_loss`` and ``val_ppl`` once, the same values."""
+    reference = reference_val_loss()
+    mask = val_dataset(VAL_SAMPLES).loss_mask
+    values = set()
+    for rank in results:
+        assert "error" not in rank, rank.get("error")
+        assert rank["val_result"]["denominator"].item() == mask.sum().item()
+        torch.testing.assert_close(rank["val_result"]["loss"].item(), reference, rtol=1e-6, atol=0)
+        # One validation epoch: one value of each reached the logger, and callback_metrics.
+        logged = rank["logged"]
+        assert len(logged["val_loss"]) == len(logged["val_ppl"]) == 1
+        val_loss, val_ppl = logged["val_loss"][0], logged["val_ppl"][0]
+        torch.testing.assert_close(val_loss, reference, rtol=1e-6, atol=0)
+        torch.testing.assert_close(val_ppl, math.exp(val_loss), rtol=1e-6, atol=0)
+        assert rank["callback_metrics"]["val_loss"] == val_loss
+        values.add((val_loss, val_ppl))
+    assert len(values) == 1  # every rank, every pipeline stage, logged the same values
 
 
 def recipe(out_dir: str, devices: int) -> run.Partial:

@@ -1,4 +1,4 @@
-"""ExactMLMModule under Lightning DDP on 1 and 2 gloo processes.
+"""ExactMLMModule under Lightning DDP on 2 gloo processes (one process: tests/lightning/).
 
 After every step the parameters and logged losses equal those of one process training on the
 whole global batch (tests/helpers/exact_training.py's reference) whatever the micro-batch size:
@@ -23,17 +23,17 @@ VAL_SIZE = 7  # split 3 + 4 over two ranks, in batches of 2: ranks run 2 and 2 u
 
 def _ddp_body(world_size: int) -> None:
     """Every rank trains with Lightning DDP and checks itself against the reference."""
+    # One micro-batch per rank here; 2 and 1 samples per micro-batch in the runs below.
     expected, expected_losses = et.reference_train(et.sgd(), clip=None)
-    for micro_batch_size in sorted({8 // world_size, 2, 1}):
-        run = et.lightning_train(
-            micro_batch_size=micro_batch_size,
-            optimizer=et.sgd(),
-            clip=None,
-            strategy=et.existing_group_ddp(),
-            devices=world_size,
-        )
-        et.assert_params_close(run.params, expected)
-        torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
+    run = et.lightning_train(
+        micro_batch_size=et.GLOBAL_BATCH // world_size,
+        optimizer=et.sgd(),
+        clip=None,
+        strategy=et.existing_group_ddp(),
+        devices=world_size,
+    )
+    et.assert_params_close(run.params, expected)
+    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
 
     expected_adam, _ = et.reference_train(et.adamw(), clip=None)
     run = et.lightning_train(
@@ -71,9 +71,9 @@ def _ddp_body(world_size: int) -> None:
     # 8 / world_size micro-batches, ...
     assert num_buckets >= 1
     assert et.GRADIENT_BUCKETS_REDUCED == list(range(num_buckets)) * et.STEPS
-    # ... and one all-reduce of the sums (none needed on one rank); the hook's all-reduces of
+    # ... and one all-reduce of the sums; the hook's all-reduces of
     # the gradient buckets go through torch.distributed.all_reduce too.
-    expected_all_reduces = num_buckets + (1 if world_size > 1 else 0)
+    expected_all_reduces = num_buckets + 1
     assert (
         et.InstrumentedModule.collectives_per_step
         == [{"all_reduce": expected_all_reduces}] * et.STEPS
@@ -96,19 +96,17 @@ def _ddp_body(world_size: int) -> None:
     et.assert_params_close(run.params, expected_per_sequence)
     torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
 
-    if world_size > 1:
-        stock = et.lightning_train(
-            micro_batch_size=2,
-            optimizer=et.sgd(),
-            clip=None,
-            strategy=et.existing_group_ddp(),
-            devices=world_size,
-            stock=True,
-        )
-        # Lightning's own accumulation + DDP averaging: a mean of means, visibly different.
-        assert et.max_param_difference(stock.params, expected) > 1e-3
+    stock = et.lightning_train(
+        micro_batch_size=2,
+        optimizer=et.sgd(),
+        clip=None,
+        strategy=et.existing_group_ddp(),
+        devices=world_size,
+        stock=True,
+    )
+    # Lightning's own accumulation + DDP averaging: a mean of means, visibly different.
+    assert et.max_param_difference(stock.params, expected) > 1e-3
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_ddp_training_equals_one_process_on_the_global_batch(world_size: int) -> None:
-    run_distributed(_ddp_body, world_size, world_size, megatron=False)
+def test_ddp_training_equals_one_process_on_the_global_batch() -> None:
+    run_distributed(_ddp_body, 2, 2, megatron=False)

@@ -232,14 +232,6 @@ def _dp2_body(
     torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
 
 
-@pytest.mark.slow
-def test_data_parallel_two_ranks_equal_one_rank() -> None:
-    with single_process_megatron():
-        expected, _, _ = schedule_step(list(range(GLOBAL_BATCH)), 4)
-    ref, ref_loss = reference_grads()
-    run_distributed(_dp2_body, 2, expected, ref, ref_loss)
-
-
 CP_SEQ_LEN = 12  # a multiple of 2 * cp_size
 
 
@@ -257,7 +249,7 @@ def cp_global_batch() -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def _docs_forward_step_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
+def _cp2_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
     """docs/megatron.md's forward_step under CP = 2: each micro-batch's loss gets an int count."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from torch.utils.data import DataLoader, default_collate
@@ -297,16 +289,33 @@ def _docs_forward_step_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor
     torch.testing.assert_close(checked_reduce(reports), ref_loss, **FP32_TOL)
 
 
+def _two_ranks_body(dp_references: tuple, cp_references: tuple) -> None:
+    from megatron.core import parallel_state
+
+    for cp, body, references in ((1, _dp2_body, dp_references), (2, _cp2_body, cp_references)):
+        parallel_state.initialize_model_parallel(context_parallel_size=cp)
+        try:
+            body(*references)
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
 @pytest.mark.slow
-def test_docs_forward_step_hands_each_cp_shard_its_count() -> None:
-    """The count survives Megatron's data path: collator, CP slicing, the move to the device."""
+def test_two_ranks_data_or_context_parallel_equal_one_rank() -> None:
+    """DP = 2, then CP = 2 through docs/megatron.md's forward_step: the count survives
+    Megatron's data path (collator, CP slicing, the move to the device)."""
     from megatron.core.transformer import TransformerConfig
 
+    with single_process_megatron():
+        expected, _, _ = schedule_step(list(range(GLOBAL_BATCH)), 4)
+    ref, ref_loss = reference_grads()
     model = TinyMLM(TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1))
     batch = default_collate(cp_global_batch())
     logits = model(batch["input_ids"])["token_logits"].transpose(0, 1)
     mask = batch["loss_mask"]
     loss = F.cross_entropy(logits[mask], batch["labels"][mask])
     loss.backward()
-    ref = {name: param.grad for name, param in model.named_parameters()}
-    run_distributed(_docs_forward_step_body, 2, ref, loss.detach(), cp=2)
+    cp_ref = {name: param.grad for name, param in model.named_parameters()}
+    run_distributed(
+        _two_ranks_body, 2, (expected, ref, ref_loss), (cp_ref, loss.detach()), megatron=False
+    )

@@ -1,10 +1,13 @@
-"""Real multi-process runs: DP, TP (vocab-sharded logits), CP and DP x CP against one process.
+"""Real multi-process runs: every DP, TP (vocab-sharded logits) and CP layout against one process.
 
-Every rank builds the same global batch, takes its share (rows for DP, load-balanced sequence
-chunks for CP, a vocab slice for TP), runs the loss per micro-batch as Megatron would, and
-checks the reduced loss and its own slice of d(loss)/d(logits) against
+One spawn of 4 processes goes through the layouts: plain ``torch.distributed`` (DP = 4), then
+Megatron-Core's parallel state at DP = 4, DP = 2 x TP = 2, DP = 2 x CP = 2 and TP = 2 x CP = 2,
+rebuilt for each. Every rank builds the same global batch, takes its share (rows for DP,
+load-balanced sequence chunks for CP, a vocab slice for TP), runs the loss per micro-batch as
+Megatron would, and checks the reduced loss and its own slice of d(loss)/d(logits) against
 ``F.cross_entropy`` on the whole, unsplit batch; forward and backward of every micro-batch run
-no host sync and (outside TP) no collective, ``reduce`` one all-reduce.
+no host sync and (outside TP) no collective, ``reduce`` one all-reduce. Megatron's own
+cross-entropy kernels run at TP = 1 and TP = 2.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ EMPTY_ROWS = (3, 5)
 MICRO_BATCHES = {
     1: [[[0, 1, 2], [3], [4, 5, 6, 7]]],
     2: [[[0, 1, 2], [3, 4]], [[5], [6, 7]]],
+    4: [[[0, 1], [2]], [[3]], [[4], [5, 6]], [[7]]],  # rank 1: only an empty micro-batch
 }
+# (tensor-parallel size, context-parallel size) of each Megatron layout on 4 processes.
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 def _ranks() -> tuple[int, int, int, int, int, int]:
@@ -115,26 +121,13 @@ def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
         torch.testing.assert_close(grad / global_tokens, expected, rtol=1e-5, atol=1e-8)
 
 
-def _body() -> None:
+def _loss_checks() -> None:
     _check_against_single_process(validation_step=False)
     _check_against_single_process(validation_step=False, capacity=0.7)
     _check_against_single_process(validation_step=True)
 
 
-@pytest.mark.parametrize(
-    ("world_size", "tp", "cp"),
-    [(2, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2)],
-    ids=["dp2", "tp2", "cp2", "dp2xcp2", "tp2xcp2"],
-)
-def test_megatron_parallel_matches_single_process(world_size: int, tp: int, cp: int) -> None:
-    run_distributed(_body, world_size, tp=tp, cp=cp)
-
-
-def test_plain_torch_distributed_dp_matches_single_process() -> None:
-    run_distributed(_body, 2, megatron=False)
-
-
-def _megatron_cross_entropy_body() -> None:
+def _megatron_cross_entropy_checks() -> None:
     import torch.nn.functional as F
 
     from bert_reduce import BERTMLMLossWithReduction, unreduced_token_loss_fn
@@ -170,6 +163,22 @@ def _megatron_cross_entropy_body() -> None:
         torch.testing.assert_close(leaf.grad, local.grad, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_cross_entropy_fused_and_unfused_leave_logits_untouched(tp: int) -> None:
-    run_distributed(_megatron_cross_entropy_body, tp, tp=tp)
+def _every_layout_body() -> None:
+    from megatron.core import parallel_state
+
+    _loss_checks()  # plain torch.distributed: no Megatron parallel state yet
+    for tp, cp in LAYOUTS:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, context_parallel_size=cp
+        )
+        try:
+            assert _ranks()[1::2] == (4 // (tp * cp), tp, cp)
+            _loss_checks()
+            if cp == 1:
+                _megatron_cross_entropy_checks()
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+def test_every_parallel_layout_matches_single_process() -> None:
+    run_distributed(_every_layout_body, 4, megatron=False)

@@ -12,8 +12,9 @@ from bert_reduce.num_scored import NumScoredCollator
 from tests.helpers import exact_training as et
 
 
-@pytest.mark.parametrize("micro_batch_size", [8, 4, 2, 1])
-@pytest.mark.parametrize("count_scored", [False, True])
+@pytest.mark.parametrize(
+    ("micro_batch_size", "count_scored"), [(8, False), (4, True), (2, False), (1, True)]
+)
 def test_single_device_training_equals_the_global_batch(
     micro_batch_size: int, count_scored: bool
 ) -> None:

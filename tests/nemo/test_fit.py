@@ -3,7 +3,21 @@
 ``tests.helpers.nemo_bert.fit``: Megatron-Core's BERT with tied embeddings and
 ``calculate_per_token_loss=True``, 3 steps on gloo processes, every step with micro-batches of
 different masked counts, one of them with none. Every parameter, and the loss NeMo logged at
-every step on every rank, equal ``reference_training`` (fp32 tolerances).
+every step on every rank that logs it, equal ``reference_training`` (fp32 tolerances),
+whatever the model hands the loss: logits, Megatron's per-token ``lm_loss``, or in training the
+output layer's inputs for the masked-only fused head with each micro-batch's count as an
+``int`` (:func:`bert_reduce.nemo.num_scored_data_step`, checked in the module's
+``forward_step``).
+
+The fits that validate (after the last step, after a sanity check that must not count) check
+the exact validation loss too: ``ExactValidationDataSampler`` pads the 13 validation samples
+to 16 with unscored ones and ``NeMoValidationPerplexityCallback`` sums NeMo's per-micro-batch
+reports on the last pipeline stage; the ``val_loss`` and ``val_ppl`` reaching every rank's
+logger equal ``F.cross_entropy`` over every masked validation token in one pass, with NeMo's
+``WrappedDataLoader`` and with a plain ``DataLoader`` (which NeMo's sampler takes for a
+training loader). NeMo's own ``MegatronDataSampler`` drops 5 of the 13 samples: the callback
+stops the fit before any validation value reaches the logger. One fit per set of processes:
+NeMo's groups do not survive a second fit in the same process.
 """
 
 from __future__ import annotations
@@ -12,14 +26,17 @@ import pytest
 
 pytest.importorskip("nemo.lightning.megatron_parallel")
 
+import torch
 
 from tests.helpers.nemo_bert import (
     GLOBAL_BATCH,
     MICRO_BATCH,
     STEPS,
+    assert_exact_validation,
     assert_matches_reference,
     fit,
     reference_training,
+    reference_val_loss,
     train_dataset,
 )
 
@@ -37,17 +54,54 @@ def _masked_counts_per_rank(dp: int) -> list[list[int]]:
     return counts
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_data_parallel_fit_equals_pytorch_on_whole_global_batches(dp) -> None:
-    counts = _masked_counts_per_rank(dp)
-    assert 0 in counts[-1] and len({sum(c) for c in counts}) == dp  # an empty micro-batch; unequal
-    assert_matches_reference(fit(world_size=dp), reference_training())
-
-
-def test_pipeline_parallel_fit_with_tied_embeddings_equals_pytorch() -> None:
-    """PP=2 on Megatron's per-token ``lm_loss``: the loss reaches rank 0, tied weights exact."""
-    results = fit(world_size=2, pp=2, output="lm_loss")
-    assert [r["pp_rank"] for r in results] == [0, 1]
-    assert "embedding.word_embeddings.weight" in results[0]["params"]
-    assert "output_layer.weight" in results[1]["params"]
+def test_data_parallel_fit_and_validation_equal_pytorch_on_whole_batches() -> None:
+    counts = _masked_counts_per_rank(2)
+    assert 0 in counts[1] and len({sum(c) for c in counts}) == 2  # an empty micro-batch; unequal
+    results = fit(world_size=2, validation="wrapped")
+    assert [r["dp_rank"] for r in results] == [0, 1]
     assert_matches_reference(results, reference_training())
+    assert_exact_validation(results)
+    # Megatron's sampler dealt 8 samples to each rank: 7 and 6 of them real.
+    assert [run["real_on_rank"] for run in results] == [7, 6]
+    # NeMo's own val_loss, a mean of the steps' means, is another value.
+    means = results[0]["nemo_step_means"]
+    assert abs(sum(means) / len(means) - reference_val_loss()) > 1e-3
+
+
+def test_pipeline_parallel_fit_and_validation_are_exact_on_every_stage() -> None:
+    """DP=2 x PP=2 on ``lm_loss``: the loss reaches rank 0, tied weights exact; the last
+    stage's two ranks hold 7 and 6 real validation samples' reports."""
+    results = fit(world_size=4, pp=2, output="lm_loss", validation="plain")
+    ranks = {(r["pp_rank"], r["dp_rank"]): r for r in results}
+    assert sorted(ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert "embedding.word_embeddings.weight" in ranks[0, 0]["params"]
+    assert "output_layer.weight" in ranks[1, 0]["params"]
+    # NeMo sends the logged training loss from the last stage to rank 0 only
+    # (_sync_from_last_pipeline_stage(broadcast=False)): the first stage's other rank logs 0.
+    logging = [ranks[0, 0], ranks[1, 0], ranks[1, 1]]
+    assert_matches_reference(logging, reference_training())
+    for name, value in ranks[0, 1]["params"].items():  # a data-parallel replica
+        torch.testing.assert_close(value, ranks[0, 0]["params"][name], rtol=0, atol=0)
+    assert_exact_validation(results)
+    assert sorted(run["real_on_rank"] for run in results) == [6, 6, 7, 7]
+
+
+def test_fused_head_fit_is_exact_and_a_dropped_sample_stops_validation() -> None:
+    """NeMo's own MegatronDataSampler drops the last partial global batch: 5 of 13 samples."""
+    results = fit(world_size=2, output="fused", validation="nemo_sampler")
+    assert [r["dp_rank"] for r in results] == [0, 1]
+    assert_matches_reference(results, reference_training())
+    for run in results:
+        assert "cover 8 real samples" in run["error"] and "has 13" in run["error"]
+        assert "ExactValidationDataSampler" in run["error"]
+        assert "val_loss" not in run["logged"] and "val_ppl" not in run["logged"]
+
+
+def test_tensor_parallel_fused_head_fit_equals_the_logits_fit() -> None:
+    fused, logits = fit(world_size=2, tp=2, output="fused"), fit(world_size=2, tp=2)
+    for fused_rank, logits_rank in zip(fused, logits, strict=True):
+        assert fused_rank["dp_rank"] == 0  # TP = 2 on 2 ranks: no data parallelism
+        assert_matches_reference([fused_rank], (logits_rank["losses"], logits_rank["params"]))
+    # The vocab shards differ between the ranks: this is tensor parallelism.
+    weights = [r["params"]["embedding.word_embeddings.weight"] for r in fused]
+    assert weights[0].shape[0] == 16 and not torch.equal(weights[0], weights[1])
