@@ -223,46 +223,41 @@ def _softmax_minus_onehot_(
     buffer that stays in a core's cache, and written back.
     """
     acc = coef.dtype
-    rows = x.size(0)
-    if lse is not None:
-        y = x if x.dtype == acc else x.to(acc)
-        y.sub_(lse.unsqueeze(1))
-        if gradient:
-            y.exp_().scatter_add_(1, column, -inside.to(acc).unsqueeze(1))
-            if grad_bias is not None:
-                grad_bias.addmv_(y.t(), coef)
-            if y is not x:
-                x.copy_(y)
-        return None, coef
-    vocab = x.size(1)
+    rows, vocab = x.shape
     step = rows
-    converted = work is None
+    converted = work is None and (lse is None or x.dtype != acc)
     if converted:
-        width = _row_width(vocab + 1, acc)
-        if not torch.compiler.is_compiling():
+        width = _row_width(vocab + (lse is None), acc)
+        if x.dtype != acc and not torch.compiler.is_compiling():
             step = max(1, _BLOCK_ELEMENTS // width)
         work = torch.empty(min(step, rows), width, dtype=acc, device=x.device)
-    log_probability = torch.empty(rows, dtype=acc, device=x.device)
-    scale = torch.empty(rows, dtype=acc, device=x.device)
+    log_probability = None if lse is not None else torch.empty(rows, dtype=acc, device=x.device)
+    scale = coef if lse is not None else torch.empty(rows, dtype=acc, device=x.device)
     for start in [0] if step == rows else range(0, rows, step):
         end = min(start + step, rows)
-        block = work[: end - start]
-        y = block[:, :vocab]
+        block = None if work is None else work[: end - start]
+        y = x if block is None else block[:, :vocab]
         if converted:
             y.copy_(x[start:end])
-        top = y.amax(1)
-        block[:, vocab] = top
-        block[:, vocab + 1 :] = -torch.inf
-        target = y.gather(1, column[start:end]).squeeze(1)
-        torch.softmax(block, -1, out=block)
-        p_last = block[:, vocab]
-        q = 1 - p_last
-        # log_softmax(x)_t = x_t - m - log S
-        log_probability[start:end] = target - top - (q.log() - p_last.log())
+        if lse is not None:
+            y.sub_(lse[start:end].unsqueeze(1))
+            if gradient:
+                y.exp_().scatter_add_(1, column[start:end], -inside[start:end].to(acc)[:, None])
+        else:
+            top = y.amax(1)
+            block[:, vocab] = top
+            block[:, vocab + 1 :] = -torch.inf
+            target = y.gather(1, column[start:end]).squeeze(1)
+            torch.softmax(block, -1, out=block)
+            p_last = block[:, vocab]
+            q = 1 - p_last
+            # log_softmax(x)_t = x_t - m - log S
+            log_probability[start:end] = target - top - (q.log() - p_last.log())
+            if gradient:
+                y.scatter_add_(1, column[start:end], (-q * inside[start:end]).unsqueeze(1))
+                scale[start:end] = coef[start:end] / q
         if not gradient:
             continue
-        y.scatter_add_(1, column[start:end], (-q * inside[start:end]).unsqueeze(1))
-        scale[start:end] = coef[start:end] / q
         if grad_bias is not None:
             grad_bias.addmv_(y.t(), scale[start:end])
         if converted:
