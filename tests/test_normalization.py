@@ -129,11 +129,14 @@ def test_all_empty_batch_is_zero_without_nan_in_every_mode() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_modes_have_no_host_sync_and_no_collective(mode) -> None:
+@pytest.mark.parametrize("validation_step", [False, True])
+def test_forward_and_reduce_have_no_host_sync_and_no_collective(mode, validation_step) -> None:
     logits, labels, mask = make_mlm_batch(4, 8, 9)
     logits.requires_grad_(True)
     with forbid_host_syncs(), count_collectives() as calls:
-        loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
+        loss_fn = BERTMLMLossWithReduction(
+            normalization=mode, validation_step=validation_step, **mode_kwargs(mode)
+        )
         loss_fn.setup({"labels": labels, "loss_mask": float_weights(mask)})
         numerator, _, report = loss_fn({"token_logits": logits})
         numerator.backward()
