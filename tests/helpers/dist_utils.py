@@ -25,11 +25,12 @@ gets what it needs as arguments, not through ``os.environ`` set by the test.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -78,22 +79,30 @@ def _worker(
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=HANG_TIMEOUT
     )
-    if megatron:
-        from megatron.core import parallel_state
-
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, context_parallel_size=cp
-        )
     # If the body raises, this process ends with the error and mp.spawn ends the others (they
     # may be waiting for this one in a collective): no teardown to wait for.
-    body(*args)
-    store.set(f"finished/{rank}", "1")
-    store.wait([f"finished/{other}" for other in range(world_size)])
-    if megatron:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
+    with megatron_parallel_state(tp, cp) if megatron else contextlib.nullcontext():
+        body(*args)
+        store.set(f"finished/{rank}", "1")
+        store.wait([f"finished/{other}" for other in range(world_size)])
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def megatron_parallel_state(tp: int = 1, cp: int = 1) -> Iterator[None]:
+    """Megatron-Core's parallel state at TP = ``tp`` and CP = ``cp`` (DP: the rest), then none.
+
+    Needs the default process group; a body can go through several layouts in one spawn.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp
+    )
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 def run_distributed(

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bert_reduce import BERTMLMLossWithReduction
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.megatron_cpu import GradSyncShell, megatron_on_cpu, single_process_megatron
 from tests.helpers.mode_reference import checked_reduce
 
@@ -281,14 +281,9 @@ def _cp2_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
 
 
 def _two_ranks_body(dp_references: tuple, cp_references: tuple) -> None:
-    from megatron.core import parallel_state
-
     for cp, body, references in ((1, _dp2_body, dp_references), (2, _cp2_body, cp_references)):
-        parallel_state.initialize_model_parallel(context_parallel_size=cp)
-        try:
+        with megatron_parallel_state(cp=cp):
             body(*references)
-        finally:
-            parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.slow
