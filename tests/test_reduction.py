@@ -87,20 +87,31 @@ def test_reports_hold_two_numbers_and_only_the_outputs_asked_for(options, keys) 
         assert torch.equal(report["batch"]["labels"], labels)
 
 
-def test_a_batch_without_loss_mask_needs_an_ignore_index() -> None:
-    logits, labels, _ = make_mlm_batch(2, 8, 9)
-    loss_fn = BERTMLMLossWithReduction(ignore_index=None)
-    loss_fn.setup({"labels": labels})
-    with pytest.raises(KeyError, match="batch has no 'loss_mask' and ignore_index=None"):
-        loss_fn({"token_logits": logits})
-
-
-def test_mask_shape_mismatch_names_both_shapes() -> None:
+def test_bad_batches_options_and_outputs_are_named() -> None:
     logits, labels, mask = make_mlm_batch(2, 8, 9)
-    loss_fn = BERTMLMLossWithReduction()
-    loss_fn.setup({"labels": labels, "loss_mask": mask[:, :4]})
-    with pytest.raises(ValueError, match=r"\(2, 4\).*\(2, 8\)"):
-        loss_fn({"token_logits": logits})
+    batch = {"labels": labels, "loss_mask": mask}
+    out = {"token_logits": logits}
+    cases = [
+        (
+            {"ignore_index": None},
+            {"labels": labels},
+            out,
+            KeyError,
+            "batch has no 'loss_mask' and ignore_index=None",
+        ),
+        ({}, {**batch, "loss_mask": mask[:, :4]}, out, ValueError, r"\(2, 4\).*\(2, 8\)"),
+        ({}, batch, {"lm_loss": torch.zeros(8, 2)}, ValueError, r"forward_out\['lm_loss'\]"),
+    ]
+    for kernel in ("megatron", "megatron_fused"):
+        match = rf"cross_entropy='{kernel}' runs Megatron-Core.*needs"
+        cases.append(({"cross_entropy": kernel}, batch, out, ValueError, match))
+    for options, micro_batch, forward_out, error, match in cases:
+        loss_fn = BERTMLMLossWithReduction(**options)
+        loss_fn.setup(micro_batch)
+        with pytest.raises(error, match=match):
+            loss_fn(forward_out)
+    with pytest.raises(TypeError, match="cross_entropy_loss_fusion"):
+        BERTMLMLossWithReduction(cross_entropy_loss_fusion=True)
 
 
 def test_out_of_vocab_masked_label_reported() -> None:
@@ -181,27 +192,6 @@ def test_forward_out_key_chooses_among_several_outputs() -> None:
 
 def test_forward_out_key_type_is_the_keys_of_the_layouts() -> None:
     assert typing.get_args(ForwardOutKey) == tuple(FORWARD_OUT_LAYOUTS)
-
-
-def test_megatron_kernels_outside_megatron_are_named() -> None:
-    logits, labels, mask = make_mlm_batch(2, 5, 7)
-    for kernel in ("megatron", "megatron_fused"):
-        loss_fn = BERTMLMLossWithReduction(cross_entropy=kernel)
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        with pytest.raises(
-            ValueError, match=rf"cross_entropy='{kernel}' runs Megatron-Core.*needs"
-        ):
-            loss_fn({"token_logits": logits})
-    with pytest.raises(TypeError, match="cross_entropy_loss_fusion"):
-        BERTMLMLossWithReduction(cross_entropy_loss_fusion=True)
-
-
-def test_lm_loss_of_another_shape_is_rejected() -> None:
-    _, labels, mask = make_mlm_batch(3, 5, 7)
-    loss_fn = BERTMLMLossWithReduction()
-    loss_fn.setup({"labels": labels, "loss_mask": mask})
-    with pytest.raises(ValueError, match=r"forward_out\['lm_loss'\]"):
-        loss_fn({"lm_loss": torch.zeros(5, 3)})
 
 
 def test_reduce_returns_float32_of_the_fp64_sums() -> None:

@@ -11,6 +11,7 @@ import torch
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
 from bert_reduce.engine import scored_weights
 from bert_reduce.packing import pack_batch, unpack_sequences
+from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.mode_reference import (
     MODES,
     checked_reduce,
@@ -71,13 +72,10 @@ def run_steps(
 
 
 def head_inputs(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``[s, b, h]`` hidden states, a ``[v, h]`` weight and a ``[v]`` bias (fp64) for logits'
-    ``[s, b, v]`` shape; a non-zero bias, so that a lost bias gradient would show."""
-    (s, b, v), h = logits.shape, 6
-    gen = torch.Generator().manual_seed(2)
-    return tuple(
-        torch.randn(x, generator=gen, dtype=torch.float64) for x in ((s, b, h), (v, h), (v,))
-    )
+    """``[s, b, h]`` hidden states, a ``[v, h]`` weight and a non-zero ``[v]`` bias for logits'
+    ``[s, b, v]`` shape."""
+    s, b, v = logits.shape
+    return make_head_batch(b, s, 6, v, seed=2)[:3]
 
 
 @pytest.mark.parametrize("mode", MODES)
