@@ -19,11 +19,11 @@ from tests.helpers.mode_reference import (
     reference_mode_loss_and_grad,
 )
 from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
+from tests.helpers.packed_batch import ragged_padded_batch
 from tests.helpers.reference import (
     RAGGED_LENGTHS,
     RAGGED_SEQ_LEN,
     make_mlm_batch,
-    ragged_mlm_batch,
 )
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
@@ -168,12 +168,6 @@ def test_errors_name_what_to_do() -> None:
 # --- Hugging Face packed batches (DataCollatorWithFlattening) --------------------------------
 
 
-def padded_batch(weights: bool, seed: int = 3):
-    logits, labels, mask, _ = ragged_mlm_batch(seed)
-    labels = torch.where(mask, labels, -100)
-    return logits, labels, weighted(mask) if weights else mask
-
-
 def hf_packed(labels, loss_mask, logits_sbv, keys: str, multiple: int = 1) -> dict:
     """The batch as DataCollatorWithFlattening (and its CP-padded variant) names it."""
     packed = pack_batch(
@@ -212,7 +206,9 @@ def hf_packed(labels, loss_mask, logits_sbv, keys: str, multiple: int = 1) -> di
 )
 def test_hf_packed_batch_equals_unpacked_in_every_mode(mode, keys, multiple) -> None:
     weights = "loss_mask" in keys
-    logits, labels, loss_mask = padded_batch(weights)
+    logits, batch, _ = ragged_padded_batch(weights)
+    loss_mask = batch["loss_mask"]
+    labels = torch.where(loss_mask != 0, batch["labels"], -100)
     ref_loss, ref_grad = reference_mode_loss_and_grad(
         logits, labels, loss_mask, mode, **mode_kwargs(mode)
     )

@@ -17,13 +17,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bert_reduce import BERTMLMLossWithReduction
 from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.megatron_cpu import GradSyncShell, megatron_on_cpu, single_process_megatron
-from tests.helpers.mode_reference import checked_reduce
+from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
 EMPTY_ROWS = (2, 3, 6)  # the 4 x 2 split has an empty micro-batch, 8 x 1 has three
@@ -135,15 +134,10 @@ def reference_grads(
     batch = global_batch(weighted, seq_len)
 
     def mean_loss(rows: list[int]) -> torch.Tensor:
-        logits = model(batch["input_ids"][rows])["token_logits"].transpose(0, 1)
-        weights = batch["loss_mask"][rows].to(torch.float64)
-        per_token = F.cross_entropy(
-            logits.reshape(-1, VOCAB),
-            batch["labels"][rows].clamp(min=0).reshape(-1),
-            reduction="none",
+        logits = model(batch["input_ids"][rows])["token_logits"]
+        return reference_mode_loss(
+            logits, batch["labels"][rows], batch["loss_mask"][rows], "per_token"
         )
-        total = weights.sum()
-        return (per_token * weights.reshape(-1)).sum() / total if total else per_token.sum() * 0
 
     if per_micro_batch_rows is None:
         loss = mean_loss(list(range(GLOBAL_BATCH)))
