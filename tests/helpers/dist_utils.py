@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 HANG_TIMEOUT = timedelta(minutes=4)
 """The longest one rank waits for the others (rendezvous, a collective, the final barrier)."""
@@ -151,15 +152,28 @@ def run_launched(body: Callable[..., None], world_size: int, *args: Any) -> None
 
     The body (its trainer) creates the process group from the environment.
     """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     mp.start_processes(
         _launched_worker,
-        args=(world_size, port, body, args),
+        args=(world_size, free_port(), body, args),
         nprocs=world_size,
         start_method=_START_METHOD,
     )
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's whole gradient by name: FSDP2's shards gathered, DDP's wrapper dropped."""
+    module = getattr(model, "module", model)  # DistributedDataParallel's wrapped model
+    return {
+        name: grad.full_tensor() if isinstance(grad := param.grad, DTensor) else grad
+        for name, param in module.named_parameters()
+    }
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def load_rank_results(out_dir: str | os.PathLike[str], world_size: int) -> list[Any]:
