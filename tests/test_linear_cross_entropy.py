@@ -264,30 +264,22 @@ def test_loss_reduction_with_head_inputs_matches_reference_in_every_mode(
 @pytest.mark.parametrize("cross_entropy", ["masked", "megatron"])
 @pytest.mark.parametrize("layout", ["sb", "bs"])
 def test_head_inputs_and_logits_give_the_same_loss(cross_entropy, layout) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(layout=layout)
+    logits = F.linear(hidden, weight, bias)
+    head = {"hidden_states": hidden, "hidden_layout": layout, "output_weight": weight}
     # Megatron-Core's kernel needs its parallel state (one gloo rank here).
     with single_process_megatron() if cross_entropy == "megatron" else contextlib.nullcontext():
-        _head_inputs_and_logits_give_the_same_loss(cross_entropy, layout)
-
-
-def _head_inputs_and_logits_give_the_same_loss(cross_entropy, layout) -> None:
-    hidden, weight, bias, labels, mask = make_head_batch(layout=layout)
-    loss_fn = BERTMLMLossWithReduction(cross_entropy=cross_entropy, check_labels=True)
-    loss_fn.setup({"labels": labels, "loss_mask": mask})
-    logits = F.linear(hidden, weight, bias)
-    from_logits = loss_fn({"token_logits": logits.transpose(0, 1) if layout == "bs" else logits})
-    from_head = loss_fn(
-        {
-            "hidden_states": hidden,
-            "hidden_layout": layout,
-            "output_weight": weight,
-            "output_bias": bias,
-        }
-    )
-    torch.testing.assert_close(from_head[0], from_logits[0], rtol=1e-12, atol=0)
-    assert torch.equal(from_head[1], from_logits[1])
-    labels[mask.nonzero()[0].unbind()] = 13
-    with pytest.raises(ValueError, match="outside"):
-        loss_fn({"hidden_states": hidden, "hidden_layout": layout, "output_weight": weight})
+        loss_fn = BERTMLMLossWithReduction(cross_entropy=cross_entropy, check_labels=True)
+        loss_fn.setup({"labels": labels, "loss_mask": mask})
+        from_logits = loss_fn(
+            {"token_logits": logits.transpose(0, 1) if layout == "bs" else logits}
+        )
+        from_head = loss_fn({**head, "output_bias": bias})
+        torch.testing.assert_close(from_head[0], from_logits[0], rtol=1e-12, atol=0)
+        assert torch.equal(from_head[1], from_logits[1])
+        labels[mask.nonzero()[0].unbind()] = 13
+        with pytest.raises(ValueError, match="outside"):
+            loss_fn(head)
 
 
 def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> None:
