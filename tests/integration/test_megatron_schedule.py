@@ -128,9 +128,7 @@ def reference_grads(
     seq_len: int = SEQ_LEN,
 ):
     """F.cross_entropy in fp64 on the whole batch (or the mean of per-micro-batch means)."""
-    from megatron.core.transformer import TransformerConfig
-
-    model = TinyMLM(TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1))
+    model = make_model(calculate_per_token_loss=True).module
     batch = global_batch(weighted, seq_len)
 
     def mean_loss(rows: list[int]) -> torch.Tensor:

@@ -153,18 +153,13 @@ def _context_parallel_body(packed: bool) -> None:
     from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
     from bert_reduce.normalization import sequence_normalizers
     from tests.helpers.mode_reference import reference_mode_loss_and_grad
+    from tests.helpers.packed_batch import ragged_padded_batch
+    from tests.helpers.reference import RAGGED_LENGTHS as lengths
 
     rank = dist.get_rank()
-    lengths = [12, 5, 9, 12]
-    gen = torch.Generator().manual_seed(3)
-    labels = torch.randint(0, VOCAB, (len(lengths), 12), generator=gen)
-    real = torch.arange(12) < torch.tensor(lengths)[:, None]
-    mask = real & (torch.rand(len(lengths), 12, generator=gen) < 0.4)
-    mask[2] = False  # a sequence with no scored token
-    weights = torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64), 0)
-    logits = torch.randn(
-        12, len(lengths), VOCAB, generator=torch.Generator().manual_seed(4), dtype=torch.float64
-    )
+    logits, batch, _ = ragged_padded_batch(weighted=True)  # sequence 2 scores nothing
+    labels, weights = batch["labels"], batch["loss_mask"]
+    mask = weights != 0
     for mode, loss_mask in (("per_token", mask), ("per_sequence", weights), ("constant", mask)):
         ref_loss, ref_grad = reference_mode_loss_and_grad(
             logits, labels, loss_mask, mode, **mode_kwargs(mode)
