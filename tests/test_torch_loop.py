@@ -15,6 +15,7 @@ from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.mode_reference import (
     MODES,
     checked_reduce,
+    float_weights,
     reference_mode_loss,
     reference_mode_loss_and_grad,
 )
@@ -32,11 +33,6 @@ LENGTHS, SEQ_LEN = RAGGED_LENGTHS, RAGGED_SEQ_LEN
 
 def mode_kwargs(mode: str) -> dict:
     return _mode_kwargs(mode, SEQ_LEN)
-
-
-def weighted(mask: torch.Tensor, seed: int = 1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.1, 0)
 
 
 def run_steps(
@@ -87,7 +83,7 @@ def test_every_output_mode_layout_and_split_equals_reference(
     mode, layout, weights, sizes, output
 ) -> None:
     logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.3)
-    loss_mask = weighted(mask) if weights else mask
+    loss_mask = float_weights(mask) if weights else mask
     inputs = head_inputs(logits) if output == "fused head" else (logits,)
     loss, grads = run_steps(
         inputs, labels, loss_mask, sizes, layout, normalization=mode, **mode_kwargs(mode)
@@ -121,7 +117,7 @@ def test_no_host_sync_and_no_collective_per_micro_batch(mode, output) -> None:
     hidden, weight, bias = head_inputs(logits)
     bsv = (hidden if output == "fused head" else logits).transpose(0, 1).requires_grad_(True)
     loss_fn = GlobalBatchLoss(group=None, normalization=mode, **mode_kwargs(mode))
-    mbs = [{"labels": labels[:2], "loss_mask": weighted(mask[:2])}, {"labels": labels[2:]}]
+    mbs = [{"labels": labels[:2], "loss_mask": float_weights(mask[:2])}, {"labels": labels[2:]}]
     for mb in mbs:  # the collator's host count: the kernels size their work without a sync
         mb["num_scored"] = int((mb["labels"] != -100).sum())
     with forbid_host_syncs(), count_collectives() as calls:
