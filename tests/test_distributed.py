@@ -84,10 +84,8 @@ def test_megatron_parallel_state_gives_its_groups() -> None:
         assert distributed.megatron_is_initialized()
         assert distributed.tensor_parallel_group() is ps.get_tensor_model_parallel_group()
         assert distributed.tensor_parallel_world_size() == 1
-        assert (distributed.context_parallel_world_size(), distributed.context_parallel_rank()) == (
-            1,
-            0,
-        )
+        assert distributed.context_parallel_world_size() == 1
+        assert distributed.context_parallel_rank() == 0
         group = distributed.loss_reduction_group()
         # Megatron's data x context parallel group, not the default group it was built from.
         assert group is ps.get_data_parallel_group(with_context_parallel=True)

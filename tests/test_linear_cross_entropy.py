@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -24,12 +25,23 @@ from tests.helpers.megatron_cpu import single_process_megatron
 from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
 from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
-# Small chunks, so that every test crosses row and vocabulary chunk boundaries.
-CHUNKS = {"chunk_rows": 4, "chunk_vocab": 5}
 CAPACITIES = ["all", "nonzero", 15, 0.5, 1.0]
+# The per-token losses, in small chunks so that every test crosses row and vocabulary chunk
+# boundaries; their weighted sum in one pass over row chunks of the whole vocabulary (default,
+# and small row chunks), and in two (log-sum-exp, then gradients) when the vocabulary is
+# chunked as under TP.
+ENTRIES = {
+    "token losses": {"chunk_rows": 4, "chunk_vocab": 5},
+    "sum, one pass": {},
+    "sum, one pass, 4-row chunks": {"chunk_rows": 4},
+    "sum, two passes": {"chunk_rows": 4, "chunk_vocab": 5},
+}
+SUMS = [entry for entry in ENTRIES if entry != "token losses"]
+UPSTREAM = 0.37  # the backward must scale the forward's gradients by the upstream gradient
 
 
-def fused(
+def run_head(
+    entry: str,
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -38,15 +50,30 @@ def fused(
     coef: Tensor,
     **kwargs,
 ) -> tuple[Tensor, ...]:
-    """The fused losses and the gradients of ``sum(coef * losses)``."""
+    """The entry's losses (or weighted sum) and the gradients of ``sum(coef * losses)``.
+
+    The gradients go through an upstream gradient of ``UPSTREAM`` and are divided by it back.
+    """
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
     bias_leaf = None if bias is None else bias.detach().clone().requires_grad_(True)
-    losses = linear_cross_entropy_token_losses(
-        leaves[0], leaves[1], labels, mask, bias=bias_leaf, **kwargs
-    )
-    (losses * coef.to(losses.dtype)).sum().backward()
+    args = (leaves[0], leaves[1], labels)
+    if entry == "token losses":
+        out = linear_cross_entropy_token_losses(*args, mask, bias=bias_leaf, **kwargs)
+        total = (out * coef.to(out.dtype)).sum()
+    else:
+        out = total = linear_cross_entropy_weighted_sum(*args, coef, bias=bias_leaf, **kwargs)
+    (UPSTREAM * total).backward()
     grads = [leaf.grad for leaf in leaves] + [None if bias_leaf is None else bias_leaf.grad]
-    return losses.detach(), *grads
+    return out.detach(), *(None if g is None else g / UPSTREAM for g in grads)
+
+
+def reference(
+    entry: str, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+    coef: Tensor, layout: str = "sb",
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """:func:`linear_reference`, its losses summed with ``coef`` for the weighted sum."""
+    losses, *grads = linear_reference(hidden, weight, bias, labels, coef, layout)
+    return losses if entry == "token losses" else (losses * coef).sum(), *grads
 
 
 def assert_matches(got: tuple[Tensor, ...], expected: tuple[Tensor, ...], rtol: float) -> None:
@@ -59,20 +86,21 @@ def assert_matches(got: tuple[Tensor, ...], expected: tuple[Tensor, ...], rtol: 
 
 @pytest.mark.parametrize("capacity", CAPACITIES)
 @pytest.mark.parametrize("layout", ["sb", "bs"])
-@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_linear_then_cross_entropy_fp64(capacity, layout, weighted, with_bias) -> None:
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_matches_linear_then_cross_entropy_fp64(capacity, layout, with_bias, entry) -> None:
     hidden, weight, bias, labels, mask = make_head_batch(layout=layout, empty_rows=(2,))
     assert int(mask.sum()) <= 15
     bias = bias if with_bias else None
     # Per-token coefficients make every row's gradient distinct (any normalization's shape).
-    coef = mask * (torch.rand(mask.shape, dtype=torch.float64) + 0.5 if weighted else 1.0)
-    got = fused(
-        hidden, weight, bias, labels, mask, coef, capacity=capacity, layout=layout, **CHUNKS
-    )
-    expected = linear_reference(hidden, weight, bias, labels, coef, layout)
-    assert got[0].dtype == torch.float64 and got[0].shape == labels.shape
-    assert_matches(got, expected, rtol=1e-10)
+    coef = mask * (torch.rand(mask.shape, dtype=torch.float64) + 0.5)
+    got = run_head(
+        entry, hidden, weight, bias, labels, mask, coef,
+        capacity=capacity, layout=layout, **ENTRIES[entry],
+    )  # fmt: skip
+    assert got[0].dtype == torch.float64
+    assert got[0].shape == (labels.shape if entry == "token losses" else ())
+    assert_matches(got, reference(entry, hidden, weight, bias, labels, coef, layout), rtol=1e-10)
     unscored = ~mask if layout == "bs" else ~mask.t()
     assert torch.equal(got[1][unscored], torch.zeros_like(got[1][unscored]))
 
@@ -81,8 +109,8 @@ def test_matches_linear_then_cross_entropy_fp64(capacity, layout, weighted, with
 def test_chunk_sizes_do_not_change_the_result(chunks) -> None:
     hidden, weight, bias, labels, mask = make_head_batch(v=11)
     coef = mask.double()
-    got = fused(
-        hidden, weight, bias, labels, mask, coef, capacity=0.5,
+    got = run_head(
+        "token losses", hidden, weight, bias, labels, mask, coef, capacity=0.5,
         chunk_rows=chunks[0], chunk_vocab=chunks[1],
     )  # fmt: skip
     assert_matches(got, linear_reference(hidden, weight, bias, labels, coef), rtol=1e-10)
@@ -100,51 +128,55 @@ def test_collator_count_is_exact_without_host_sync_or_collective() -> None:
     b, s = batch["labels"].shape
     hidden, weight, bias, _, _ = make_head_batch(b, s, v=33)
     labels, mask = batch["labels"], batch["loss_mask"]
-    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     with forbid_host_syncs(), count_collectives() as calls:
-        losses = linear_cross_entropy_token_losses(
-            leaves[0], leaves[1], labels, mask, bias=leaves[2], num_scored=batch["num_scored"]
-        )
-        losses.sum().backward()
+        got = run_head(
+            "token losses", hidden, weight, bias, labels, mask, mask.double(),
+            num_scored=batch["num_scored"],
+        )  # fmt: skip
     assert sum(calls.values()) == 0
-    got = (losses.detach(), *(leaf.grad for leaf in leaves))
     assert_matches(got, linear_reference(hidden, weight, bias, labels, mask.double()), rtol=1e-10)
 
 
-def test_num_scored_overrides_capacity_and_an_undercount_or_overflow_is_nan() -> None:
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_num_scored_overrides_capacity_and_an_undercount_or_overflow_is_nan(entry) -> None:
     hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
     count = int(mask.sum())
-    coef = mask.double()
-    expected = linear_reference(hidden, weight, bias, labels, coef)
-    # An overcount only costs unscored rows of work; the capacity is ignored.
-    for num_scored in (torch.tensor(count), mask.sum(dim=1), torch.tensor([count + 5])):
-        got = fused(hidden, weight, bias, labels, mask, coef, capacity=1, num_scored=num_scored)
+    coef = mask * torch.rand(mask.shape, dtype=torch.float64)
+    expected = reference(entry, hidden, weight, bias, labels, coef)
+    inputs = (entry, hidden, weight, bias, labels, mask, coef)
+    # A Python int (the micro-batch's total), tensors and an overcount (which only costs
+    # unscored rows of work): the capacity is ignored, no host sync, no collective.
+    for num_scored in (count, torch.tensor(count), mask.sum(dim=1), torch.tensor([count + 5])):
+        with forbid_host_syncs(), count_collectives() as calls:
+            got = run_head(*inputs, capacity=1, num_scored=num_scored, **ENTRIES[entry])
+        assert sum(calls.values()) == 0
         assert_matches(got, expected, rtol=1e-10)
     # An undercount, or a capacity overflow, cannot pass silently: the loss and every gradient
-    # are NaN, checked on the device.
-    for rows in ({"num_scored": torch.tensor(count - 1)}, {"capacity": count - 1}):
+    # are NaN, checked on the device; in the sum with no row computed at all, those of weight
+    # and bias.
+    overflows = [{"num_scored": count - 1}, {"num_scored": torch.tensor(count - 1)}]
+    overflows += [{"capacity": count - 1}] + ([{"capacity": 0}] if entry in SUMS else [])
+    for rows in overflows:
         with forbid_host_syncs():
-            got = fused(hidden, weight, bias, labels, mask, coef, **rows)
-        assert got[0][mask].isnan().all() and all(g.isnan().any() for g in got[1:]), rows
-    # A Python int (the micro-batch's total) is the same count, and needs no tensor at all.
-    with forbid_host_syncs():
-        got = fused(hidden, weight, bias, labels, mask, coef, num_scored=count)
-    assert_matches(got, expected, rtol=1e-10)
-    for bad, error in [(1.5, TypeError), (True, TypeError), (mask.sum(1).double(), TypeError),
-                       (-1, ValueError)]:  # fmt: skip
-        with pytest.raises(error, match="num_scored"):
-            linear_cross_entropy_token_losses(hidden, weight, labels, mask, num_scored=bad)
+            got = run_head(*inputs, **rows, **ENTRIES[entry])
+        assert got[0][mask if entry == "token losses" else ...].isnan().all(), rows
+        poisoned = got[1:] if rows != {"capacity": 0} else got[2:]
+        assert all(value.isnan().any() for value in poisoned), rows
+    # Without a count, the default counts the scored rows: the one (documented) host sync.
+    with pytest.raises(HostSyncError), forbid_host_syncs():
+        run_head(*inputs, **ENTRIES[entry])
 
 
-def test_masked_label_outside_vocab_is_nan_unmasked_is_ignored() -> None:
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_masked_label_outside_vocab_is_nan_unmasked_is_ignored(entry) -> None:
     hidden, weight, bias, labels, mask = make_head_batch()
-    losses = linear_cross_entropy_token_losses(hidden, weight, labels, mask, bias=bias)
-    assert losses.isfinite().all()
+    coef = mask.double()
+    assert run_head(entry, hidden, weight, bias, labels, mask, coef)[0].isfinite().all()
     bad = labels.clone()
     bad[mask.nonzero()[0].unbind()] = 13
     for capacity in CAPACITIES:
-        losses = linear_cross_entropy_token_losses(hidden, weight, bad, mask, capacity=capacity)
-        assert losses.isnan().sum() == 1
+        got = run_head(entry, hidden, weight, bias, bad, mask, coef, capacity=capacity)
+        assert got[0].isnan().sum() == 1, capacity
 
 
 def test_shape_and_argument_errors_name_what_is_wrong() -> None:
@@ -179,6 +211,10 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
                 bias=args["bias"],
                 **kwargs,
             )
+    for bad, error in [(1.5, TypeError), (True, TypeError), (mask.sum(1).double(), TypeError),
+                       (-1, ValueError)]:  # fmt: skip
+        with pytest.raises(error, match="num_scored"):
+            linear_cross_entropy_token_losses(hidden, weight, labels, mask, num_scored=bad)
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
@@ -228,30 +264,22 @@ def test_loss_reduction_with_head_inputs_matches_reference_in_every_mode(
 @pytest.mark.parametrize("cross_entropy", ["masked", "megatron"])
 @pytest.mark.parametrize("layout", ["sb", "bs"])
 def test_head_inputs_and_logits_give_the_same_loss(cross_entropy, layout) -> None:
+    hidden, weight, bias, labels, mask = make_head_batch(layout=layout)
+    logits = F.linear(hidden, weight, bias)
+    head = {"hidden_states": hidden, "hidden_layout": layout, "output_weight": weight}
     # Megatron-Core's kernel needs its parallel state (one gloo rank here).
     with single_process_megatron() if cross_entropy == "megatron" else contextlib.nullcontext():
-        _head_inputs_and_logits_give_the_same_loss(cross_entropy, layout)
-
-
-def _head_inputs_and_logits_give_the_same_loss(cross_entropy, layout) -> None:
-    hidden, weight, bias, labels, mask = make_head_batch(layout=layout)
-    loss_fn = BERTMLMLossWithReduction(cross_entropy=cross_entropy, check_labels=True)
-    loss_fn.setup({"labels": labels, "loss_mask": mask})
-    logits = F.linear(hidden, weight, bias)
-    from_logits = loss_fn({"token_logits": logits.transpose(0, 1) if layout == "bs" else logits})
-    from_head = loss_fn(
-        {
-            "hidden_states": hidden,
-            "hidden_layout": layout,
-            "output_weight": weight,
-            "output_bias": bias,
-        }
-    )
-    torch.testing.assert_close(from_head[0], from_logits[0], rtol=1e-12, atol=0)
-    assert torch.equal(from_head[1], from_logits[1])
-    labels[mask.nonzero()[0].unbind()] = 13
-    with pytest.raises(ValueError, match="outside"):
-        loss_fn({"hidden_states": hidden, "hidden_layout": layout, "output_weight": weight})
+        loss_fn = BERTMLMLossWithReduction(cross_entropy=cross_entropy, check_labels=True)
+        loss_fn.setup({"labels": labels, "loss_mask": mask})
+        from_logits = loss_fn(
+            {"token_logits": logits.transpose(0, 1) if layout == "bs" else logits}
+        )
+        from_head = loss_fn({**head, "output_bias": bias})
+        torch.testing.assert_close(from_head[0], from_logits[0], rtol=1e-12, atol=0)
+        assert torch.equal(from_head[1], from_logits[1])
+        labels[mask.nonzero()[0].unbind()] = 13
+        with pytest.raises(ValueError, match="outside"):
+            loss_fn(head)
 
 
 def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> None:
@@ -288,75 +316,6 @@ def test_any_integer_label_dtype(dtype) -> None:
     narrow = torch.where(mask, labels, 0).to(dtype)
     got = linear_cross_entropy_token_losses(hidden, weight, narrow, mask, bias=bias)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-# linear_cross_entropy_weighted_sum: the gradients accumulated in the forward, scaled in the
-# backward.
-
-# Passes: one over row chunks of the whole vocabulary (default, and small row chunks), and
-# two (log-sum-exp, then gradients) when the vocabulary is chunked as under TP.
-PASSES = {
-    "one pass": {},
-    "one pass, 4-row chunks": {"chunk_rows": 4},
-    "two passes": {"chunk_rows": 4, "chunk_vocab": 5},
-}
-UPSTREAM = 0.37  # the backward must scale the forward's gradients by the upstream gradient
-
-
-def fused_sum(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, coef: Tensor, **kwargs
-) -> tuple[Tensor, ...]:
-    """``linear_cross_entropy_weighted_sum`` and the gradients of ``UPSTREAM`` times it."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
-    bias_leaf = None if bias is None else bias.detach().clone().requires_grad_(True)
-    total = linear_cross_entropy_weighted_sum(
-        leaves[0], leaves[1], labels, coef, bias=bias_leaf, **kwargs
-    )
-    (UPSTREAM * total).backward()
-    grads = [leaf.grad for leaf in leaves] + [None if bias_leaf is None else bias_leaf.grad]
-    return total.detach(), *(None if g is None else g / UPSTREAM for g in grads)
-
-
-def weighted_reference(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, coef: Tensor,
-    layout: str = "sb",
-) -> tuple[Tensor, ...]:  # fmt: skip
-    losses, *grads = linear_reference(hidden, weight, bias, labels, coef, layout)
-    return (losses * coef).sum(), *grads
-
-
-@pytest.mark.parametrize("capacity", ["nonzero", "all", 15, 0.5])
-@pytest.mark.parametrize("layout", ["sb", "bs"])
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("passes", list(PASSES))
-def test_weighted_loss_sum_matches_linear_then_cross_entropy_fp64(
-    capacity, layout, with_bias, passes
-) -> None:
-    hidden, weight, bias, labels, mask = make_head_batch(layout=layout, empty_rows=(2,))
-    assert int(mask.sum()) <= 15
-    bias = bias if with_bias else None
-    coef = mask * (torch.rand(mask.shape, dtype=torch.float64) + 0.5)
-    got = fused_sum(
-        hidden, weight, bias, labels, coef, capacity=capacity, layout=layout, **PASSES[passes]
-    )
-    assert got[0].dtype == torch.float64 and got[0].dim() == 0
-    assert_matches(got, weighted_reference(hidden, weight, bias, labels, coef, layout), 1e-10)
-
-
-def test_weighted_loss_sum_with_the_count_is_exact_without_host_sync_or_collective() -> None:
-    hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
-    coef = mask * torch.rand(mask.shape, dtype=torch.float64)
-    expected = weighted_reference(hidden, weight, bias, labels, coef)
-    count = int(mask.sum())
-    for num_scored in (count, mask.sum(dim=1), count + 7):
-        with forbid_host_syncs(), count_collectives() as calls:
-            got = fused_sum(hidden, weight, bias, labels, coef, num_scored=num_scored)
-        assert sum(calls.values()) == 0
-        assert_matches(got, expected, rtol=1e-10)
-    # Without a count, the default counts the scored rows: the one (documented) host sync.
-    with pytest.raises(HostSyncError):
-        with forbid_host_syncs():
-            fused_sum(hidden, weight, bias, labels, coef)
 
 
 class _LogitRows(TorchDispatchMode):
@@ -409,39 +368,19 @@ def test_without_a_count_only_the_scored_rows_are_computed(entry, capacity) -> N
 @pytest.mark.parametrize("capacity", ["nonzero", "all", 4])
 def test_an_empty_mask_gives_zero_loss_and_gradients(capacity) -> None:
     hidden, weight, bias, labels, mask = make_head_batch(3, 5, empty_rows=(0, 1, 2))
-    for num_scored in (None, 0, torch.zeros(3, dtype=torch.int64)):
-        kwargs = {"capacity": capacity, "num_scored": num_scored}
-        runs = [fused(hidden, weight, bias, labels, mask, mask.double(), **kwargs)]
-        runs += [fused_sum(hidden, weight, bias, labels, mask.double(), **kwargs, **passes)
-                 for passes in PASSES.values()]  # fmt: skip
-        for value in (value for got in runs for value in got):
-            assert torch.equal(value, torch.zeros_like(value))
-
-
-@pytest.mark.parametrize("passes", list(PASSES))
-def test_weighted_loss_sum_is_nan_on_an_undercount_or_an_out_of_vocab_label(passes) -> None:
-    hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
-    coef, count = mask.double(), int(mask.sum())
-    # More scored rows than the count or the capacity: the sum and every gradient are NaN,
-    # checked on the device; with no row computed at all, those of weight and bias.
-    for rows in ({"num_scored": count - 1}, {"capacity": count - 1}, {"capacity": 0}):
-        with forbid_host_syncs():
-            got = fused_sum(hidden, weight, bias, labels, coef, **rows, **PASSES[passes])
-        poisoned = got if rows != {"capacity": 0} else (got[0], *got[2:])
-        assert all(value.isnan().any() for value in poisoned), rows
-    bad = labels.clone()
-    bad[mask.nonzero()[0].unbind()] = 13
-    total = linear_cross_entropy_weighted_sum(
-        hidden, weight, bad, coef, bias=bias, **PASSES[passes]
-    )
-    assert total.isnan()
+    for num_scored, entry in itertools.product(
+        (None, 0, torch.zeros(3, dtype=torch.int64)), ENTRIES
+    ):
+        kwargs = {"capacity": capacity, "num_scored": num_scored, **ENTRIES[entry]}
+        for value in run_head(entry, hidden, weight, bias, labels, mask, mask.double(), **kwargs):
+            assert torch.equal(value, torch.zeros_like(value)), (num_scored, entry)
 
 
 def test_weighted_loss_sum_computes_only_the_gradients_asked_for() -> None:
     hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
     coef = mask.double()
-    expected = weighted_reference(hidden, weight, bias, labels, coef)
-    for passes in PASSES.values():
+    expected = reference(SUMS[0], hidden, weight, bias, labels, coef)
+    for passes in (ENTRIES[entry] for entry in SUMS):
         # Validation: no gradient at all, only the sum.
         with torch.no_grad(), logit_rows(weight) as rows:
             total = linear_cross_entropy_weighted_sum(
@@ -468,19 +407,15 @@ def test_weighted_loss_sum_backward_twice_is_refused() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("entry", ["token losses", *PASSES])
+@pytest.mark.parametrize("entry", ENTRIES)
 def test_half_precision_accumulates_in_fp32(dtype, entry) -> None:
     hidden, weight, bias, labels, mask = make_head_batch(4, 32, 16, 40, mask_prob=0.5)
     hidden, weight, bias = (t.to(dtype) for t in (hidden, weight, bias))
     coef = mask * torch.rand(mask.shape, dtype=torch.float64)
     # The reference runs in fp64 on the same (rounded) inputs: the fused head's logits and
     # gradient chunks are rounded to the input dtype once each, as F.linear's would be.
-    if entry == "token losses":
-        got = fused(hidden, weight, bias, labels, mask, coef, capacity=0.6, **CHUNKS)
-        expected = linear_reference(hidden, weight, bias, labels, coef)
-    else:
-        got = fused_sum(hidden, weight, bias, labels, coef, **PASSES[entry])
-        expected = weighted_reference(hidden, weight, bias, labels, coef)
+    got = run_head(entry, hidden, weight, bias, labels, mask, coef, capacity=0.6, **ENTRIES[entry])
+    expected = reference(entry, hidden, weight, bias, labels, coef)
     assert got[0].dtype == torch.float32 and all(g.dtype == dtype for g in got[1:])
     rtol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     torch.testing.assert_close(got[0].double(), expected[0], rtol=rtol, atol=rtol)

@@ -12,9 +12,8 @@ import pytest
 import torch
 from torchmetrics.text import Perplexity
 
-from bert_reduce import BERTMLMLossWithReduction, TokenPerplexity
+from bert_reduce import TokenPerplexity
 from bert_reduce.metrics import perplexity_from_sums
-from bert_reduce.reports import sum_reports
 from tests.helpers.memory import peak_allocated_bytes
 from tests.helpers.reference import UNEVEN_MICRO_BATCHES, reference_loss, uneven_mlm_batch
 from tests.helpers.sync_guard import forbid_host_syncs
@@ -106,25 +105,6 @@ def test_update_runs_no_host_sync_keeps_no_logits_nor_graph() -> None:
     assert all(t.dim() == 0 and t.grad_fn is None and not t.requires_grad for t in tensors)
     assert value.grad_fn is None
     torch.testing.assert_close(value, reference_loss(before, labels, mask).exp(), rtol=1e-6, atol=0)
-
-
-def test_reports_of_the_loss_reduction_give_the_same_value() -> None:
-    logits, labels, mask = uneven_mlm_batch()
-    from_logits, from_reports, from_list = TokenPerplexity(), TokenPerplexity(), TokenPerplexity()
-    reports = []
-    for rows in UNEVEN_MICRO_BATCHES:
-        loss_fn = BERTMLMLossWithReduction(validation_step=True)
-        loss_fn.setup({"labels": labels[rows], "loss_mask": mask[rows]})
-        _, _, report = loss_fn({"token_logits": logits[:, rows]})
-        reports.append(report)
-        from_logits.update_from_logits(logits[:, rows], labels[rows], mask[rows])
-        from_reports.update_from_reports(report)
-    from_list.update_from_reports(reports)
-    stacked = torch.stack([r["loss_sum_and_microbatch_size"] for r in reports])
-    assert sum_reports({"loss_sum_and_microbatch_size": stacked})[1] == int(mask.sum())
-    for metric in (from_reports, from_list):
-        torch.testing.assert_close(metric.compute(), from_logits.compute(), rtol=1e-15, atol=0)
-        assert int(metric.denominator) == int(mask.sum())
 
 
 def test_errors_name_keys_and_shapes() -> None:

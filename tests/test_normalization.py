@@ -16,6 +16,7 @@ from bert_reduce.normalization import (
 )
 from tests.helpers.mode_reference import (
     MODES,
+    float_weights,
     reference_mode_loss,
     reference_mode_loss_and_grad,
     run_mode_microbatches,
@@ -23,16 +24,6 @@ from tests.helpers.mode_reference import (
 from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
 from tests.helpers.reference import make_mlm_batch
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
-
-
-def float_weights(mask: torch.Tensor, seed: int = 1, dyadic: bool = False) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    if dyadic:
-        choices = torch.tensor([0.25, 0.5, 1.0, 1.5, 2.75], dtype=torch.float64)
-        weights = choices[torch.randint(0, 5, mask.shape, generator=gen)]
-    else:
-        weights = torch.rand(mask.shape, generator=gen, dtype=torch.float64) * 2 + 0.1
-    return torch.where(mask, weights, 0)
 
 
 def mode_kwargs(mode: str) -> dict:
@@ -129,11 +120,14 @@ def test_all_empty_batch_is_zero_without_nan_in_every_mode() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_modes_have_no_host_sync_and_no_collective(mode) -> None:
+@pytest.mark.parametrize("validation_step", [False, True])
+def test_forward_and_reduce_have_no_host_sync_and_no_collective(mode, validation_step) -> None:
     logits, labels, mask = make_mlm_batch(4, 8, 9)
     logits.requires_grad_(True)
     with forbid_host_syncs(), count_collectives() as calls:
-        loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
+        loss_fn = BERTMLMLossWithReduction(
+            normalization=mode, validation_step=validation_step, **mode_kwargs(mode)
+        )
         loss_fn.setup({"labels": labels, "loss_mask": float_weights(mask)})
         numerator, _, report = loss_fn({"token_logits": logits})
         numerator.backward()

@@ -14,7 +14,6 @@ from bert_reduce import (
 from bert_reduce.forward_output import FORWARD_OUT_LAYOUTS, ForwardOutKey
 from tests.helpers.mode_reference import run_mode_microbatches as run_microbatches
 from tests.helpers.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
-from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 
 @pytest.mark.parametrize("sizes", [[1, 3, 2, 2], [5, 1, 1, 1], [2, 2, 2, 2], [8]])
@@ -31,13 +30,6 @@ def test_mean_of_microbatch_means_would_differ() -> None:
     logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.25)
     per_mb = [reference_loss(logits[:, r], labels[r], mask[r]) for r in (slice(1, 4), slice(5, 8))]
     assert not torch.isclose(torch.stack(per_mb).mean(), reference_loss(logits, labels, mask))
-
-
-def test_all_empty_step_reduces_to_zero_without_nan() -> None:
-    logits, labels, mask = make_mlm_batch(4, 6, 5, empty_rows=(0, 1, 2, 3))
-    loss, grad = run_microbatches(logits, labels, mask, [1, 3])
-    assert loss.item() == 0.0
-    assert torch.equal(grad, torch.zeros_like(grad))
 
 
 def test_seed_000_example_ten_plus_six_tokens() -> None:
@@ -70,47 +62,56 @@ def test_bf16_logits_accumulate_in_fp32() -> None:
     assert loss_sum.dtype == torch.float32
 
 
-def test_reports_by_default_hold_only_two_numbers() -> None:
-    # Validation included: NeMo keeps every report of a validation step until reduce, so
-    # retaining logits is opt-in (send_val_output=True).
+@pytest.mark.parametrize(
+    ("options", "keys"),
+    [
+        # Validation included: NeMo keeps every report of a validation step until reduce, so
+        # retaining logits is opt-in (send_val_output=True).
+        ({}, {"loss_sum_and_microbatch_size"}),
+        ({"validation_step": True}, {"loss_sum_and_microbatch_size"}),
+        ({"validation_step": True, "send_val_output": True}, {"batch", "forward_out"}),
+        ({"send_train_output": True}, {"batch", "forward_out"}),
+    ],
+)
+def test_reports_hold_two_numbers_and_only_the_outputs_asked_for(options, keys) -> None:
     logits, labels, mask = make_mlm_batch(2, 8, 9)
-    for validation_step in (False, True):
-        loss_fn = BERTMLMLossWithReduction(validation_step=validation_step)
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        _, _, report = loss_fn({"token_logits": logits.requires_grad_(True)})
-        assert set(report) == {"loss_sum_and_microbatch_size"}
-        assert report["loss_sum_and_microbatch_size"].shape == (2,)
-        assert report["loss_sum_and_microbatch_size"].dtype == torch.float64
-
-
-def test_send_val_and_train_output() -> None:
-    logits, labels, mask = make_mlm_batch(2, 8, 9)
-    for loss_fn in (
-        BERTMLMLossWithReduction(validation_step=True, send_val_output=True),
-        BERTMLMLossWithReduction(send_train_output=True),
-    ):
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        _, _, report = loss_fn({"token_logits": logits.requires_grad_(True)})
-        assert set(report) == {"loss_sum_and_microbatch_size", "batch", "forward_out"}
+    loss_fn = BERTMLMLossWithReduction(**options)
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    _, _, report = loss_fn({"token_logits": logits.requires_grad_(True)})
+    assert set(report) == keys | {"loss_sum_and_microbatch_size"}
+    assert report["loss_sum_and_microbatch_size"].shape == (2,)
+    assert report["loss_sum_and_microbatch_size"].dtype == torch.float64
+    if "batch" in keys:
         assert not report["forward_out"]["token_logits"].requires_grad
         assert report["batch"]["labels"] is not labels
         assert torch.equal(report["batch"]["labels"], labels)
 
 
-def test_a_batch_without_loss_mask_needs_an_ignore_index() -> None:
-    logits, labels, _ = make_mlm_batch(2, 8, 9)
-    loss_fn = BERTMLMLossWithReduction(ignore_index=None)
-    loss_fn.setup({"labels": labels})
-    with pytest.raises(KeyError, match="batch has no 'loss_mask' and ignore_index=None"):
-        loss_fn({"token_logits": logits})
-
-
-def test_mask_shape_mismatch_names_both_shapes() -> None:
+def test_bad_batches_options_and_outputs_are_named() -> None:
     logits, labels, mask = make_mlm_batch(2, 8, 9)
-    loss_fn = BERTMLMLossWithReduction()
-    loss_fn.setup({"labels": labels, "loss_mask": mask[:, :4]})
-    with pytest.raises(ValueError, match=r"\(2, 4\).*\(2, 8\)"):
-        loss_fn({"token_logits": logits})
+    batch = {"labels": labels, "loss_mask": mask}
+    out = {"token_logits": logits}
+    cases = [
+        (
+            {"ignore_index": None},
+            {"labels": labels},
+            out,
+            KeyError,
+            "batch has no 'loss_mask' and ignore_index=None",
+        ),
+        ({}, {**batch, "loss_mask": mask[:, :4]}, out, ValueError, r"\(2, 4\).*\(2, 8\)"),
+        ({}, batch, {"lm_loss": torch.zeros(8, 2)}, ValueError, r"forward_out\['lm_loss'\]"),
+    ]
+    for kernel in ("megatron", "megatron_fused"):
+        match = rf"cross_entropy='{kernel}' runs Megatron-Core.*needs"
+        cases.append(({"cross_entropy": kernel}, batch, out, ValueError, match))
+    for options, micro_batch, forward_out, error, match in cases:
+        loss_fn = BERTMLMLossWithReduction(**options)
+        loss_fn.setup(micro_batch)
+        with pytest.raises(error, match=match):
+            loss_fn(forward_out)
+    with pytest.raises(TypeError, match="cross_entropy_loss_fusion"):
+        BERTMLMLossWithReduction(cross_entropy_loss_fusion=True)
 
 
 def test_out_of_vocab_masked_label_reported() -> None:
@@ -131,18 +132,6 @@ def test_val_drop_last_false_is_exact_too() -> None:
         logits, labels, mask, [3, 3, 1], validation_step=True, val_drop_last=False
     )
     torch.testing.assert_close(loss, reference_loss(logits, labels, mask), rtol=1e-12, atol=0)
-
-
-def test_forward_and_reduce_have_no_host_sync_and_no_collective() -> None:
-    logits, labels, mask = make_mlm_batch(4, 8, 9)
-    logits.requires_grad_(True)
-    with forbid_host_syncs(), count_collectives() as calls:
-        loss_fn = BERTMLMLossWithReduction(validation_step=True)
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        loss_sum, _, report = loss_fn({"token_logits": logits})
-        loss_sum.backward()
-        BERTMLMLossWithReduction().reduce([report, report])
-    assert sum(calls.values()) == 0
 
 
 def test_all_matches_exports() -> None:
@@ -203,27 +192,6 @@ def test_forward_out_key_chooses_among_several_outputs() -> None:
 
 def test_forward_out_key_type_is_the_keys_of_the_layouts() -> None:
     assert typing.get_args(ForwardOutKey) == tuple(FORWARD_OUT_LAYOUTS)
-
-
-def test_megatron_kernels_outside_megatron_are_named() -> None:
-    logits, labels, mask = make_mlm_batch(2, 5, 7)
-    for kernel in ("megatron", "megatron_fused"):
-        loss_fn = BERTMLMLossWithReduction(cross_entropy=kernel)
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        with pytest.raises(
-            ValueError, match=rf"cross_entropy='{kernel}' runs Megatron-Core.*needs"
-        ):
-            loss_fn({"token_logits": logits})
-    with pytest.raises(TypeError, match="cross_entropy_loss_fusion"):
-        BERTMLMLossWithReduction(cross_entropy_loss_fusion=True)
-
-
-def test_lm_loss_of_another_shape_is_rejected() -> None:
-    _, labels, mask = make_mlm_batch(3, 5, 7)
-    loss_fn = BERTMLMLossWithReduction()
-    loss_fn.setup({"labels": labels, "loss_mask": mask})
-    with pytest.raises(ValueError, match=r"forward_out\['lm_loss'\]"):
-        loss_fn({"lm_loss": torch.zeros(5, 3)})
 
 
 def test_reduce_returns_float32_of_the_fp64_sums() -> None:

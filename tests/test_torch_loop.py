@@ -11,18 +11,20 @@ import torch
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
 from bert_reduce.engine import scored_weights
 from bert_reduce.packing import pack_batch, unpack_sequences
+from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.mode_reference import (
     MODES,
     checked_reduce,
+    float_weights,
     reference_mode_loss,
     reference_mode_loss_and_grad,
 )
 from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
+from tests.helpers.packed_batch import ragged_padded_batch
 from tests.helpers.reference import (
     RAGGED_LENGTHS,
     RAGGED_SEQ_LEN,
     make_mlm_batch,
-    ragged_mlm_batch,
 )
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
@@ -31,11 +33,6 @@ LENGTHS, SEQ_LEN = RAGGED_LENGTHS, RAGGED_SEQ_LEN
 
 def mode_kwargs(mode: str) -> dict:
     return _mode_kwargs(mode, SEQ_LEN)
-
-
-def weighted(mask: torch.Tensor, seed: int = 1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.1, 0)
 
 
 def run_steps(
@@ -71,13 +68,10 @@ def run_steps(
 
 
 def head_inputs(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``[s, b, h]`` hidden states, a ``[v, h]`` weight and a ``[v]`` bias (fp64) for logits'
-    ``[s, b, v]`` shape; a non-zero bias, so that a lost bias gradient would show."""
-    (s, b, v), h = logits.shape, 6
-    gen = torch.Generator().manual_seed(2)
-    return tuple(
-        torch.randn(x, generator=gen, dtype=torch.float64) for x in ((s, b, h), (v, h), (v,))
-    )
+    """``[s, b, h]`` hidden states, a ``[v, h]`` weight and a non-zero ``[v]`` bias for logits'
+    ``[s, b, v]`` shape."""
+    s, b, v = logits.shape
+    return make_head_batch(b, s, 6, v, seed=2)[:3]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -89,7 +83,7 @@ def test_every_output_mode_layout_and_split_equals_reference(
     mode, layout, weights, sizes, output
 ) -> None:
     logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.3)
-    loss_mask = weighted(mask) if weights else mask
+    loss_mask = float_weights(mask) if weights else mask
     inputs = head_inputs(logits) if output == "fused head" else (logits,)
     loss, grads = run_steps(
         inputs, labels, loss_mask, sizes, layout, normalization=mode, **mode_kwargs(mode)
@@ -123,7 +117,7 @@ def test_no_host_sync_and_no_collective_per_micro_batch(mode, output) -> None:
     hidden, weight, bias = head_inputs(logits)
     bsv = (hidden if output == "fused head" else logits).transpose(0, 1).requires_grad_(True)
     loss_fn = GlobalBatchLoss(group=None, normalization=mode, **mode_kwargs(mode))
-    mbs = [{"labels": labels[:2], "loss_mask": weighted(mask[:2])}, {"labels": labels[2:]}]
+    mbs = [{"labels": labels[:2], "loss_mask": float_weights(mask[:2])}, {"labels": labels[2:]}]
     for mb in mbs:  # the collator's host count: the kernels size their work without a sync
         mb["num_scored"] = int((mb["labels"] != -100).sum())
     with forbid_host_syncs(), count_collectives() as calls:
@@ -170,12 +164,6 @@ def test_errors_name_what_to_do() -> None:
 # --- Hugging Face packed batches (DataCollatorWithFlattening) --------------------------------
 
 
-def padded_batch(weights: bool, seed: int = 3):
-    logits, labels, mask, _ = ragged_mlm_batch(seed)
-    labels = torch.where(mask, labels, -100)
-    return logits, labels, weighted(mask) if weights else mask
-
-
 def hf_packed(labels, loss_mask, logits_sbv, keys: str, multiple: int = 1) -> dict:
     """The batch as DataCollatorWithFlattening (and its CP-padded variant) names it."""
     packed = pack_batch(
@@ -214,7 +202,9 @@ def hf_packed(labels, loss_mask, logits_sbv, keys: str, multiple: int = 1) -> di
 )
 def test_hf_packed_batch_equals_unpacked_in_every_mode(mode, keys, multiple) -> None:
     weights = "loss_mask" in keys
-    logits, labels, loss_mask = padded_batch(weights)
+    logits, batch, _ = ragged_padded_batch(weights)
+    loss_mask = batch["loss_mask"]
+    labels = torch.where(loss_mask != 0, batch["labels"], -100)
     ref_loss, ref_grad = reference_mode_loss_and_grad(
         logits, labels, loss_mask, mode, **mode_kwargs(mode)
     )

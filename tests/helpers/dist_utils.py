@@ -25,17 +25,19 @@ gets what it needs as arguments, not through ``os.environ`` set by the test.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 HANG_TIMEOUT = timedelta(minutes=4)
 """The longest one rank waits for the others (rendezvous, a collective, the final barrier)."""
@@ -78,22 +80,30 @@ def _worker(
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=HANG_TIMEOUT
     )
-    if megatron:
-        from megatron.core import parallel_state
-
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, context_parallel_size=cp
-        )
     # If the body raises, this process ends with the error and mp.spawn ends the others (they
     # may be waiting for this one in a collective): no teardown to wait for.
-    body(*args)
-    store.set(f"finished/{rank}", "1")
-    store.wait([f"finished/{other}" for other in range(world_size)])
-    if megatron:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
+    with megatron_parallel_state(tp, cp) if megatron else contextlib.nullcontext():
+        body(*args)
+        store.set(f"finished/{rank}", "1")
+        store.wait([f"finished/{other}" for other in range(world_size)])
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def megatron_parallel_state(tp: int = 1, cp: int = 1) -> Iterator[None]:
+    """Megatron-Core's parallel state at TP = ``tp`` and CP = ``cp`` (DP: the rest), then none.
+
+    Needs the default process group; a body can go through several layouts in one spawn.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp
+    )
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 def run_distributed(
@@ -142,15 +152,28 @@ def run_launched(body: Callable[..., None], world_size: int, *args: Any) -> None
 
     The body (its trainer) creates the process group from the environment.
     """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     mp.start_processes(
         _launched_worker,
-        args=(world_size, port, body, args),
+        args=(world_size, free_port(), body, args),
         nprocs=world_size,
         start_method=_START_METHOD,
     )
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's whole gradient by name: FSDP2's shards gathered, DDP's wrapper dropped."""
+    module = getattr(model, "module", model)  # DistributedDataParallel's wrapped model
+    return {
+        name: grad.full_tensor() if isinstance(grad := param.grad, DTensor) else grad
+        for name, param in module.named_parameters()
+    }
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def load_rank_results(out_dir: str | os.PathLike[str], world_size: int) -> list[Any]:

@@ -204,17 +204,16 @@ def megatron_on_cpu() -> Iterator[None]:
 @contextlib.contextmanager
 def single_process_megatron() -> Iterator[None]:
     """A one-rank gloo group with Megatron's parallel state (TP = PP = CP = DP = 1)."""
-    from megatron.core import parallel_state
+    from tests.helpers.dist_utils import megatron_parallel_state
 
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(
             "gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0, world_size=1
         )
         try:
-            parallel_state.initialize_model_parallel()
-            yield
+            with megatron_parallel_state():
+                yield
         finally:
-            parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
 
 

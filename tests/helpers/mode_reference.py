@@ -24,6 +24,18 @@ def mode_kwargs(mode: str, constant_per_sequence: int) -> dict[str, int]:
     return {"constant_per_sequence": constant_per_sequence} if mode == "constant" else {}
 
 
+def float_weights(mask: Tensor, seed: int = 1, dyadic: bool = False) -> Tensor:
+    """``[b, s]`` fp64 weights where ``mask`` scores, 0 elsewhere: in ``[0.1, 2.1)``, or dyadic
+    (multiples of 1/4, exact under ``weight_resolution=256``)."""
+    gen = torch.Generator().manual_seed(seed)
+    if dyadic:
+        choices = torch.tensor([0.25, 0.5, 1.0, 1.5, 2.75], dtype=torch.float64)
+        weights = choices[torch.randint(0, 5, mask.shape, generator=gen)]
+    else:
+        weights = torch.rand(mask.shape, generator=gen, dtype=torch.float64) * 2 + 0.1
+    return torch.where(mask, weights, 0)
+
+
 def checked_reduce(reports: Sequence[Any]) -> Tensor:
     """``BERTMLMLossWithReduction().reduce(reports)``, as the fp64 exact value.
 

@@ -79,6 +79,11 @@ class Probe:
     match: str = ""
 
 
+def probes(where: str, *rows: tuple) -> list[Probe]:
+    """``Probe(where, *row)`` for each row: the bad input, its run, its error and match."""
+    return [Probe(where, *row) for row in rows]
+
+
 def train(tmp: Path, *overrides: str, fixed_run_dir: bool = True) -> str:
     """``python train.py TINY overrides hydra.run.dir=tmp/run``, in this process."""
     register_configs()
@@ -284,37 +289,33 @@ LOGITS, LABELS = logits_labels()
 IDS = torch.ones(2, 8, dtype=torch.long)
 ON_META = {"labels": LABELS.to("meta"), "loss_mask": torch.ones(LABELS.shape, device="meta")}
 TRAIN, LIBRARY = "`train.py`", "library"
-PROBES = [
-    Probe(
-        TRAIN,
+PROBES = probes(
+    TRAIN,
+    (
         "`data.mask_prob=0.0`",
         lambda t: train(t, "data.mask_prob=0.0"),
         ValueError,
         r"mask_prob=0\.0.*must be in \(0, 1\]",
     ),
-    Probe(
-        TRAIN,
+    (
         "`data.mask_prob=2.0`",
         lambda t: train(t, "data.mask_prob=2.0"),
         ValueError,
         r"mask_prob=2\.0.*must be in \(0, 1\]",
     ),
-    Probe(
-        TRAIN,
+    (
         "a new run into a directory that holds a run",
         refused_untouched,
         RunDirectoryError,
         "already holds a run.*Nothing was changed",
     ),
-    Probe(
-        TRAIN,
+    (
         "a run into a directory where a run is running",
         concurrent_run,
         RunDirectoryError,
         "Another run is running in .*: pid .* holds",
     ),
-    Probe(
-        TRAIN,
+    (
         "`overwrite=true` with `resume=` of the same directory",
         lambda t: refused_untouched(
             t, f"resume={t / 'run' / 'checkpoints' / 'last.ckpt'}", "overwrite=true"
@@ -322,63 +323,54 @@ PROBES = [
         RunDirectoryError,
         "overwrite=true would delete",
     ),
-    Probe(
-        TRAIN,
+    (
         "`resume=auto` without `hydra.run.dir` (the default run directory is made from the time)",
         lambda t: train(t, "resume=auto", fixed_run_dir=False),
         ValueError,
         "resume=auto resumes the run of the run directory, but this one .* is made from the "
         "current time",
     ),
-    Probe(
-        TRAIN,
+    (
         "`resume=auto` with `overwrite=true`",
         lambda t: refused_untouched(t, "resume=auto", "overwrite=true"),
         RunDirectoryError,
         "resume=auto continues the run in the run directory, overwrite=true deletes it",
     ),
-    Probe(
-        TRAIN,
+    (
         "`resume=auto` in a directory whose `last.ckpt` has another `data.global_batch_size`",
         lambda t: refused_untouched(t, "resume=auto", "data.global_batch_size=32"),
         ValueError,
         "trained with data.global_batch_size=16, this run has data.global_batch_size=32",
     ),
-    Probe(
-        TRAIN,
+    (
         "`resume=auto` in a directory whose only checkpoint is damaged",
         auto_resume_all_damaged,
     ),
-    Probe(
-        TRAIN,
+    (
         "`resume=` a mistyped path",
         bad_resume(None),
         FileNotFoundError,
         "no such checkpoint file. Checkpoints in",
     ),
-    Probe(
-        TRAIN,
+    (
         "`resume=` an empty checkpoint (0 bytes)",
         bad_resume(b""),
         ValueError,
         r"the file is empty \(0 bytes\)",
     ),
-    Probe(
-        TRAIN,
+    (
         "`resume=` a file that is not a checkpoint",
         bad_resume(b"\x80\x04garbage"),
         ValueError,
         "not a PyTorch checkpoint",
     ),
-    Probe(
-        TRAIN,
+    (
         "`resume=` a truncated checkpoint",
         truncated_resume,
         ValueError,
         "not a readable PyTorch checkpoint",
     ),
-    Probe(
-        TRAIN,
+    (
         "`resume=` with another `data.global_batch_size`",
         lambda t: train(
             t,
@@ -388,153 +380,132 @@ PROBES = [
         ValueError,
         "trained with data.global_batch_size=16, this run has data.global_batch_size=32",
     ),
-    Probe(
-        TRAIN,
+    (
         "`trainer.num_nodes=2` without a launcher",
         no_launcher,
         RuntimeError,
         r"num_nodes=2.*not started by a multi-node launcher",
     ),
-    Probe(
-        TRAIN,
+    (
         "a validation set smaller than the number of devices",
         val_smaller_than_devices,
         ValueError,
         "fewer than the 2 ranks",
     ),
-    Probe(
-        TRAIN,
+    (
         "a FASTA file with a UTF-8 byte-order mark",
         bom_file(".fasta", ">a\nMKTAYIAK\n>b\nMSEQ\n"),
     ),
-    Probe(
-        TRAIN,
+    (
         "a CSV file with a UTF-8 byte-order mark",
         bom_file(".csv", "id,sequence\na,MKTAYIAK\nb,MSEQ\n"),
     ),
-    Probe(
-        TRAIN,
+    (
         "a FASTA file with a Latin-1 header",
         latin1_fasta,
         ValueError,
         r"proteins\.fasta, line 1: not UTF-8 text",
     ),
-    Probe(
-        LIBRARY,
+) + probes(
+    LIBRARY,
+    (
         "int16 / uint8 labels",
         lambda t: (narrow_labels(torch.int16)(t), narrow_labels(torch.uint8)(t))[0],
     ),
-    Probe(LIBRARY, "a negative weight in `loss_mask`", negative_weight(False)),
-    Probe(
-        LIBRARY,
+    ("a negative weight in `loss_mask`", negative_weight(False)),
+    (
         "a negative weight in `loss_mask`, `check_labels=True`",
         negative_weight(True),
         ValueError,
         r"loss_mask holds 1 negative weight\(s\); first at \[b=0, s=1\]",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`labels` and `loss_mask` on another device than the logits",
         calls(BERTMLMLossWithReduction().forward, ON_META, {"token_logits": LOGITS}),
         ValueError,
         "token_logits is on cpu and labels on meta",
     ),
-    Probe(
-        LIBRARY, "`per_sequence` / `constant` normalization of a `[b, 0]` batch", per_sequence_empty
-    ),
-    Probe(
-        LIBRARY,
+    ("`per_sequence` / `constant` normalization of a `[b, 0]` batch", per_sequence_empty),
+    (
         "`unpack_sequences` on a `[T, v]` tensor",
         calls(unpack_sequences, torch.zeros(6, 33), torch.tensor([0, 3, 6]), 4, seq_dim=0),
         ValueError,
         r"needs packed of shape \[T, 1, \.\.\.\], got \(6, 33\)",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`unpack_sequences` on a `[2, T]` tensor",
         calls(unpack_sequences, torch.zeros(2, 6), torch.tensor([0, 3, 6]), 4, seq_dim=1),
         ValueError,
         r"needs packed of shape \[1, T, \.\.\.\], got \(2, 6\)",
     ),
-    Probe(LIBRARY, "a bare logits tensor as `forward_out`", bare_logits),
-    Probe(
-        LIBRARY,
+    ("a bare logits tensor as `forward_out`", bare_logits),
+    (
         "a normalization typo (`'per_tokens'`)",
         calls(BERTMLMLossWithReduction, normalization="per_tokens"),
         ValueError,
         "'per_tokens' is not a normalization; choose one of 'per_token', 'per_sequence'",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`pack_batch` with `labels` shorter than `input_ids`",
         calls(pack_batch, {"input_ids": IDS, "labels": IDS[:, :7], "attention_mask": IDS}),
         ValueError,
         r"'input_ids': \(2, 8\), 'labels': \(2, 7\)",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`pack_batch` with float lengths",
         calls(pack_batch, {"labels": IDS}, [2.7, 3.0]),
         TypeError,
         "lengths must be integers",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`pack_batch` on a batch of `b == 0` sequences",
         calls(pack_batch, {"labels": IDS[:0]}, []),
         ValueError,
         "b = 0 sequences",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`reduce` given a report that is a string",
         calls(BERTMLMLossWithReduction().reduce, reports(torch.zeros(2), "loss")),
         TypeError,
         r"report 1 must be a mapping with key 'loss_sum_and_microbatch_size'",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`reduce` given a report of shape `[3]`",
         calls(BERTMLMLossWithReduction().reduce, reports(torch.zeros(3))),
         ValueError,
         r"must have shape \[2\] or \[\.\.\., 2\] \(loss_sum, denominator\), got \(3,\)",
     ),
-    Probe(
-        LIBRARY,
+    (
         "one `int` `num_scored` for a batch `ExactMLMModule` splits into micro-batches",
         calls(split_micro_batches, {"labels": torch.zeros(4, 3), "num_scored": 5}, 2),
         ValueError,
         r"num_scored'\] = 5 counts the whole batch of 4 samples and cannot be split into 2",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`NumScoredCollator` / `count_scored` on a batch already on the GPU",
         calls(count_scored, {"loss_mask": ON_META["loss_mask"].bool()}),
         ValueError,
         r"batch\['loss_mask'\] is on meta: reading it to count would synchronize",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`GlobalBatchLoss` given hidden states without `output_weight`",
         calls(head_without_weight),
         KeyError,
         r"forward_out has no 'output_weight' key",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`output_layer_inputs` on a model without an output layer",
         calls(output_layer_inputs, torch.nn.Linear(2, 2), torch.zeros(1, 2)),
         TypeError,
         r"needs a Megatron-Core language model with an `output_layer`.*got Linear",
     ),
-    Probe(
-        LIBRARY,
+    (
         "`reduce` given per-token and legacy `avg` reports mixed",
         calls(BERTMLMLossWithReduction().reduce, reports(torch.zeros(2), {"avg": torch.ones(1)})),
         ValueError,
         "Cannot reduce these reports",
     ),
-]
+)
 
 
 def outcome(probe: Probe, tmp: Path) -> str | BaseException:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from bert_reduce import BERTMLMLossWithReduction, pack_batch
+from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.mode_reference import MODES, mode_kwargs, reference_mode_loss
 
 # Compiling takes seconds per graph: the whole module runs in CI, outside the fast set.
@@ -47,12 +48,6 @@ def micro_batch(count: int, seed: int) -> dict[str, Any]:
     mask = mask.view(B, S)
     labels = torch.where(mask, torch.randint(0, V, (B, S), generator=gen), -100)
     return {"labels": labels, "loss_mask": mask, "num_scored": count}
-
-
-def head() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(S, B, H), (V, H), (V,)]
-    return [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
 
 
 def step(loss_fn, call, batch, hidden, leaves) -> tuple[torch.Tensor, ...]:
@@ -89,7 +84,7 @@ def run_micro_batches(
     options = mode_kwargs(mode, S)
     loss_fn = BERTMLMLossWithReduction(normalization=mode, **options)
     compiled = torch.compile(loss_fn, fullgraph=True, backend=counting(backend, graphs))
-    leaves = [t.requires_grad_(True) for t in head()]
+    leaves = [t.requires_grad_(True) for t in make_head_batch(B, S, H, V)[:3]]
     for seed, count in enumerate(counts):
         # Compiling imports modules (inductor's); a guard on sys.modules would recompile.
         sys.modules[f"{__name__}.imported_{seed}"] = types.ModuleType("imported")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bert_reduce import distributed
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 pytestmark = pytest.mark.slow
@@ -55,10 +55,13 @@ def _megatron_body(tp: int, cp: int) -> None:
     assert _summed(tp_group) == ((3.0, 1) if tp == 2 else (rank + 1.0, 0))
 
 
-def test_plain_torch_distributed_reduces_over_the_default_group() -> None:
-    run_distributed(_plain_body, 2, megatron=False)
+def _body() -> None:
+    _plain_body()
+    for tp, cp in ((2, 1), (1, 2)):
+        with megatron_parallel_state(tp, cp):
+            _megatron_body(tp, cp)
 
 
-@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2)], ids=["tp2", "cp2"])
-def test_megatron_groups_reduce_over_data_and_context_parallel_ranks(tp: int, cp: int) -> None:
-    run_distributed(_megatron_body, 2, tp, cp, tp=tp, cp=cp)
+def test_default_and_megatron_groups_reduce_over_the_ranks_they_name() -> None:
+    # One spawn: the default group, then Megatron's TP = 2, then its CP = 2.
+    run_distributed(_body, 2, megatron=False)

@@ -23,27 +23,25 @@ VAL_SIZE = 7  # split 3 + 4 over two ranks, in batches of 2: ranks run 2 and 2 u
 
 def _ddp_body(world_size: int) -> None:
     """Every rank trains with Lightning DDP and checks itself against the reference."""
+
+    def train(micro_batch_size: int, optimizer=None, clip: float | None = None, **kwargs):
+        return et.lightning_train(
+            micro_batch_size=micro_batch_size,
+            optimizer=optimizer or et.sgd(),
+            clip=clip,
+            strategy=et.existing_group_ddp(),
+            devices=world_size,
+            **kwargs,
+        )
+
     # One micro-batch per rank here; 2 and 1 samples per micro-batch in the runs below.
     expected, expected_losses = et.reference_train(et.sgd(), clip=None)
-    run = et.lightning_train(
-        micro_batch_size=et.GLOBAL_BATCH // world_size,
-        optimizer=et.sgd(),
-        clip=None,
-        strategy=et.existing_group_ddp(),
-        devices=world_size,
-    )
+    run = train(et.GLOBAL_BATCH // world_size)
     et.assert_params_close(run.params, expected)
     torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
 
     expected_adam, _ = et.reference_train(et.adamw(), clip=None)
-    run = et.lightning_train(
-        micro_batch_size=2,
-        optimizer=et.adamw(),
-        clip=None,
-        strategy=et.existing_group_ddp(),
-        devices=world_size,
-    )
-    et.assert_params_close(run.params, expected_adam)
+    et.assert_params_close(train(2, et.adamw()).params, expected_adam)
 
     # Clipping of the exact global gradient; counted collectives and no host sync in the step
     # (SGD: Adam's own step reads its step count on the host); an uneven validation set whose
@@ -53,15 +51,8 @@ def _ddp_body(world_size: int) -> None:
     expected_clipped, _ = et.reference_train(et.sgd(), clip=0.05)
     et.GRADIENT_BUCKETS_REDUCED.clear()
     et.InstrumentedModule.collectives_per_step = []
-    run = et.lightning_train(
-        micro_batch_size=1,
-        optimizer=et.sgd(),
-        clip=0.05,
-        strategy=et.existing_group_ddp(),
-        devices=world_size,
-        module_cls=et.InstrumentedModule,
-        val_size=VAL_SIZE,
-        count_scored=True,
+    run = train(
+        1, clip=0.05, module_cls=et.InstrumentedModule, val_size=VAL_SIZE, count_scored=True
     )
     et.assert_each_loss_got_its_micro_batch_count()
     et.assert_params_close(run.params, expected_clipped)
@@ -85,27 +76,12 @@ def _ddp_body(world_size: int) -> None:
     )
 
     expected_per_sequence, expected_losses = et.reference_train(et.sgd(), None, "per_sequence")
-    run = et.lightning_train(
-        micro_batch_size=1,
-        optimizer=et.sgd(),
-        clip=None,
-        strategy=et.existing_group_ddp(),
-        devices=world_size,
-        mode="per_sequence",
-    )
+    run = train(1, mode="per_sequence")
     et.assert_params_close(run.params, expected_per_sequence)
     torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
 
-    stock = et.lightning_train(
-        micro_batch_size=2,
-        optimizer=et.sgd(),
-        clip=None,
-        strategy=et.existing_group_ddp(),
-        devices=world_size,
-        stock=True,
-    )
     # Lightning's own accumulation + DDP averaging: a mean of means, visibly different.
-    assert et.max_param_difference(stock.params, expected) > 1e-3
+    assert et.max_param_difference(train(2, stock=True).params, expected) > 1e-3
 
 
 def test_ddp_training_equals_one_process_on_the_global_batch() -> None:

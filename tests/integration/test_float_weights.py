@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from bert_reduce import (
@@ -22,6 +21,7 @@ from bert_reduce import (
 )
 from bert_reduce.lightning import ValidationPerplexityCallback
 from bert_reduce.reports import reduce_reports
+from tests.helpers.mode_reference import reference_mode_loss
 from tests.helpers.perplexity_helpers import MLMSamples, TinyMLM, loader, trainer
 from tests.helpers.reference import make_mlm_batch
 
@@ -38,15 +38,6 @@ def _weighted(mask: Tensor, kind: str) -> Tensor:
     return mask * (0.05 + torch.rand(mask.shape, generator=gen, dtype=torch.float64))
 
 
-def _reference(logits_sbv: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
-    """sum(w * CE) / sum(w) over the scored tokens of the whole batch, fp64."""
-    scored = weights != 0
-    logits_bsv = logits_sbv.transpose(0, 1)
-    per_token = F.cross_entropy(logits_bsv[scored], labels[scored], reduction="none")
-    w = weights[scored].to(torch.float64)
-    return (w * per_token).sum() / w.sum()
-
-
 KINDS = ["half", "twos", "fractional"]
 
 
@@ -56,7 +47,7 @@ def test_every_path_gives_the_weighted_mean(kind) -> None:
     weights = _weighted(mask, kind)
     if kind == "fractional":
         assert float(weights.sum()) % 1 > 0.01  # rounding it to an integer would show
-    expected = _reference(logits, labels, weights)
+    expected = reference_mode_loss(logits, labels, weights, "per_token")
 
     # (Megatron-Core's kernels, at fp32, on float weights: tests/integration/test_engine.py.)
     results: dict[str, Tensor] = {}
@@ -75,12 +66,14 @@ def test_every_path_gives_the_weighted_mean(kind) -> None:
     ]
     results["masked_token_loss"] = sum(s for s, _ in sums) / sum(d for _, d in sums)
 
-    from_logits, from_reports = TokenPerplexity(), TokenPerplexity()
+    from_logits, from_reports, from_list = TokenPerplexity(), TokenPerplexity(), TokenPerplexity()
     for rows, report in zip(SPLIT, reports, strict=True):
         from_logits.update_from_logits(logits[:, rows], labels[rows], weights[rows])
         from_reports.update_from_reports(report)
+    from_list.update_from_reports(reports)
     results["log TokenPerplexity(logits)"] = from_logits.compute().log()
     results["log TokenPerplexity(reports)"] = from_reports.compute().log()
+    results["log TokenPerplexity(a list of reports)"] = from_list.compute().log()
 
     for path, value in results.items():
         torch.testing.assert_close(
@@ -102,7 +95,7 @@ def test_validation_callback_reports_the_weighted_mean_and_its_exp(kind) -> None
     trainer([callback]).validate(model, loader(data, 4), verbose=False)
     with torch.no_grad():
         logits = model({"input_ids": data.input_ids})["token_logits"]
-    expected = _reference(logits, data.labels, data.loss_mask)
+    expected = reference_mode_loss(logits, data.labels, data.loss_mask, "per_token")
     assert callback.result is not None
     torch.testing.assert_close(callback.result.loss, expected, rtol=1e-12, atol=0)
     torch.testing.assert_close(callback.result.perplexity, expected.exp(), rtol=1e-12, atol=0)

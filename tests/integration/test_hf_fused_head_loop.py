@@ -20,12 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce import GlobalBatchLoss
 from bert_reduce.num_scored import count_scored
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import full_grads, run_distributed
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
 
 pytest.importorskip("transformers")
@@ -44,15 +43,6 @@ def _model(kind: str) -> torch.nn.Module:
     if kind == "esm":
         model.esm.contact_head.requires_grad_(False)  # not on the masked-LM path
     return model
-
-
-def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    module = model.module if isinstance(model, DistributedDataParallel) else model
-    grads = {}
-    for name, param in module.named_parameters():
-        grad = param.grad
-        grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
-    return grads
 
 
 def _wrap(model: torch.nn.Module, kind: str, wrapper: str, mesh: DeviceMesh | None):
@@ -108,7 +98,7 @@ def _body(out_path: str) -> None:
         scored = whole["labels"] != -100
         ref_loss = F.cross_entropy(logits[scored], whole["labels"][scored])
         ref_loss.backward()
-        ref_grads = _full_grads(reference)
+        ref_grads = full_grads(reference)
         # The fused head under each wrapper; the logits and outputs.loss beside it under FSDP2.
         cases = [("ddp", "fused"), ("ddp_find_unused", "fused"), ("fsdp2", "fused")]
         if kind == "esm":
@@ -119,7 +109,7 @@ def _body(out_path: str) -> None:
             if head != "outputs.loss":
                 torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
             worst = 0.0
-            for name, grad in _full_grads(model).items():
+            for name, grad in full_grads(model).items():
                 ref = ref_grads[name]
                 if ref is None:
                     assert grad is None, name

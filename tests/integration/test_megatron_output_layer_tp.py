@@ -25,6 +25,7 @@ from torch import nn
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.megatron import output_layer_inputs
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.megatron_bert import HIDDEN, SEQ_LEN, VOCAB, mlm_batch, tiny_bert
 from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
 
@@ -100,11 +101,8 @@ class SequenceParallelLastStage(nn.Module):
 
 
 def _sequence_parallel_checks(batch: dict, tp_rank: int) -> None:
-    gen = torch.Generator().manual_seed(4)
-    b = batch["labels"].size(0)
-    hidden, weight, bias = (
-        torch.randn(shape, generator=gen, dtype=torch.float64)
-        for shape in ((SEQ_LEN, b, HIDDEN), (VOCAB, HIDDEN), (VOCAB,))
+    hidden, weight, bias, _, _ = make_head_batch(
+        batch["labels"].size(0), SEQ_LEN, HIDDEN, VOCAB, seed=4
     )
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     mask = batch["loss_mask"]

@@ -17,14 +17,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import default_collate
 
 from bert_reduce import BERTMLMLossWithReduction
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.megatron_cpu import GradSyncShell, megatron_on_cpu, single_process_megatron
-from tests.helpers.mode_reference import checked_reduce
+from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
 EMPTY_ROWS = (2, 3, 6)  # the 4 x 2 split has an empty micro-batch, 8 x 1 has three
@@ -72,11 +70,11 @@ def make_model(calculate_per_token_loss: bool) -> GradSyncShell:
     return GradSyncShell(TinyMLM(config))
 
 
-def global_batch(weighted: bool = False) -> dict[str, torch.Tensor]:
+def global_batch(weighted: bool = False, seq_len: int = SEQ_LEN) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
-    input_ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
-    labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
-    mask = torch.rand(GLOBAL_BATCH, SEQ_LEN, generator=gen) < torch.linspace(0.1, 0.6, 8)[:, None]
+    input_ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, seq_len), generator=gen)
+    labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, seq_len), generator=gen)
+    mask = torch.rand(GLOBAL_BATCH, seq_len, generator=gen) < torch.linspace(0.1, 0.6, 8)[:, None]
     mask[list(EMPTY_ROWS)] = False
     loss_mask: torch.Tensor = mask
     if weighted:
@@ -124,23 +122,20 @@ def schedule_step(
     return grads, checked_reduce(reports), reports
 
 
-def reference_grads(per_micro_batch_rows: list[list[int]] | None = None, weighted: bool = False):
+def reference_grads(
+    per_micro_batch_rows: list[list[int]] | None = None,
+    weighted: bool = False,
+    seq_len: int = SEQ_LEN,
+):
     """F.cross_entropy in fp64 on the whole batch (or the mean of per-micro-batch means)."""
-    from megatron.core.transformer import TransformerConfig
-
-    model = TinyMLM(TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1))
-    batch = global_batch(weighted)
+    model = make_model(calculate_per_token_loss=True).module
+    batch = global_batch(weighted, seq_len)
 
     def mean_loss(rows: list[int]) -> torch.Tensor:
-        logits = model(batch["input_ids"][rows])["token_logits"].transpose(0, 1)
-        weights = batch["loss_mask"][rows].to(torch.float64)
-        per_token = F.cross_entropy(
-            logits.reshape(-1, VOCAB),
-            batch["labels"][rows].clamp(min=0).reshape(-1),
-            reduction="none",
+        logits = model(batch["input_ids"][rows])["token_logits"]
+        return reference_mode_loss(
+            logits, batch["labels"][rows], batch["loss_mask"][rows], "per_token"
         )
-        total = weights.sum()
-        return (per_token * weights.reshape(-1)).sum() / total if total else per_token.sum() * 0
 
     if per_micro_batch_rows is None:
         loss = mean_loss(list(range(GLOBAL_BATCH)))
@@ -235,20 +230,6 @@ def _dp2_body(
 CP_SEQ_LEN = 12  # a multiple of 2 * cp_size
 
 
-def cp_global_batch() -> list[dict[str, torch.Tensor]]:
-    """Samples of length ``CP_SEQ_LEN`` with uneven masks (row 3 empty), for a DataLoader."""
-    gen = torch.Generator().manual_seed(8)
-    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, CP_SEQ_LEN), generator=gen)
-    labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, CP_SEQ_LEN), generator=gen)
-    rates = torch.linspace(0.1, 0.6, 8)[:, None]
-    mask = torch.rand(GLOBAL_BATCH, CP_SEQ_LEN, generator=gen) < rates
-    mask[3] = False
-    return [
-        {"input_ids": ids[i], "labels": torch.where(mask[i], labels[i], -100), "loss_mask": mask[i]}
-        for i in range(GLOBAL_BATCH)
-    ]
-
-
 def _cp2_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
     """docs/megatron.md's forward_step under CP = 2: each micro-batch's loss gets an int count."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
@@ -270,7 +251,9 @@ def _cp2_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
         return model(batch["input_ids"]), loss_fn
 
     collate = NumScoredCollator(default_collate)
-    loader = DataLoader(cp_global_batch(), batch_size=2, collate_fn=collate)
+    batch = global_batch(seq_len=CP_SEQ_LEN)
+    samples = [{key: value[i] for key, value in batch.items()} for i in range(GLOBAL_BATCH)]
+    loader = DataLoader(samples, batch_size=2, collate_fn=collate)
     model = make_model(calculate_per_token_loss=True)
     with megatron_on_cpu():
         reports = forward_backward_no_pipelining(
@@ -290,32 +273,17 @@ def _cp2_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
 
 
 def _two_ranks_body(dp_references: tuple, cp_references: tuple) -> None:
-    from megatron.core import parallel_state
-
     for cp, body, references in ((1, _dp2_body, dp_references), (2, _cp2_body, cp_references)):
-        parallel_state.initialize_model_parallel(context_parallel_size=cp)
-        try:
+        with megatron_parallel_state(cp=cp):
             body(*references)
-        finally:
-            parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.slow
 def test_two_ranks_data_or_context_parallel_equal_one_rank() -> None:
     """DP = 2, then CP = 2 through docs/megatron.md's forward_step: the count survives
     Megatron's data path (collator, CP slicing, the move to the device)."""
-    from megatron.core.transformer import TransformerConfig
-
     with single_process_megatron():
         expected, _, _ = schedule_step(list(range(GLOBAL_BATCH)), 4)
-    ref, ref_loss = reference_grads()
-    model = TinyMLM(TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1))
-    batch = default_collate(cp_global_batch())
-    logits = model(batch["input_ids"])["token_logits"].transpose(0, 1)
-    mask = batch["loss_mask"]
-    loss = F.cross_entropy(logits[mask], batch["labels"][mask])
-    loss.backward()
-    cp_ref = {name: param.grad for name, param in model.named_parameters()}
-    run_distributed(
-        _two_ranks_body, 2, (expected, ref, ref_loss), (cp_ref, loss.detach()), megatron=False
-    )
+    dp_references = (expected, *reference_grads())
+    cp_references = reference_grads(seq_len=CP_SEQ_LEN)
+    run_distributed(_two_ranks_body, 2, dp_references, cp_references, megatron=False)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank
 from bert_reduce.context_parallel import slice_for_context_parallel
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.mode_reference import checked_reduce
 from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
@@ -164,20 +164,13 @@ def _megatron_cross_entropy_checks() -> None:
 
 
 def _every_layout_body() -> None:
-    from megatron.core import parallel_state
-
     _loss_checks()  # plain torch.distributed: no Megatron parallel state yet
     for tp, cp in LAYOUTS:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, context_parallel_size=cp
-        )
-        try:
+        with megatron_parallel_state(tp, cp):
             assert _ranks()[1::2] == (4 // (tp * cp), tp, cp)
             _loss_checks()
             if cp == 1:
                 _megatron_cross_entropy_checks()
-        finally:
-            parallel_state.destroy_model_parallel()
 
 
 def test_every_parallel_layout_matches_single_process() -> None:

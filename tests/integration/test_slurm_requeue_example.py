@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist_utils import HANG_GUARD_S
+from tests.helpers.dist_utils import HANG_GUARD_S, free_port
 from tests.helpers.recipe_runs import (
     CHECKPOINTED,
     ENV,
@@ -58,12 +57,6 @@ SCONTROL = """#!/bin/sh
 # scontrol stand-in: 'scontrol show hostnames <list>' names this machine.
 echo localhost
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce import GlobalBatchLoss
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import full_grads, run_distributed
 from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
 from tests.helpers.mode_reference import reference_mode_loss
 from tests.helpers.sync_guard import count_collectives
@@ -76,11 +75,6 @@ def reference_grads(model: nn.Module, input_ids, labels, loss_mask, mode: str):
     loss = reference_mode_loss(logits, labels, loss_mask, mode, **mode_kwargs(mode))
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def full_grad(param: nn.Parameter) -> torch.Tensor:
-    grad = param.grad
-    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def wrap(model: nn.Module, wrapper: str, gradient_sync: str) -> nn.Module:
@@ -140,9 +134,7 @@ def _train_step_body(wrapper: str) -> None:
             step_loss = loss_fn.end()
         assert dict(begin_calls) == {"all_reduce": 1} and dict(end_calls) == {"all_reduce": 1}
         torch.testing.assert_close(step_loss, ref_loss, rtol=1e-10, atol=0)
-        for name, param in model.named_parameters():
-            name = name.removeprefix("module.")
-            grad = full_grad(param)
+        for name, grad in full_grads(model).items():
             context = f"{mode=} {weighted=} {gradient_sync=} {name}"
             torch.testing.assert_close(
                 grad, ref_grads[name], rtol=1e-10, atol=1e-13, msg=lambda m, c=context: f"{c}: {m}"
@@ -161,18 +153,13 @@ def _context_parallel_body(packed: bool) -> None:
     from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
     from bert_reduce.normalization import sequence_normalizers
     from tests.helpers.mode_reference import reference_mode_loss_and_grad
+    from tests.helpers.packed_batch import ragged_padded_batch
+    from tests.helpers.reference import RAGGED_LENGTHS as lengths
 
     rank = dist.get_rank()
-    lengths = [12, 5, 9, 12]
-    gen = torch.Generator().manual_seed(3)
-    labels = torch.randint(0, VOCAB, (len(lengths), 12), generator=gen)
-    real = torch.arange(12) < torch.tensor(lengths)[:, None]
-    mask = real & (torch.rand(len(lengths), 12, generator=gen) < 0.4)
-    mask[2] = False  # a sequence with no scored token
-    weights = torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64), 0)
-    logits = torch.randn(
-        12, len(lengths), VOCAB, generator=torch.Generator().manual_seed(4), dtype=torch.float64
-    )
+    logits, batch, _ = ragged_padded_batch(weighted=True)  # sequence 2 scores nothing
+    labels, weights = batch["labels"], batch["loss_mask"]
+    mask = weights != 0
     for mode, loss_mask in (("per_token", mask), ("per_sequence", weights), ("constant", mask)):
         ref_loss, ref_grad = reference_mode_loss_and_grad(
             logits, labels, loss_mask, mode, **mode_kwargs(mode)
