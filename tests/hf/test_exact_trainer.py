@@ -1,11 +1,7 @@
 """ExactMLMTrainer in one process: real ``transformers.Trainer`` runs against the unsplit batch.
 
-Every run is one optimizer step with lr 0 (or one ``evaluate()``) of a tiny fp64 ESM or BERT
-masked LM; the gradient is read at ``on_pre_optimizer_step``. The references
-(``tests/helpers/hf_trainer.py``) run ``F.cross_entropy`` over the whole global batch in one
-process. Each test also runs the plain ``Trainer`` where it gets the value wrong, so that the
-error this class removes is measured beside it. Last, the batch keys the model is given and
-the per-sample terms of evaluation batches. Two processes: tests/integration.
+Each run is one optimizer step with lr 0 (or one ``evaluate()``) of a tiny fp64 masked LM,
+beside the plain ``Trainer`` where it gets the value wrong. Two processes: tests/integration.
 """
 
 from __future__ import annotations

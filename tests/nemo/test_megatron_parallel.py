@@ -1,12 +1,7 @@
 """BERTMLMLossWithReduction inside NeMo 2's MegatronParallel, on CPU, against one pass.
 
-NeMo's ``MegatronParallel`` drives Megatron-Core's schedule over several micro-batches of the
-example module (``examples/nemo2_esm2_loss.py``), building its loss objects the way NeMo's
-strategy does (fresh per micro-batch, another for ``reduce``). The reduced loss and the
-parameter gradients are checked against ``F.cross_entropy`` over the masked tokens of the
-whole global batch, in one process and over DP=2 x CP=2 gloo processes.
-
-Runs only where NeMo 2 is installed (``.venv-nemo``, see the ``nemo`` extra).
+``MegatronParallel`` drives Megatron-Core's schedule over micro-batches of the example module
+(``examples/nemo2_esm2_loss.py``), building its loss objects as NeMo's strategy does.
 """
 
 from __future__ import annotations
