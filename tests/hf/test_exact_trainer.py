@@ -27,12 +27,6 @@ EXACT = 1e-9  # relative, fp64
 LOGGED = 1e-6  # Trainer accumulates the logged loss in fp32
 
 
-@pytest.fixture(autouse=True)
-def _fast_cpu_runs():
-    with H.fast_cpu_runs():
-        yield
-
-
 def _refs(kind: str) -> dict:
     return H.reference_step(kind, H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
 
