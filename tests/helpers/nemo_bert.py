@@ -1,14 +1,8 @@
 """A tiny BERT in real NeMo 2 fits with bert_reduce's loss, and its one-process reference.
 
-The network is Megatron-Core's own ``BertModel`` (local layer spec) with tied embeddings and
-pipeline-stage splitting as on a GPU. :class:`TinyBertMLM` is the LightningModule NeMo's
-``MegatronStrategy`` drives, written as NeMo's and BioNeMo's BERT modules are (``io.IOMixin``,
-``configure_model``, ``data_step``, ``forward_step``, ``loss_reduction_class``). :func:`fit`
-runs ``nl.Trainer`` + ``MegatronStrategy`` (Megatron DDP, ``average_in_collective=False``) +
-``MegatronOptimizerModule`` (SGD, clipping) on gloo processes under
-:func:`tests.helpers.megatron_cpu.megatron_on_cpu`. :func:`reference_training` trains the same
-weights in one process with plain PyTorch on whole global batches: ``F.cross_entropy`` over
-their masked tokens, ``clip_grad_norm_``, ``torch.optim.SGD``. Import only where NeMo is.
+Megatron-Core's own ``BertModel`` with tied embeddings, trained by NeMo's ``MegatronStrategy``
+on gloo processes (:func:`fit`) and by plain PyTorch in one process on whole global batches
+(:func:`reference_training`). Import only where NeMo is.
 """
 
 from __future__ import annotations
