@@ -287,23 +287,6 @@ def fast_cpu_runs() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _set_accelerate_environment() -> None:
-    """What ``accelerate`` reads for a CPU run, from the initialized gloo group.
-
-    ``accelerate``'s ``PartialState(cpu=True)`` takes a run with ``WORLD_SIZE > 1`` for a
-    multi-CPU one and keeps a process group that is already initialized; OMP_NUM_THREADS set
-    stops it from resizing torch's thread pool.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
-
-
 Job = tuple[str, Case]
 """A runner's name (``"trainer_step"`` or ``"trainer_eval"``) and its case."""
 
@@ -320,7 +303,20 @@ def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> l
 
 
 def _distributed_body(jobs: Sequence[Job], output_dir: str, path: str) -> None:
-    _set_accelerate_environment()
+    """:func:`_run_all` on a gloo process, with what ``accelerate`` reads set from the group.
+
+    ``accelerate``'s ``PartialState(cpu=True)`` takes a run with ``WORLD_SIZE > 1`` for a
+    multi-CPU one and keeps a process group that is already initialized; OMP_NUM_THREADS set
+    stops it from resizing torch's thread pool.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
     _run_all(jobs, output_dir, path)
 
 

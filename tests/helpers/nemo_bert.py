@@ -1,14 +1,8 @@
 """A tiny BERT in real NeMo 2 fits with bert_reduce's loss, and its one-process reference.
 
-The network is Megatron-Core's own ``BertModel`` (local layer spec) with tied embeddings and
-pipeline-stage splitting as on a GPU. :class:`TinyBertMLM` is the LightningModule NeMo's
-``MegatronStrategy`` drives, written as NeMo's and BioNeMo's BERT modules are (``io.IOMixin``,
-``configure_model``, ``data_step``, ``forward_step``, ``loss_reduction_class``). :func:`fit`
-runs ``nl.Trainer`` + ``MegatronStrategy`` (Megatron DDP, ``average_in_collective=False``) +
-``MegatronOptimizerModule`` (SGD, clipping) on gloo processes under
-:func:`tests.helpers.megatron_cpu.megatron_on_cpu`. :func:`reference_training` trains the same
-weights in one process with plain PyTorch on whole global batches: ``F.cross_entropy`` over
-their masked tokens, ``clip_grad_norm_``, ``torch.optim.SGD``. Import only where NeMo is.
+Megatron-Core's own ``BertModel`` with tied embeddings, trained by NeMo's ``MegatronStrategy``
+on gloo processes (:func:`fit`) and by plain PyTorch in one process on whole global batches
+(:func:`reference_training`). Import only where NeMo is.
 """
 
 from __future__ import annotations
@@ -60,6 +54,20 @@ GLOBAL_BATCH, MICRO_BATCH = 8, 2
 EMPTY_IN_GLOBAL_BATCH = (2, 3)
 LR, MOMENTUM, CLIP_GRAD = 0.5, 0.9, 1.0
 STEPS = 3  # optimizer steps of every fit
+# Megatron's SGD as reference_training runs it, and the trainer options of every fit.
+SGD_OPTIONS = {
+    "optimizer": "sgd",
+    "lr": LR,
+    "sgd_momentum": MOMENTUM,
+    "weight_decay": 0.0,
+    "clip_grad": CLIP_GRAD,
+}
+TRAINER_OPTIONS = {
+    "limit_val_batches": 0,
+    "num_sanity_val_steps": 0,
+    "log_every_n_steps": 1,
+    "enable_checkpointing": False,
+}
 # Validated after the last step: with the global batch of 8, ExactValidationDataSampler pads
 # the 13 samples (one without a masked token) to 16; at DP = 2 the ranks hold 7 and 6 real ones.
 VAL_SAMPLES = 13
@@ -423,16 +431,7 @@ class StepMeanRecorder(pl.Callback):
 
 def optimizer_module() -> MegatronOptimizerModule:
     """Megatron's SGD with momentum and clipping, as :func:`reference_training` runs it."""
-    return MegatronOptimizerModule(
-        OptimizerConfig(
-            optimizer="sgd",
-            lr=LR,
-            sgd_momentum=MOMENTUM,
-            weight_decay=0.0,
-            clip_grad=CLIP_GRAD,
-            use_distributed_optimizer=False,
-        )
-    )
+    return MegatronOptimizerModule(OptimizerConfig(**SGD_OPTIONS, use_distributed_optimizer=False))
 
 
 def nemo_trainer(world_size: int, steps: int, pp: int = 1, tp: int = 1, **kwargs: Any):
@@ -448,10 +447,7 @@ def nemo_trainer(world_size: int, steps: int, pp: int = 1, tp: int = 1, **kwargs
         "devices": world_size,
         "strategy": strategy,
         "max_steps": steps,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-        "log_every_n_steps": 1,
-        "enable_checkpointing": False,
+        **TRAINER_OPTIONS,
         "logger": False,
         "plugins": nl.MegatronMixedPrecision(precision="32"),
         **kwargs,
@@ -547,19 +543,10 @@ def recipe(out_dir: str, devices: int) -> run.Partial:
         max_steps=STEPS,
         log_dir=str(Path(out_dir) / "nemo_experiments"),
         loss_options={"capacity": "all"},
-        optimizer_options={
-            "optimizer": "sgd",
-            "lr": LR,
-            "sgd_momentum": MOMENTUM,
-            "weight_decay": 0.0,
-            "clip_grad": CLIP_GRAD,
-        },
+        optimizer_options=SGD_OPTIONS,
         trainer_options={
             "callbacks": [run.Config(ResultSaver, out_dir=out_dir)],
             "plugins": run.Config(nl.MegatronMixedPrecision, precision="32"),
-            "limit_val_batches": 0,
-            "num_sanity_val_steps": 0,
-            "log_every_n_steps": 1,
-            "enable_checkpointing": False,
+            **TRAINER_OPTIONS,
         },
     )

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -46,6 +47,8 @@ CHECKPOINTED = [  # the default model (dropout 0.1), tiny data, validation every
 # A warning as Python prints it ("file.py:12: UserWarning: ..." or, for Lightning's own,
 # "file.py:12: message"), and Lightning's advertisements.
 WARNING = re.compile(r"\.py:\d+: |Warning: |💡")
+# Every Python warning shown (deprecations too), and no network: a run must print none.
+WARNINGS_SHOWN = {"PYTHONWARNINGS": "default", "HF_HUB_OFFLINE": "1"}
 
 
 register_configs()
@@ -104,10 +107,11 @@ def train(
     return run_train_py(*(["-m"] if multirun else []), *TINY, *overrides, where, env=env)
 
 
-def warnings_printed(result: subprocess.CompletedProcess) -> list[str]:
-    """The lines of a run's output that are warnings (see ``WARNING``)."""
+def assert_no_warning(result: subprocess.CompletedProcess) -> None:
+    """The run printed no line that is a warning (see ``WARNING``)."""
     lines = (result.stdout + result.stderr).replace("\r", "\n").splitlines()
-    return [line for line in lines if WARNING.search(line)]
+    printed = [line for line in lines if WARNING.search(line)]
+    assert not printed, "\n".join(printed)
 
 
 def rows(run_dir: Path) -> list[dict[str, str]]:
@@ -131,3 +135,14 @@ def validations(run_dir: Path) -> dict[int, tuple[float, float]]:
         for r in rows(run_dir)
         if r["val_ppl"]
     }
+
+
+def assert_same_rows(run_dir: Path, reference: Path, steps: list[int]) -> None:
+    """``run_dir`` logged the ``train_loss`` of ``steps`` and the last validation of
+    ``reference`` (``val_loss``, ``val_ppl``), relative 1e-5."""
+    losses, expected = train_losses(run_dir), train_losses(reference)
+    assert sorted(losses) == steps, run_dir
+    for step in steps:
+        assert losses[step] == pytest.approx(expected[step], rel=1e-5), (run_dir, step)
+    last = max(validations(reference))
+    assert validations(run_dir)[last] == pytest.approx(validations(reference)[last], rel=1e-5)

@@ -1,17 +1,12 @@
 """ExactMLMTrainer in one process: real ``transformers.Trainer`` runs against the unsplit batch.
 
-Every run is one optimizer step with lr 0 (or one ``evaluate()``) of a tiny fp64 ESM or BERT
-masked LM; the gradient is read at ``on_pre_optimizer_step``. The references
-(``tests/helpers/hf_trainer.py``) run ``F.cross_entropy`` over the whole global batch in one
-process. Each test also runs the plain ``Trainer`` where it gets the value wrong, so that the
-error this class removes is measured beside it. Last, the batch keys the model is given and
-the per-sample terms of evaluation batches. Two processes: tests/integration.
+Each run is one optimizer step with lr 0 (or one ``evaluate()``) of a tiny fp64 masked LM,
+beside the plain ``Trainer`` where it gets the value wrong. Two processes: tests/integration.
 """
 
 from __future__ import annotations
 
 import math
-import tempfile
 
 import pytest
 import torch
@@ -32,14 +27,20 @@ EXACT = 1e-9  # relative, fp64
 LOGGED = 1e-6  # Trainer accumulates the logged loss in fp32
 
 
-@pytest.fixture(autouse=True)
-def _fast_cpu_runs():
-    with H.fast_cpu_runs():
-        yield
-
-
 def _refs(kind: str) -> dict:
     return H.reference_step(kind, H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
+
+
+def _exact_step(tmp_path, model, rows, micro_batch: int, **kwargs) -> tuple:
+    """An ``ExactMLMTrainer`` over ``rows`` (global batch 8) and the gradient of its step."""
+    args = H.training_arguments(
+        str(tmp_path),
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=8 // micro_batch,
+        **kwargs.pop("args", {}),
+    )
+    trainer = ExactMLMTrainer(model=model, args=args, train_dataset=rows, **kwargs)
+    return trainer, H.step_gradient(trainer)
 
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
@@ -97,13 +98,7 @@ def test_plain_trainer_evaluate_is_a_mean_of_batch_means() -> None:
     reference = H.reference_eval("bert", rows)
     (plain,) = H.run_cases("trainer_eval", [H.Case("bert", exact=False)])
     # The mean of the 5 batch means, weighted by their number of samples (the last has 1).
-    model = H.tiny_model("bert").eval()
-    means = []
-    with torch.no_grad():
-        for start in range(0, 13, 3):
-            batch = H.stack(rows[start : start + 3])
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-            means.append(H.cross_entropy_mean(logits.logits, batch["labels"]).item())
+    means = [H.reference_eval("bert", rows[start : start + 3]) for start in range(0, 13, 3)]
     mean_of_means = sum(m * n for m, n in zip(means, [3, 3, 3, 3, 1], strict=True)) / 13
     assert math.isclose(plain["metrics"]["eval_loss"], mean_of_means, rel_tol=1e-12)
     assert H.relative(plain["metrics"]["eval_loss"], reference) > 1e-4
@@ -114,36 +109,30 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
-def test_fused_head_is_exact_and_forms_logits_only_for_compute_metrics(kind: str) -> None:
+def test_fused_head_is_exact_and_forms_logits_only_for_compute_metrics(kind: str, tmp_path) -> None:
     reference = _refs(kind)
     eval_rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
     eval_reference = H.reference_eval(kind, eval_rows)
     model = H.tiny_model(kind)
     decoder_calls = []
     _decoder(model).register_forward_pre_hook(lambda m, a: decoder_calls.append(model.training))
-    with tempfile.TemporaryDirectory() as tmp:
-        args = H.training_arguments(
-            tmp,
-            per_device_train_batch_size=4,
-            gradient_accumulation_steps=2,
-            per_device_eval_batch_size=3,
-        )
-        trainer = ExactMLMTrainer(
-            model=model,
-            args=args,
-            train_dataset=H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED),
-            eval_dataset=eval_rows,
-            fused_head=True,
-        )
-        grads = H.step_gradient(trainer)  # lr 0: evaluate() sees the initial model
-        assert decoder_calls == []  # no [b, s, v] logits in training
-        assert H.relative_error(grads, reference["grads"]) <= EXACT
-        # No compute_metrics: the loss alone, fused; with one, the logits it needs.
-        assert H.relative(trainer.evaluate()["eval_loss"], eval_reference) <= EXACT
-        assert decoder_calls == []
-        trainer.compute_metrics = lambda prediction: {}
-        assert H.relative(trainer.evaluate()["eval_loss"], eval_reference) <= EXACT
-        assert decoder_calls and not any(decoder_calls)
+    trainer, grads = _exact_step(
+        tmp_path,
+        model,
+        H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED),
+        micro_batch=4,
+        args={"per_device_eval_batch_size": 3},
+        eval_dataset=eval_rows,
+        fused_head=True,
+    )  # lr 0: evaluate() sees the initial model
+    assert decoder_calls == []  # no [b, s, v] logits in training
+    assert H.relative_error(grads, reference["grads"]) <= EXACT
+    # No compute_metrics: the loss alone, fused; with one, the logits it needs.
+    assert H.relative(trainer.evaluate()["eval_loss"], eval_reference) <= EXACT
+    assert decoder_calls == []
+    trainer.compute_metrics = lambda prediction: {}
+    assert H.relative(trainer.evaluate()["eval_loss"], eval_reference) <= EXACT
+    assert decoder_calls and not any(decoder_calls)
 
 
 def _packable_rows() -> list[dict[str, list[int]]]:
@@ -162,7 +151,7 @@ def _packable_rows() -> list[dict[str, list[int]]]:
 
 
 @pytest.mark.parametrize("flash_attn_kwargs", [False, True])
-def test_packed_batches_count_each_sequence(flash_attn_kwargs: bool) -> None:
+def test_packed_batches_count_each_sequence(flash_attn_kwargs: bool, tmp_path) -> None:
     # Hugging Face's DataCollatorWithFlattening: one [1, T] row per micro-batch, sequences
     # marked by position_ids restarting at 0 (and cu_seq_lens_q with flash_attn_kwargs); in
     # per-sequence mode, the mean of the sequences' means.
@@ -182,23 +171,19 @@ def test_packed_batches_count_each_sequence(flash_attn_kwargs: bool) -> None:
                 means.append(F.cross_entropy(logits[scored], labels[scored]))
     loss = torch.stack(means).mean()
     loss.backward()
-    with tempfile.TemporaryDirectory() as tmp:
-        args = H.training_arguments(
-            tmp, per_device_train_batch_size=4, gradient_accumulation_steps=2
-        )
-        trainer = ExactMLMTrainer(
-            model=H.tiny_model("esm"),
-            args=args,
-            train_dataset=rows,
-            data_collator=collator,
-            normalization="per_sequence",
-        )
-        grads = H.step_gradient(trainer)
+    trainer, grads = _exact_step(
+        tmp_path,
+        H.tiny_model("esm"),
+        rows,
+        micro_batch=4,
+        data_collator=collator,
+        normalization="per_sequence",
+    )
     assert H.relative_error(grads, H.grads(model)) <= EXACT
     assert H.relative(H.logged_losses(trainer)[0], loss.item()) <= LOGGED
 
 
-def test_float_loss_mask_column_weights_the_tokens() -> None:
+def test_float_loss_mask_column_weights_the_tokens(tmp_path) -> None:
     rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
     gen = torch.Generator().manual_seed(3)
     for row in rows:
@@ -208,51 +193,41 @@ def test_float_loss_mask_column_weights_the_tokens() -> None:
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     weights = torch.where(batch["labels"] != -100, batch["loss_mask"], 0)
     reference_mode_loss(logits.transpose(0, 1), batch["labels"], weights, "per_token").backward()
-    with tempfile.TemporaryDirectory() as tmp:
-        # The dataset's loss_mask column survives only with remove_unused_columns=False.
-        args = H.training_arguments(
-            tmp,
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=4,
-            remove_unused_columns=False,
-        )
-        trainer = ExactMLMTrainer(model=H.tiny_model("bert"), args=args, train_dataset=rows)
-        assert H.relative_error(H.step_gradient(trainer), H.grads(model)) <= EXACT
+    # The dataset's loss_mask column survives only with remove_unused_columns=False.
+    args = {"remove_unused_columns": False}
+    _, grads = _exact_step(tmp_path, H.tiny_model("bert"), rows, micro_batch=2, args=args)
+    assert H.relative_error(grads, H.grads(model)) <= EXACT
 
 
-def test_predict_without_labels_keeps_trainers_metrics() -> None:
-    rows = [
-        {k: v for k, v in row.items() if k != "labels"}
-        for row in H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
-    ]
-    with tempfile.TemporaryDirectory() as tmp:
-        args = H.training_arguments(tmp, per_device_eval_batch_size=3)
-        trainer = ExactMLMTrainer(model=H.tiny_model("esm"), args=args)
-        output = trainer.predict(rows)
+def _unlabelled(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "labels"} for row in rows]
+
+
+def test_predict_without_labels_keeps_trainers_metrics(tmp_path) -> None:
+    args = H.training_arguments(str(tmp_path), per_device_eval_batch_size=3)
+    trainer = ExactMLMTrainer(model=H.tiny_model("esm"), args=args)
+    output = trainer.predict(_unlabelled(H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)))
     assert output.predictions.shape == (13, H.SEQ_LEN, 33)
     assert "test_loss" not in output.metrics and "test_perplexity" not in output.metrics
 
 
-def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        args = H.training_arguments(tmp)
-        model = H.tiny_model("esm")
-        with pytest.raises(ValueError, match="compute_loss_func"):
-            ExactMLMTrainer(model=model, args=args, compute_loss_func=lambda *a, **k: 0)
-        with pytest.raises(TypeError, match="fused_head=True supports"):
-            ExactMLMTrainer(model=torch.nn.Linear(2, 2), args=args, fused_head=True)
-        with pytest.raises(ValueError, match="label_smoothing_factor"):
-            ExactMLMTrainer(model=model, args=H.training_arguments(tmp, label_smoothing_factor=0.1))
-        rows = [
-            {k: v for k, v in row.items() if k != "labels"}
-            for row in H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
-        ]
-        trainer = ExactMLMTrainer(model=model, args=args, train_dataset=rows)
-        with pytest.raises(KeyError, match="labels"):
-            trainer.train()
-        monkeypatch.delattr(Trainer, "loss_is_scaled_for_ga")
-        with pytest.raises(RuntimeError, match=r"tested with transformers 5\.24"):
-            ExactMLMTrainer(model=model, args=args)
+def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    args = H.training_arguments(str(tmp_path))
+    model = H.tiny_model("esm")
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        ExactMLMTrainer(model=model, args=args, compute_loss_func=lambda *a, **k: 0)
+    with pytest.raises(TypeError, match="fused_head=True supports"):
+        ExactMLMTrainer(model=torch.nn.Linear(2, 2), args=args, fused_head=True)
+    smoothing = H.training_arguments(str(tmp_path), label_smoothing_factor=0.1)
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        ExactMLMTrainer(model=model, args=smoothing)
+    rows = _unlabelled(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
+    trainer = ExactMLMTrainer(model=model, args=args, train_dataset=rows)
+    with pytest.raises(KeyError, match="labels"):
+        trainer.train()
+    monkeypatch.delattr(Trainer, "loss_is_scaled_for_ga")
+    with pytest.raises(RuntimeError, match=r"tested with transformers 5\.24"):
+        ExactMLMTrainer(model=model, args=args)
 
 
 # --- The model's inputs, and the per-sample terms of evaluation batches -----------------------

@@ -14,16 +14,9 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 from examples import hf_trainer_esm2, hf_trainer_geneformer
-from tests.helpers.hf_trainer import fast_cpu_runs
 
 TINY_ESM = ["--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--max-length", "40"]
 SHORT_RUN = ["--batch-size", "4", "--accumulation", "2", "--max-steps", "2", "--eval-steps", "1"]
-
-
-@pytest.fixture(autouse=True)
-def _fast_cpu_runs():
-    with fast_cpu_runs():
-        yield
 
 
 def _check(metrics: dict[str, float]) -> None:

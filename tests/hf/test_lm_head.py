@@ -14,12 +14,6 @@ from tests.helpers import hf_trainer as H
 from tests.helpers.hf_esm import esm_batch
 
 
-@pytest.fixture(autouse=True)
-def _fast_cpu_runs():
-    with H.fast_cpu_runs():
-        yield
-
-
 @pytest.mark.parametrize("kind", ["esm", "bert"])
 def test_head_inputs_reproduce_the_logits_and_their_gradients(kind: str) -> None:
     batch = esm_batch([9, 5, 7], 9, [3, 0, 2])

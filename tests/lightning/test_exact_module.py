@@ -13,34 +13,32 @@ from tests.helpers import exact_training as et
 
 
 @pytest.mark.parametrize(
-    ("micro_batch_size", "count_scored"), [(8, False), (4, True), (2, False), (1, True)]
+    ("micro_batch_size", "count_scored", "optimizer", "mode"),
+    [
+        (8, False, et.sgd, "per_token"),
+        (4, True, et.sgd, "per_token"),  # each micro-batch's loss gets its own count, an int
+        (2, False, et.sgd, "per_token"),
+        (1, True, et.sgd, "per_token"),
+        (2, False, et.adamw, "per_sequence"),
+        (2, False, et.adamw, "constant"),
+    ],
 )
 def test_single_device_training_equals_the_global_batch(
-    micro_batch_size: int, count_scored: bool
+    micro_batch_size: int, count_scored: bool, optimizer, mode: str
 ) -> None:
-    # count_scored: each micro-batch's loss gets its own count as an int.
-    expected, expected_losses = et.reference_train(et.sgd(), clip=None)
+    expected, expected_losses = et.reference_train(optimizer(), clip=None, mode=mode)
     run = et.lightning_train(
         micro_batch_size=micro_batch_size,
-        optimizer=et.sgd(),
+        optimizer=optimizer(),
         clip=None,
         strategy="auto",
         devices=1,
+        mode=mode,
         count_scored=count_scored,
     )
     if count_scored:
         et.assert_each_loss_got_its_micro_batch_count()
         assert len(et.CountRecordingLoss.seen) == et.STEPS * et.GLOBAL_BATCH // micro_batch_size
-    et.assert_params_close(run.params, expected)
-    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
-
-
-@pytest.mark.parametrize("mode", ["per_sequence", "constant"])
-def test_every_normalization_mode_is_exact(mode: str) -> None:
-    expected, expected_losses = et.reference_train(et.adamw(), clip=None, mode=mode)
-    run = et.lightning_train(
-        micro_batch_size=2, optimizer=et.adamw(), clip=None, strategy="auto", devices=1, mode=mode
-    )
     et.assert_params_close(run.params, expected)
     torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
 
@@ -121,6 +119,23 @@ def test_module_needs_an_optimizer() -> None:
         module.configure_optimizers()
 
 
+def _fit(module: ExactMLMModule, max_steps: int, **sampler_options) -> pl.Trainer:
+    """A quiet CPU fit of ``module`` on global batches of 8 in micro-batches of 1."""
+    dataset = et.UnevenMaskDataset()
+    sampler = GlobalBatchSampler(len(dataset), 8, 1, **sampler_options)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, train_dataloaders=DataLoader(dataset, batch_sampler=sampler))
+    return trainer
+
+
 def test_scheduler_is_stepped_once_per_optimizer_step() -> None:
     module = ExactMLMModule(
         et.initial_model(),
@@ -128,34 +143,11 @@ def test_scheduler_is_stepped_once_per_optimizer_step() -> None:
         optimizer=et.sgd(),
         lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5),
     )
-    dataset = et.UnevenMaskDataset()
-    loader = DataLoader(dataset, batch_sampler=GlobalBatchSampler(len(dataset), 8, 1))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(module, train_dataloaders=loader)
-    assert trainer.global_step == 3
+    assert _fit(module, max_steps=3).global_step == 3
     assert module.optimizers().param_groups[0]["lr"] == 0.5 * 0.5**3
 
 
 def test_a_sampler_built_for_another_rank_is_refused() -> None:
     module = ExactMLMModule(et.initial_model(), micro_batch_size=1, optimizer=et.sgd())
-    dataset = et.UnevenMaskDataset()
-    sampler = GlobalBatchSampler(len(dataset), 8, 1, num_replicas=2, rank=1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
     with pytest.raises(ValueError, match=r"is rank 1 of 2, but this process is rank 0 of 1"):
-        trainer.fit(module, train_dataloaders=DataLoader(dataset, batch_sampler=sampler))
+        _fit(module, max_steps=1, num_replicas=2, rank=1)

@@ -25,6 +25,7 @@ from tests.helpers.perplexity_helpers import (
     reference,
     trainer,
 )
+from tests.helpers.reference import reference_loss
 from tests.helpers.sync_guard import forbid_host_syncs
 
 
@@ -42,35 +43,28 @@ def test_validate_equals_one_pass_reference_and_nemo_mean_of_means_does_not() ->
     # steps of each step's mean) is not the mean over the validation set's masked tokens.
     counts = [int(data.loss_mask[i : i + BATCH].sum()) for i in range(0, SIZE, BATCH)]
     assert len(set(counts)) == len(counts), counts
-    per_step = [
-        reference(model, _subset(data, range(i, min(i + BATCH, SIZE))))[0]
-        for i in range(0, SIZE, BATCH)
-    ]
+    per_step = []
+    for start in range(0, SIZE, BATCH):
+        rows = slice(start, start + BATCH)
+        with torch.no_grad():
+            logits = model({"input_ids": data.input_ids[rows]})["token_logits"]
+        per_step.append(reference_loss(logits, data.labels[rows], data.loss_mask[rows]))
     assert logged["nemo_val_loss"] == pytest.approx(float(torch.stack(per_step).mean()), rel=1e-12)
     assert abs(logged["nemo_val_loss"] - float(ref_loss)) > 1e-3
-
-
-def _subset(data: MLMSamples, rows: range) -> MLMSamples:
-    subset = MLMSamples(0)
-    index = torch.tensor(list(rows))
-    subset.input_ids = data.input_ids[index]
-    subset.labels = data.labels[index]
-    subset.loss_mask = data.loss_mask[index]
-    return subset
 
 
 def test_fit_ignores_sanity_check_and_logs_every_epoch() -> None:
     data, model = MLMSamples(SIZE), TinyMLM(lr=0.0)
     callback = ValidationPerplexityCallback()
-    record, after_sanity = _Record(callback), _ResultAfterSanityCheck(callback)
+    record = _Record(callback)
     fit = trainer(
-        [callback, record, after_sanity],
+        [callback, record],
         max_epochs=2,
         limit_train_batches=1,
         num_sanity_val_steps=2,
     )
     fit.fit(model, loader(data, BATCH), loader(data, BATCH))
-    assert after_sanity.results == [None]
+    assert record.after_sanity_check == [None]
     # lr = 0: the weights never change, so each epoch sees the reference; counting the two
     # sanity-check batches would add their tokens.
     _, ref_ppl, ref_count = reference(model, data)
@@ -120,15 +114,6 @@ def test_validation_step_contract_errors_name_what_is_missing() -> None:
         trainer([ValidationPerplexityCallback()]).validate(_WrongReport(), loader(data, BATCH))
 
 
-class _ResultAfterSanityCheck(pl.Callback):
-    def __init__(self, callback: ValidationPerplexityCallback) -> None:
-        self.callback = callback
-        self.results: list[Any] = []
-
-    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.results.append(self.callback.result)
-
-
 class _Interrupted(Exception):
     pass
 
@@ -149,10 +134,16 @@ class _StopMidValidation(TinyMLM):
 
 
 class _Record(pl.Callback):
+    """The callback's result after the sanity check, and after each validation epoch."""
+
     def __init__(self, callback: ValidationPerplexityCallback) -> None:
         self.callback = callback
+        self.after_sanity_check: list[Any] = []
         self.epochs: list[tuple[int, float, int]] = []
         self.trainer: pl.Trainer | None = None
+
+    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.after_sanity_check.append(self.callback.result)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:

@@ -73,20 +73,15 @@ def test_wrappers_a_bias_left_to_the_caller_and_earlier_pipeline_stages(megatron
     model = tiny_bert()
     batch = mlm_batch()
     inputs = (batch["text"], batch["attention_mask"])
-    # Found through .module (Megatron's DDP and Float16Module, NeMo's modules).
-    out = output_layer_inputs(GradSyncShell(model), *inputs)
-    logits = F.linear(out["hidden_states"], out["output_weight"], out["output_bias"])
-    torch.testing.assert_close(logits.transpose(0, 1), model(*inputs)[0], rtol=1e-12, atol=1e-14)
+    # Found through .module (Megatron's DDP and Float16Module, NeMo's modules); then with
     # skip_bias_add: the layer hands its bias to the caller, which Megatron's BERT drops.
-    model.output_layer.skip_bias_add = True
-    out = output_layer_inputs(model, *inputs)
-    assert out["output_bias"] is None
-    torch.testing.assert_close(
-        F.linear(out["hidden_states"], out["output_weight"]).transpose(0, 1),
-        model(*inputs)[0],
-        rtol=1e-12,
-        atol=1e-14,
-    )
+    for wrapped, skip_bias_add in ((GradSyncShell(model), False), (model, True)):
+        model.output_layer.skip_bias_add = skip_bias_add
+        out = output_layer_inputs(wrapped, *inputs)
+        assert (out["output_bias"] is None) == skip_bias_add
+        logits = F.linear(out["hidden_states"], out["output_weight"], out["output_bias"])
+        expected = model(*inputs)[0]  # [b, s, v]; logits [s, b, v]
+        torch.testing.assert_close(logits.transpose(0, 1), expected, rtol=1e-12, atol=1e-14)
     # A stage before the last (no output layer) returns the hidden states it sends on.
     first = tiny_bert(post_process=False)
     hidden = output_layer_inputs(first, *inputs)

@@ -1,13 +1,7 @@
 """NeMo checkpointing with bert_reduce's loss: io.json records it, resume is exact.
 
-The recipe of ``examples/nemo2_recipe.py`` (``tests.helpers.nemo_bert.recipe``), executed by
-``nemo_run`` in-process on 2 gloo processes (DP=2) with NeMo's ``ModelCheckpoint`` and Adam:
-3 steps with a checkpoint after each, then a run resumed from the checkpoint of step 2
-(``AutoResume``; the data module stores its consumed samples, as NeMo's
-``PreTrainingDataModule``). NeMo's io context (``context/io.json``) records the loss class and
-options and ``load_context`` rebuilds them; every step's loss equals the one-process
-reference, and the resumed run's step 3 (loss and weights) equals the uninterrupted run's bit
-for bit.
+The recipe of ``examples/nemo2_recipe.py`` runs in-process on 2 gloo processes with NeMo's
+``ModelCheckpoint`` and Adam, then again resumed from step 2 (``AutoResume``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """num_scored_data_step: NeMo's and BioNeMo-style data steps hand the loss this rank's count.
 
-NeMo's own ``bert_data_step`` (``nemo/collections/llm/bert/model/base.py:57``) keeps only the
-keys it knows, as BioNeMo's ``biobert_data_step`` does, and under context parallelism calls
-Megatron's ``get_batch_on_this_cp_rank``, which slices every value along the sequence. The
-wrapper counts on the host, this CP rank's shard, and adds the count back as an ``int``.
-
-Runs only where NeMo 2 is installed (``.venv-nemo``, see the ``nemo`` extra).
+NeMo's ``bert_data_step`` keeps only the keys it knows and, under context parallelism, slices
+every value along the sequence; the wrapper adds this CP shard's host count back as an ``int``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
-"""Real NeMo 2 fits with bert_reduce's loss equal one-process PyTorch on whole global batches.
+"""Real NeMo 2 fits (``tests.helpers.nemo_bert.fit``) equal one-process PyTorch on whole batches.
 
-``tests.helpers.nemo_bert.fit``: Megatron-Core's BERT with tied embeddings and
-``calculate_per_token_loss=True``, 3 steps on gloo processes, every step with micro-batches of
-different masked counts, one of them with none. Every parameter, and the loss NeMo logged at
-every step on every rank that logs it, equal ``reference_training`` (fp32 tolerances),
-whatever the model hands the loss: logits, Megatron's per-token ``lm_loss``, or in training the
-output layer's inputs for the masked-only fused head with each micro-batch's count as an
-``int`` (:func:`bert_reduce.nemo.num_scored_data_step`, checked in the module's
-``forward_step``).
-
-The fits that validate (after the last step, after a sanity check that must not count) check
-the exact validation loss too: ``ExactValidationDataSampler`` pads the 13 validation samples
-to 16 with unscored ones and ``NeMoValidationPerplexityCallback`` sums NeMo's per-micro-batch
-reports on the last pipeline stage; the ``val_loss`` and ``val_ppl`` reaching every rank's
-logger equal ``F.cross_entropy`` over every masked validation token in one pass, with NeMo's
-``WrappedDataLoader`` and with a plain ``DataLoader`` (which NeMo's sampler takes for a
-training loader). NeMo's own ``MegatronDataSampler`` drops 5 of the 13 samples: the callback
-stops the fit before any validation value reaches the logger. One fit per set of processes:
-NeMo's groups do not survive a second fit in the same process.
+Every parameter and every logged loss equal ``reference_training``, and the fits that validate
+log ``F.cross_entropy`` over every masked validation token in one pass. One fit per set of
+processes: NeMo's groups do not survive a second fit in the same process.
 """
 
 from __future__ import annotations

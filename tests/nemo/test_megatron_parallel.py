@@ -1,12 +1,7 @@
 """BERTMLMLossWithReduction inside NeMo 2's MegatronParallel, on CPU, against one pass.
 
-NeMo's ``MegatronParallel`` drives Megatron-Core's schedule over several micro-batches of the
-example module (``examples/nemo2_esm2_loss.py``), building its loss objects the way NeMo's
-strategy does (fresh per micro-batch, another for ``reduce``). The reduced loss and the
-parameter gradients are checked against ``F.cross_entropy`` over the masked tokens of the
-whole global batch, in one process and over DP=2 x CP=2 gloo processes.
-
-Runs only where NeMo 2 is installed (``.venv-nemo``, see the ``nemo`` extra).
+``MegatronParallel`` drives Megatron-Core's schedule over micro-batches of the example module
+(``examples/nemo2_esm2_loss.py``), building its loss objects as NeMo's strategy does.
 """
 
 from __future__ import annotations
@@ -164,39 +159,31 @@ def test_megatron_loss_reduction_is_nemos_class() -> None:
     assert isinstance(BERTMLMLossWithReduction(), nemo_mp.MegatronLossReduction)
 
 
-def test_training_step_is_the_global_batch_in_one_pass() -> None:
+@pytest.mark.parametrize("step", ["train", "val"])
+def test_a_step_is_the_global_batch_in_one_pass(step: str) -> None:
     batch = _global_batch()
     with single_process_megatron():
-        module = _module()
+        module = _module(val_drop_last=False)
         ref_loss, ref_grads = _reference(module, batch)
-        loss, reports = _run(module, batch, MICRO_BATCHES, "train")
+        loss, reports = _run(module, batch, MICRO_BATCHES, step)
 
     torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
+    # NeMo built one loss per micro-batch and another for reduce, which never saw a batch.
+    losses = module.created_losses
+    assert len({id(loss) for loss in losses}) == len(MICRO_BATCHES) + 1
+    assert losses[-1].batch is None
+    if step == "val":
+        for rows, report in zip(MICRO_BATCHES, reports, strict=True):
+            torch.testing.assert_close(report["batch"]["labels"], batch["labels"][rows])
+            assert report["forward_out"]["token_logits"].shape == (SEQ_LEN, len(rows), VOCAB)
+            assert not report["forward_out"]["token_logits"].requires_grad
+        assert all(param.grad is None for param in module.parameters())
+        return
     _assert_close_grads(_grads(module), ref_grads)
     counts = [int(report["loss_sum_and_microbatch_size"][1]) for report in reports]
     assert counts == [int(batch["loss_mask"][rows].sum()) for rows in MICRO_BATCHES]
     assert counts[1] == 0
     assert all(set(report) == {"loss_sum_and_microbatch_size"} for report in reports)
-    # NeMo built one loss per micro-batch and another for reduce, which never saw a batch.
-    losses = module.created_losses
-    assert len({id(loss) for loss in losses}) == len(MICRO_BATCHES) + 1
-    assert losses[-1].batch is None
-
-
-def test_validation_step_is_the_global_batch_in_one_pass() -> None:
-    batch = _global_batch()
-    with single_process_megatron():
-        module = _module(val_drop_last=False)
-        ref_loss, _ = _reference(module, batch)
-        loss, reports = _run(module, batch, MICRO_BATCHES, "val")
-
-    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
-    for rows, report in zip(MICRO_BATCHES, reports, strict=True):
-        torch.testing.assert_close(report["batch"]["labels"], batch["labels"][rows])
-        assert report["forward_out"]["token_logits"].shape == (SEQ_LEN, len(rows), VOCAB)
-        assert not report["forward_out"]["token_logits"].requires_grad
-    assert len({id(loss) for loss in module.created_losses}) == len(MICRO_BATCHES) + 1
-    assert all(param.grad is None for param in module.parameters())
 
 
 def test_example_builds_the_megatron_flags() -> None:

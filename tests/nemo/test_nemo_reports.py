@@ -1,10 +1,5 @@
-"""NeMo's own loss reports (``loss_sum_and_ub_size``) reduce through bert_reduce.
-
-NeMo 2's ``MaskedTokenLossReduction`` (what NeMo's GPT/BERT models use, and BioNeMo's 2.x
-loss) names its report ``loss_sum_and_ub_size``; bert_reduce's is
-``loss_sum_and_microbatch_size``. ``BERTMLMLossWithReduction.reduce`` and ``TokenPerplexity``
-read both, so the two can be mixed in one step.
-"""
+"""NeMo's own loss reports (``loss_sum_and_ub_size``, NeMo's ``MaskedTokenLossReduction``)
+reduce through bert_reduce, mixed with bert_reduce's in one step."""
 
 from __future__ import annotations
 

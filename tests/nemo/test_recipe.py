@@ -1,8 +1,4 @@
-"""The NeMo 2 recipe of ``examples/nemo2_recipe.py`` configures bert_reduce's loss and flags.
-
-A ``run.Partial`` of ``llm.pretrain`` whose loss class and options are a ``run.Partial`` of
-``BERTMLMLossWithReduction``; ``test_checkpoint.py`` executes it.
-"""
+"""``examples/nemo2_recipe.py`` configures the loss and flags; test_checkpoint.py runs it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The pieces of exact NeMo 2 validation, in one process; real fits: ``test_fit.py``.
-
-``PaddedEvalDataset`` pads a validation set with unscored samples, ``RealSampleTracker``
-records which dealt samples are real, ``ExactValidationDataSampler`` copies NeMo's sampler's
-settings and tells validation loaders from training ones.
-"""
+"""The pieces of exact NeMo 2 validation, in one process; real fits: ``test_fit.py``."""
 
 from __future__ import annotations
 

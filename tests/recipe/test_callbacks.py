@@ -1,10 +1,4 @@
-"""The recipe's callbacks with a real Trainer and real signals sent to this process.
-
-RunCheckpoint renames a checkpoint into place only after the rows of its step (training, and
-validation when due) were handed to the loggers: checked at every rename, against Lightning's
-own logging. StopOnSignal stops at the next step boundary with that step's rows and
-``last.ckpt``. Generator states survive a checkpoint (``weights_only`` load).
-"""
+"""The recipe's callbacks with a real Trainer and real signals sent to this process."""
 
 from __future__ import annotations
 

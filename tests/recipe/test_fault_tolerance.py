@@ -1,22 +1,8 @@
 """``python train.py`` under faults, as a user meets them: nothing lost, nothing repeated.
 
-With the default config's dropout (0.1), so that resuming must restore every generator, each
-interrupted run, resumed, ends with the ``metrics.csv`` of the uninterrupted run, text-identical
-(one row per step, no gap, no repeat). The runs of a test follow one another in one run
-directory, each resuming what the previous one left:
-
-* an end-of-run ``last.ckpt`` (4 steps, checkpoints every 5) resumed to more steps, then
-  ``SIGTERM`` and ``SIGINT`` mid-run: the run stops after the current step with ``last.ckpt``
-  and exit status ``128 + signal`` (also on two processes, sent to the first only); while it
-  runs, the directory's lock names it;
-* ``SIGKILL`` at each instant around a checkpoint (``tests/helpers/faults.py``), a disk that
-  fills while a checkpoint is written (an error naming the file and the cause), ``keep_last``,
-  each followed by the same command (``resume=auto``);
-* ``SIGKILL`` once 12 of 40 steps are logged, with that ``last.ckpt`` then cut to 1000 bytes
-  (moved aside, named, an intact one used);
-* a run resumed from an earlier checkpoint of its own directory, then killed;
-* a second run into a used directory fails and leaves every file byte-identical;
-  ``overwrite=true`` replaces the run.
+With the default dropout (0.1), every interrupted run, resumed, ends with the uninterrupted
+run's ``metrics.csv``, text-identical; the faults (``tests/helpers/faults.py``) follow one
+another in one run directory, each run resuming what the previous one left.
 """
 
 from __future__ import annotations
