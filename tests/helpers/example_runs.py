@@ -10,6 +10,7 @@ validation set as one batch, an independent reference for the last ``val_loss``.
 from __future__ import annotations
 
 import importlib
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -37,6 +38,14 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"reference val_loss {loss:.10f}", flush=True)
     dist.destroy_process_group()
+    # Exit as multiprocessing's workers do, without the interpreter's shutdown: DTensor's caches
+    # keep FSDP2's device mesh, and with it the gloo process group, alive past
+    # destroy_process_group(), and a gloo worker thread still dropping its last collective's
+    # tensors as the interpreter shuts down aborts the process ("terminate called without an
+    # active exception"), at random, after every number is printed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
