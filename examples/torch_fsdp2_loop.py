@@ -19,6 +19,11 @@ The data are random protein-like sequences of varying length, 15% of their token
 (Hugging Face's convention: labels are -100 where nothing is scored); the first of each
 global batch scores nothing, as a short sequence may. Each rank takes its contiguous share of
 the global batch and cuts it into micro-batches.
+
+On CPU, torch may abort a process at exit once everything is printed ("terminate called without
+an active exception"): DTensor's caches keep the gloo group alive past
+``destroy_process_group()``, and the interpreter's shutdown races its worker threads
+(tests/helpers/example_runs.py exits without that shutdown).
 """
 
 from __future__ import annotations
