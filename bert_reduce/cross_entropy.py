@@ -197,10 +197,10 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
             else:
                 x = rows.read_into(logits, start, end, scratch)
             out = rows.read(grad, start, end) if direct else x
-            p = torch.softmax(x, -1, out=out)
-            vp.softmax_minus_onehot_(
-                p, local[start:end], scale[start:end], target_weight[start:end]
-            )
+            # dL/dx = coef * (softmax - onehot), in place; under TP `scale` also carries the
+            # factor exp(lse_shard - lse) from this shard's softmax to the vocabulary's.
+            p = torch.softmax(x, -1, out=out).mul_(scale[start:end, None])
+            p.scatter_add_(1, local[start:end], -target_weight[start:end, None])
             if not direct:
                 rows.write(grad, start, end, p)
         if unselected is not None:
