@@ -90,14 +90,12 @@ class NeMoValidationPerplexityCallback(ValidationPerplexityCallback):
         else:
             real_seen = self._tracker.real_samples_in_first(self._samples_summed)
         seen = torch.tensor(float(real_seen), dtype=torch.float64, device=loss_sum.device)
-        if parallel_state.model_parallel_is_initialized():
+        megatron = parallel_state.model_parallel_is_initialized()
+        if megatron:
             # Context-parallel ranks share their samples: count over data-parallel ranks only.
             all_reduce_sum_(seen, parallel_state.get_data_parallel_group())
         totals = torch.stack([loss_sum, denominator, seen])
-        if (
-            parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_pipeline_model_parallel_world_size() > 1
-        ):
+        if megatron and parallel_state.get_pipeline_model_parallel_world_size() > 1:
             # The reports live on the last stage: every stage takes its totals.
             dist.broadcast(
                 totals,
