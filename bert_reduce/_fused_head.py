@@ -44,7 +44,7 @@ from bert_reduce._vocab_parallel import (
     logsumexp_,
     row_coefficients,
     row_losses,
-    scatter_row_losses,
+    scatter_losses,
     shard_stats,
     shard_targets,
     tensor_parallel_placement,
@@ -129,14 +129,6 @@ def _hit_in_chunk(
     return torch.where(inside, column, 0), inside.squeeze(1)
 
 
-def _chunk_logits(
-    part: Tensor, weight: Tensor, bias: Tensor | None, vocab: tuple[int, int], acc: torch.dtype
-) -> Tensor:
-    """``[c, v_chunk]`` logits in ``acc``: fresh, to overwrite."""
-    start, end = vocab
-    return F.linear(part, weight[start:end], None if bias is None else bias[start:end]).to(acc)
-
-
 def stats_pass(
     rows_hidden: Tensor,
     weight: Tensor,
@@ -157,7 +149,9 @@ def stats_pass(
     lse.fill_(-torch.inf)
     for rows in plan.rows:
         for vocab in plan.vocab:
-            x = _chunk_logits(rows_hidden[rows[0] : rows[1]], weight, bias, vocab, acc)
+            b = None if bias is None else bias[vocab[0] : vocab[1]]
+            # Fresh [c, v_chunk] logits in acc, for logsumexp_ to overwrite.
+            x = F.linear(rows_hidden[rows[0] : rows[1]], weight[vocab[0] : vocab[1]], b).to(acc)
             column, inside = _hit_in_chunk(sharded.local, sharded.in_shard, rows, vocab)
             target_logit[rows[0] : rows[1]] += torch.where(inside, x.gather(1, column)[:, 0], 0)
             # Online log-sum-exp over vocabulary chunks: lse = log(exp(lse) + sum(exp(x))).
@@ -279,10 +273,8 @@ def gradient_pass(
 
     Without ``lse`` (one vocabulary chunk, one shard) each chunk's own softmax gives the loss
     and the gradient; with the rows' global ``lse`` the loss is the caller's (0 is returned).
-    Per chunk, ``dx' = dx / scale`` in the logits' own buffer, and the per-row ``scale``
-    goes into the products' small operands: ``dL/dh_rows += scale * (dx' @ w)``,
-    ``dL/dw += dx'^T @ (scale * h_rows)``, ``dL/db += dx'^T @ scale``. Vocabulary chunks are
-    the outer loop: the weight's gradient is summed a vocabulary chunk at a time.
+    The products as in the module docstring; vocabulary chunks are the outer loop, so the
+    weight's gradient is summed a vocabulary chunk at a time.
     """
     acc, dtype, device = coef.dtype, rows_hidden.dtype, coef.device
     grad_rows = torch.zeros(rows_hidden.shape, dtype=acc, device=device) if needs[0] else None
@@ -424,9 +416,8 @@ class TokenLosses(torch.autograd.Function):
         plan = _plan(rows_hidden.size(0), weight.size(0), chunks, hidden.size(0))
         acc = accumulation_dtype(hidden.dtype)
         lse, target_logit = stats_pass(rows_hidden, weight, bias, sharded, plan, acc, tp_group)
-        losses, scored = scatter_row_losses(
-            lse, target_logit, sharded, scored, selection, hidden.size(0)
-        )
+        loss = row_losses(lse, target_logit, sharded.in_vocab)
+        losses, scored = scatter_losses(loss, scored, selection, hidden.size(0))
         ctx.plan, ctx.positions = plan, hidden.size(0)
         ctx.save_for_backward(
             rows_hidden, weight, bias, lse, *sharded, scored, selection.index, selection.overflow

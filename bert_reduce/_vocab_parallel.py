@@ -112,32 +112,22 @@ def select_rows(
     return RowSelection(order[:limit], order[limit:], overflow)
 
 
-class FlatRows(NamedTuple):
-    """The rows one kernel call computes, flattened in the logits' memory order.
-
-    Attributes:
-        targets: int64 ``[rows]`` target ids of the selected rows.
-        per_row: ``[rows]`` values of the per-position tensor (mask or weights) on them.
-        selection: The :class:`RowSelection` they come from.
-    """
-
-    targets: Tensor
-    per_row: Tensor
-    selection: RowSelection
-
-
 def flat_rows(
     labels: Tensor,
     per_position: Tensor,
     sequence_first: bool,
     capacity: Capacity,
     num_scored: NumScored | None,
-) -> FlatRows:
+) -> tuple[Tensor, Tensor, RowSelection]:
     """Flatten ``[b, s]`` labels and mask (or weights) into the selected rows' values.
 
     Row ``r`` follows the memory order of the logits or hidden states: ``r = i_s * b + i_b``
     when they are sequence first (``[s, b, ...]``), ``r = i_b * s + i_s`` otherwise. A row is
     scored where ``per_position`` is non-zero.
+
+    Returns:
+        ``(targets, per_row, selection)``: int64 ``[rows]`` target ids of the selected rows,
+        their ``[rows]`` values of ``per_position``, and the :class:`RowSelection`.
     """
     targets = labels
     if sequence_first:
@@ -147,7 +137,7 @@ def flat_rows(
     selection = select_rows(per_position != 0, capacity, num_scored)
     if selection.index is not None:
         targets, per_position = targets[selection.index], per_position[selection.index]
-    return FlatRows(targets, per_position, selection)
+    return targets, per_position, selection
 
 
 def tensor_parallel_placement(
@@ -285,19 +275,6 @@ def scatter_losses(
     return losses, scored
 
 
-def scatter_row_losses(
-    lse: Tensor,
-    target_logit: Tensor,
-    targets: ShardedTargets,
-    scored: Tensor,
-    selection: RowSelection,
-    positions: int,
-) -> tuple[Tensor, Tensor]:
-    """:func:`scatter_losses` of the rows' :func:`row_losses` from their global statistics."""
-    loss = row_losses(lse, target_logit, targets.in_vocab)
-    return scatter_losses(loss, scored, selection, positions)
-
-
 def row_coefficients(
     grad_positions: Tensor,
     dtype: torch.dtype,
@@ -317,31 +294,6 @@ def row_coefficients(
     if overflow is not None:
         coef = torch.where(overflow.any(), torch.nan, coef)
     return coef
-
-
-def softmax_minus_onehot_(
-    probabilities: Tensor, columns: Tensor, scale: Tensor, target_weight: Tensor
-) -> Tensor:
-    """The logits' gradient of a ``[c, v_chunk]`` chunk, ``coef * (softmax - onehot)``, in place.
-
-    ``dL/dx = coef * (softmax(x) - onehot(target))``. Callers hold the chunk's softmax up to a
-    per-row factor, ``probabilities = softmax(x) / factor``, and pass ``scale = coef * factor``
-    (``exp(x - lse)`` with the global log-sum-exp: ``scale = coef``; a shard's own softmax:
-    ``scale = coef * exp(lse_shard - lse)``) and ``target_weight = coef`` where the target lies
-    in the chunk (else 0).
-
-    Args:
-        probabilities: ``[c, v_chunk]``, overwritten with the gradient.
-        columns: int64 ``[c, 1]`` target column within the chunk (any valid column when the
-            target lies elsewhere).
-        scale: ``[c]`` per-row factor of ``probabilities``.
-        target_weight: ``[c]`` what the one-hot term subtracts at ``columns``.
-
-    Returns:
-        ``probabilities``, now the gradient.
-    """
-    probabilities.mul_(scale.unsqueeze(1))
-    return probabilities.scatter_add_(1, columns, -target_weight.unsqueeze(1))
 
 
 def logsumexp_(x: Tensor) -> Tensor:

@@ -197,10 +197,10 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
             else:
                 x = rows.read_into(logits, start, end, scratch)
             out = rows.read(grad, start, end) if direct else x
-            p = torch.softmax(x, -1, out=out)
-            vp.softmax_minus_onehot_(
-                p, local[start:end], scale[start:end], target_weight[start:end]
-            )
+            # dL/dx = coef * (softmax - onehot), in place; under TP `scale` also carries the
+            # factor exp(lse_shard - lse) from this shard's softmax to the vocabulary's.
+            p = torch.softmax(x, -1, out=out).mul_(scale[start:end, None])
+            p.scatter_add_(1, local[start:end], -target_weight[start:end, None])
             if not direct:
                 rows.write(grad, start, end, p)
         if unselected is not None:
@@ -226,10 +226,6 @@ def cross_entropy_token_losses(
     with no gradient, whatever the label. The logits are never copied whole nor modified
     (unless ``in_place``). ``capacity`` and ``num_scored``: ``docs/fast_path.md``.
 
-    ``in_place=True`` writes the gradient into the logits' own storage (no gradient memory):
-    only safe for non-leaf logits that nothing reads after this loss (no detached copy kept,
-    no ``retain_graph``). Under tensor parallelism it applies to this rank's shard.
-
     Args:
         logits: ``[s, b, v]`` logits, any float dtype; under tensor parallelism ``v`` is this
             rank's contiguous vocab shard (rank ``r`` holds ids ``[r * v, (r + 1) * v)``,
@@ -239,7 +235,9 @@ def cross_entropy_token_losses(
         capacity: ``"all"`` (default), ``"nonzero"``, a row count or a fraction of ``b * s``.
         num_scored: The data pipeline's count of scored positions
             (:data:`~bert_reduce.num_scored.NumScored`); overrides ``capacity``.
-        in_place: Write the gradient into ``logits`` (see above).
+        in_place: Write the gradient into the logits' own storage (no gradient memory; under
+            TP, this rank's shard): only safe for non-leaf logits that nothing reads after
+            this loss (no detached copy kept, no ``retain_graph``).
         chunk_elements: About how many logits one chunk reads (``None``: 1/32 of the logits'
             bytes in fp32, at least 2**20 values).
         tp_group: The group the vocabulary is sharded over; ``None``: Megatron-Core's

@@ -40,16 +40,11 @@ def eval_batches(
 ) -> Iterator[dict[str, Any]]:
     """This rank's evaluation batches, then batches scoring nothing until all ranks ran as many.
 
-    Summing ``(loss_sum, denominator)`` over every rank's batches (e.g. in
-    :class:`bert_reduce.metrics.TokenPerplexity`) gives the loss of the whole evaluation set
-    if every sample sits on exactly one rank (checked first); the ranks then hold different
-    numbers of batches, some none. Every rank of ``group`` yields as many as the rank with
-    the most: its own, then copies of its last one (of
-    ``dataloader.collate_fn([dataset[0]])`` on a rank without any, not moved to any device)
-    whose ``labels`` are all ``ignore_index``, ``loss_mask`` (if any) 0 and ``num_scored`` (if
-    any) 0. Their forwards keep FSDP2's all-gathers in step (a rank that stopped early would
-    leave the others waiting forever) and add nothing to a sum. Finding the largest count
-    takes one all-reduce and one host read per evaluation, before the first batch.
+    Every rank of ``group`` yields as many batches as the rank with the most: its own, then
+    copies of its last one (of ``dataloader.collate_fn([dataset[0]])`` on a rank without any,
+    not moved to any device) whose ``labels`` are all ``ignore_index``, ``loss_mask`` and
+    ``num_scored`` (if any) 0: they keep FSDP2's all-gathers in step and add nothing to a sum
+    (``docs/pytorch_loop.md``). One all-reduce and one host read per evaluation.
 
     Args:
         dataloader: This rank's evaluation loader, of mappings with ``labels`` (``[b, s]``);

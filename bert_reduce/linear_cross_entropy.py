@@ -14,10 +14,8 @@ never hold more than one chunk (the kernels: :mod:`bert_reduce._fused_head`):
 * :func:`linear_cross_entropy_token_losses`: the ``[b, s]`` per-token losses, for a caller
   that weights them later; its backward recomputes the logits (four products per row).
 
-Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``. Accumulation
-is in fp32 for bf16/fp16 inputs (fp64 for fp64), each chunk's logits computed in the input
-dtype, as ``F.linear`` would. Under tensor parallelism ``weight`` (and ``bias``) are this
-rank's vocab shard, and the shards' per-row statistics are combined in ONE all-reduce.
+Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``; precision,
+memory, passes and tensor parallelism (ONE all-reduce): ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -65,14 +63,10 @@ def linear_cross_entropy_token_losses(
     gradient. The backward recomputes each chunk's logits (module docstring); with
     ``capacity="all"`` that is 4/3 of the dense head's products.
 
-    Under tensor parallelism ``weight`` and ``bias`` are this rank's contiguous vocab shard
-    (rank ``r`` holds ids ``[r * v, (r + 1) * v)``), the forward runs ONE all-reduce, and, as
-    with ``F.linear`` on the shard, the gradient w.r.t. a replicated ``hidden`` is this
-    shard's part: sum it over the TP group as Megatron's ``ColumnParallelLinear`` does (pass
-    ``hidden`` through ``copy_to_tensor_model_parallel_region``). With
-    ``sequence_parallel=True``, ``hidden`` is this rank's ``[s / tp, b, h]`` sequence shard:
-    it is all-gathered, and its gradient reduce-scattered, by Megatron-Core's own mapping
-    (the gradient is then whole).
+    Under tensor parallelism (``docs/performance.md``) ``weight`` and ``bias`` are this rank's
+    contiguous vocab shard (ids ``[r * v, (r + 1) * v)``), and the gradient w.r.t. a replicated
+    ``hidden`` is this shard's part: sum it over the TP group as ``ColumnParallelLinear`` does
+    (``copy_to_tensor_model_parallel_region``). A sequence-parallel shard's gradient is whole.
 
     Args:
         hidden: ``[s, b, h]`` hidden states (``layout="sb"``, Megatron) or ``[b, s, h]``
@@ -145,24 +139,11 @@ def linear_cross_entropy_weighted_sum(
     cross-entropy does the same for a scalar loss). With ``capacity="all"`` this does the
     dense head's three products for every row, without its logits.
 
-    Passes. On one process with ``chunk_vocab=None`` each chunk of ``chunk_rows`` rows spans the
-    whole vocabulary (default 32 MiB of logits, 6 MiB in bf16/fp16, at least one row): its
-    logits, their softmax, and their gradient are computed in one buffer. Under tensor
-    parallelism a row's softmax needs the log-sum-exp of every vocab shard before any gradient
-    term, so the rows are passed over twice: once for the per-row (log-sum-exp, target logit),
-    combined in ONE all-reduce, then again for the gradients (four products per row instead of
-    three, as :func:`linear_cross_entropy_token_losses`, but all in the forward). A
-    ``chunk_vocab`` smaller than ``v`` also takes the two passes, in ``[chunk_rows,
-    chunk_vocab]`` chunks (less memory for a very large vocabulary). Tensor and sequence
-    parallelism as in :func:`linear_cross_entropy_token_losses`.
-
-    Memory: the gradients are computed in the forward and held until the backward: ``[rows,
-    h]`` for the selected rows and ``[v, h]`` for the weight, in fp32 for bf16/fp16 inputs
-    (on one process the weight's is whole in fp32 then; two passes accumulate it a
-    vocabulary chunk at a time), the input dtype otherwise. In fp32/fp64 the backward scales
-    them in place and returns them, so a second backward through the same graph raises
-    PyTorch's in-place modification error. Nothing is computed for an input that does not
-    require grad, and only the sum under ``torch.no_grad()`` (validation).
+    One pass on one process with ``chunk_vocab=None``, else two (statistics, ONE all-reduce,
+    gradients); the gradients are held from the forward to the backward, which in fp32/fp64
+    scales them in place (a second backward through the graph raises); under
+    ``torch.no_grad()`` only the sum is computed (``docs/performance.md``). Tensor and
+    sequence parallelism as in :func:`linear_cross_entropy_token_losses`.
 
     Args:
         hidden: ``[s, b, h]`` hidden states (``layout="sb"``) or ``[b, s, h]`` (``"bs"``).

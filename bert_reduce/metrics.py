@@ -47,19 +47,10 @@ def perplexity_from_sums(loss_sum: Tensor, denominator: Tensor) -> Tensor:
 class TokenPerplexity(Metric):
     """Perplexity over every scored token seen, from summed ``(loss_sum, denominator)``.
 
-    States are a fp64 loss sum and a fp64 denominator (the token count, exact up to 2**53, or
-    the sum of the weights for weighted masks), both summed across processes
-    (``dist_reduce_fx="sum"``), so the result is exactly ``exp(total NLL / total denominator)``
-    however the tokens were split into batches and ranks. ``update`` neither reads device
-    values on the host nor runs a collective; the one sync is torchmetrics' own, in
-    ``compute``.
-
-    Which processes are summed: ``process_group`` if given, else, resolved at sync time,
-    :func:`bert_reduce.distributed.loss_reduction_group`: Megatron's data x context parallel
-    group when its parallel state is initialized (tensor-parallel ranks hold the same sums and
-    must not be added up), else the default group.
-
-    With no token counted, ``compute`` returns 1.0 (``exp`` of the empty mean, 0), not NaN.
+    Two fp64 states (loss sum, denominator) summed across processes, so the result is exactly
+    ``exp(total NLL / total denominator)`` however the tokens were split; ``update`` reads
+    nothing on the host and runs no collective, ``compute`` syncs once (torchmetrics') and
+    gives 1.0, not NaN, with no token counted (``docs/perplexity.md``).
 
     Example:
         >>> metric = TokenPerplexity()
@@ -68,7 +59,9 @@ class TokenPerplexity(Metric):
         tensor(7.3891, dtype=torch.float64)
 
     Args:
-        process_group: Group whose states are summed in ``compute``; see above.
+        process_group: Group whose states are summed in ``compute``; ``None``: resolved at
+            sync time, :func:`bert_reduce.distributed.loss_reduction_group` (Megatron's data x
+            context group, never its tensor-parallel ranks, which hold the same sums).
         **kwargs: Other :class:`torchmetrics.Metric` options (``sync_on_compute``, ...).
     """
 
@@ -121,12 +114,9 @@ class TokenPerplexity(Metric):
     ) -> None:
         """Add one micro-batch from its logits, without keeping them; works under TP.
 
-        The sums are the loss's (:func:`bert_reduce.engine.loss_terms`), without a graph:
-        chunks of rows in fp32, so the extra memory is a few percent of the logits' bytes
-        whatever their dtype, and the logits are neither copied whole nor modified. Under
-        tensor parallelism (Megatron's parallel state initialized) the sums are those of the
-        full vocabulary, identical on every tensor-parallel rank (one all-reduce). No host
-        sync.
+        The sums are the loss's (:func:`bert_reduce.engine.loss_terms`), without a graph; its
+        memory (a few percent of the logits' bytes) and tensor parallelism (the full
+        vocabulary's sums, one all-reduce): ``docs/perplexity.md``. No host sync.
 
         Args:
             logits: ``[s, b, v]`` logits (``layout="sb"``, default: Megatron's) or

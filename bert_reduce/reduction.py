@@ -77,15 +77,12 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     """Masked-language-model loss over the masked tokens, exact under any split of the batch.
 
     ``forward(batch, forward_out)`` returns ``(loss_sum, num_tokens, report)``, the three-tuple
-    Megatron-Core's ``forward_step_calc_loss`` understands. With
-    ``calculate_per_token_loss=True`` (recommended) the schedule sums ``num_tokens`` over
-    micro-batches and data x context ranks and divides the summed gradients by it once: the
-    gradient of the exact global mean. With ``False`` it divides per micro-batch: a mean of
-    micro-batch means, BioNeMo's behaviour (``docs/megatron.md``). ``forward`` runs no
-    collective but the vocab-parallel kernel's, and syncs only where ``docs/fast_path.md``
-    says; ``reduce`` returns the exact global mean with one all-reduce (0.0 when nothing is
-    scored), in validation too. No state is kept between calls: NeMo builds a fresh
-    instance per micro-batch and another for ``reduce``.
+    Megatron-Core's ``forward_step_calc_loss`` understands; with
+    ``calculate_per_token_loss=True`` (recommended) the schedule divides the summed gradients
+    once by the global ``num_tokens``: the gradient of the exact global mean
+    (``docs/megatron.md``). ``forward`` runs no collective but the vocab-parallel kernel's and
+    syncs only where ``docs/fast_path.md`` says; ``reduce`` returns the exact global mean with
+    one all-reduce (0.0 when nothing is scored). No state is kept between calls.
 
     Args:
         validation_step: Whether this instance serves validation (selects which

@@ -37,12 +37,10 @@ def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int,
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields, for each global batch, this rank's contiguous share of its dataset indices.
 
-    The order of the whole dataset is that of ``DistributedSampler(num_replicas=1,
-    shuffle=shuffle, seed=seed)`` at the current epoch (a permutation drawn from ``seed +
-    epoch``), available as ``self.sampler``; Lightning calls its ``set_epoch`` at the start of
-    every epoch. The last global batch is dropped when incomplete, so every step has exactly
-    ``global_batch_size`` samples. The shares of ranks ``0 .. num_replicas - 1``, concatenated,
-    are the global batch: a step sees the same samples on 1 rank or on 8.
+    The order is that of ``DistributedSampler(num_replicas=1, shuffle=shuffle, seed=seed)`` at
+    the current epoch (``self.sampler``, whose ``set_epoch`` Lightning calls); an incomplete
+    last global batch is dropped. The ranks' shares, concatenated, are the global batch: a
+    step sees the same samples on 1 rank or on 8 (``docs/lightning.md``).
 
     Args:
         dataset_size: Number of samples in the dataset.
@@ -217,13 +215,10 @@ def _placed(dataloader: object) -> tuple[str, int, int] | None:
 def check_no_repeated_samples(dataloaders: DataLoader | Iterable[DataLoader] | None) -> None:
     """Raise ``ValueError`` if a distributed sampler repeats or drops evaluation samples.
 
-    ``torch.utils.data.DistributedSampler`` (which Lightning installs by default under DDP)
-    evens out ranks by repeating samples (``drop_last=False``) or by dropping them
-    (``drop_last=True``) when the dataset size is not a multiple of the number of ranks, and
-    so does the batch sampler ``accelerator.prepare`` gives a loader (``even_batches=True``,
-    Accelerate's default); a repeated sample would be counted twice in the sums. Lightning's
-    ``UnrepeatedDistributedSampler``, bert_reduce's :class:`ShardedEvalBatchSampler` and
-    Accelerate with ``even_batches=False`` place every sample on exactly one rank.
+    ``DistributedSampler`` (Lightning's default under DDP) and the batch sampler of
+    ``accelerator.prepare`` (``even_batches=True``) even out ranks by repeating or dropping
+    samples, which the sums would count twice or miss (``docs/perplexity.md``); the error
+    names the samplers that place every sample on exactly one rank.
 
     Args:
         dataloaders: A dataloader, a collection of them (as ``trainer.val_dataloaders``), or

@@ -35,10 +35,7 @@ class GlobalBatchLoss:
     ``loss_fn(output, mb).backward()`` for each micro-batch (under DDP all but the last in
     ``model.no_sync()``, under FSDP2 ``model.set_requires_gradient_sync(last)``), then
     ``end()`` and the optimizer step (``docs/pytorch_loop.md``). The output is logits or any
-    model output of :mod:`bert_reduce.forward_output`, e.g. the fused masked-only head's
-    inputs (:func:`bert_reduce.hf.lm_head_inputs`); a micro-batch's ``num_scored`` sizes the
-    work with no device sync (``docs/fast_path.md``). Under FSDP2 every rank must run as
-    many micro-batches as the others (``equal_micro_batch_counts``).
+    model output of :mod:`bert_reduce.forward_output` (:meth:`__call__`).
 
     A micro-batch is a mapping with ``labels`` (``[b, s]`` token ids, ``ignore_index`` where
     unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights;

@@ -133,13 +133,11 @@ class ExactMLMTrainer(Trainer):
         trainer.train()                 # every step: the gradient of the global batch's mean
         trainer.evaluate()              # eval_loss, eval_perplexity over the whole eval set
 
-    The gradient of every optimizer step is that of the global batch (all accumulation
-    micro-batches on all processes), whatever the sampler or ``average_tokens_across_devices``;
-    ``eval_loss`` counts every eval sample once across processes. It relies on Trainer's
-    public hooks (``docs/hf_trainer.md``), tested with transformers
-    :data:`TESTED_TRANSFORMERS_VERSIONS`. Data parallelism only. The model is not given the
-    loss's batch keys (:data:`LOSS_ONLY_KEYS`); a ``loss_mask`` column of the *dataset* needs
-    ``remove_unused_columns=False``.
+    Every optimizer step's gradient is that of the global batch (all accumulation
+    micro-batches on all processes), and ``eval_loss`` counts every eval sample once, through
+    Trainer's public hooks (``docs/hf_trainer.md``; tested with
+    :data:`TESTED_TRANSFORMERS_VERSIONS`). Data parallelism only. The model is not given
+    :data:`LOSS_ONLY_KEYS`.
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments.
@@ -151,9 +149,7 @@ class ExactMLMTrainer(Trainer):
         **kwargs: ``transformers.Trainer``'s keyword arguments, and the loss options
             (:class:`bert_reduce.LossOptions`' fields: ``normalization``,
             ``constant_per_sequence``, ``weight_resolution``, ``capacity``,
-            ``cross_entropy``, ``ignore_index``). Packed batches (Hugging Face's
-            ``DataCollatorWithFlattening``: ``position_ids``, or ``cu_seq_lens_q``) count
-            each packed sequence in the per-sequence and constant modes.
+            ``cross_entropy``, ``ignore_index``).
 
     Raises:
         RuntimeError: With a ``transformers`` lacking the hooks above.

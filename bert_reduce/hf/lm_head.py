@@ -99,11 +99,9 @@ def _head_stops_before_decoder(
     (FSDP2's all-gather, DDP's) still run, as ``nn.Module.__call__`` is unchanged. The
     parameters are read inside the forward, where FSDP2 has them unsharded.
 
-    With ``keep_decoder_in_graph``, the result also depends, through an exact zero, on the
-    decoder's weight and bias: DDP with ``find_unused_parameters=True`` (Hugging Face
-    Trainer's default) marks the parameters the forward's outputs do not reach as ready
-    before the backward, and the loss's gradient of the bias would then fail ("marked as
-    ready twice").
+    With ``keep_decoder_in_graph`` the result also depends, through an exact zero, on the
+    decoder's weight and bias (why: :func:`lm_head_inputs`; else DDP's backward fails with
+    "marked as ready twice").
     """
     seen: dict[str, Tensor | None] = {}
 
@@ -134,7 +132,8 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
 
     The loss uses the output layer's parameters after the model's forward. Under
     ``DistributedDataParallel`` with ``find_unused_parameters=True`` (Hugging Face Trainer's
-    default) the hidden states keep them in the forward's graph through an exact zero; under
+    default), which marks the parameters the outputs do not reach as ready before the
+    backward, the hidden states keep them in the forward's graph through an exact zero; under
     FSDP2 the prediction head must be in the root ``fully_shard`` unit (per-layer units and
     then the whole model, the usual layout), whose parameters stay gathered until backward.
     ``tests/integration/test_hf_fused_head_loop.py`` runs DDP and FSDP2,

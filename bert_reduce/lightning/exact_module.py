@@ -158,20 +158,15 @@ class ExactMLMModule(pl.LightningModule):
     Each ``training_step`` receives this rank's contiguous share of one global batch (see
     :class:`bert_reduce.lightning.GlobalBatchSampler`) and performs one optimizer step: the
     parameters after it are those of a single process back-propagating the loss of the whole
-    global batch at once, whatever the micro-batch size and number of DDP ranks. Per step it
-    runs one gradient all-reduce (DDP's, once per bucket) and one all-reduce of two fp64
-    numbers, and reads no device value on the host.
+    global batch at once, whatever the micro-batch size and number of DDP ranks, with one
+    all-reduce of two fp64 numbers besides the gradients' and no host read.
 
     Use it with ``Trainer(strategy="ddp" | "auto" | ModelParallelStrategy(...),
-    use_distributed_sampler=False)`` and neither ``accumulate_grad_batches`` nor
-    ``gradient_clip_val`` on the Trainer (micro-batching and clipping happen here);
-    ``max_steps`` counts global batches. Precisions, FSDP2 sharding (:meth:`configure_model`;
-    every rank runs as many micro-batches) and per-sample ``num_scored`` counts (split by
-    :func:`split_micro_batches` into each micro-batch's ``int``, so the masked-only kernels
-    need no device sync): ``docs/lightning.md``. The model maps a micro-batch dict to
-    ``{"token_logits": [s, b, v]}``; pass it or override :meth:`forward`; override
-    :meth:`micro_batches` to split differently. Logged once per step: ``train_loss``, the
-    global batch's loss in the loss object's normalization.
+    use_distributed_sampler=False)``, without ``accumulate_grad_batches`` or
+    ``gradient_clip_val`` (done here); ``max_steps`` counts global batches. Precisions, FSDP2
+    and per-sample ``num_scored``: ``docs/lightning.md``. Override :meth:`forward` or
+    :meth:`micro_batches` to change them. Logged once per step: ``train_loss``, the global
+    batch's loss in the loss object's normalization.
 
     Args:
         model: Maps a micro-batch dict to a mapping with ``token_logits`` of shape ``[s, b, v]``.

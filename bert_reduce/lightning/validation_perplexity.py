@@ -49,24 +49,13 @@ class ValidationResult(NamedTuple):
 class ValidationPerplexityCallback(Callback):
     """Logs the token-weighted validation loss and perplexity of each validation epoch.
 
-    Each validation batch's report ``(loss_sum, denominator)`` is added to a
-    :class:`bert_reduce.TokenPerplexity` on the LightningModule's device: no logits or batches
-    are kept, nothing is read on the host and no collective runs per batch. At the end of the
-    epoch, every rank takes part in one sync of the two sums (torchmetrics' ``sync``, over
-    :func:`bert_reduce.distributed.loss_reduction_group` unless ``process_group`` is given),
-    then logs ``loss_key`` (``loss_sum / denominator``) and ``ppl_key`` (``exp`` of it), the
-    same value on every rank (so ``sync_dist`` is off; Lightning may suggest turning it on,
-    which would only add collectives). All validation dataloaders count together.
-
-    Sanity-check runs are not counted. Ranks may run different numbers of validation batches,
-    but every rank must run the validation epoch (hold at least one batch) so that all of them
-    reach the sync. The last epoch's :class:`ValidationResult` is kept in :attr:`result` and in
-    checkpoints.
-
-    Resumed from a checkpoint saved in the middle of a validation epoch, the callback runs
-    that epoch whole (:func:`~bert_reduce.lightning._lightning_private.
-    restart_validation_from_its_start`) from zero sums: a resumed run reports the values of an
-    uninterrupted one.
+    Each batch's report is added to a :class:`bert_reduce.TokenPerplexity` on the module's
+    device (no host read, no collective); at the end of the epoch one sync of the two sums
+    gives ``loss_key`` and ``ppl_key``, the same on every rank (``sync_dist`` stays off). All
+    validation dataloaders count together, sanity checks not at all; ranks may run different
+    numbers of batches, but every rank must run the epoch. The last :class:`ValidationResult`
+    is in :attr:`result` and in checkpoints; resumed mid-epoch, the epoch runs whole again
+    (``docs/perplexity.md``).
 
     Args:
         loss_key: Name the token-weighted mean validation loss is logged under.

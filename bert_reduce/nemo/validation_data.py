@@ -128,15 +128,12 @@ def _loader_like(dataloader: DataLoader, dataset: Dataset, **kwargs: Any) -> Dat
 class ExactValidationDataSampler(MegatronDataSampler):
     """NeMo's ``MegatronDataSampler`` that keeps the whole validation and test sets.
 
-    Same arguments as ``MegatronDataSampler``; training is unchanged. Which loader is being
-    built is read from the trainer (``trainer.state.stage``: training, validation, sanity
-    check, test or predict), so any ``DataLoader`` works, NeMo's ``WrappedDataLoader`` or a
-    plain one; only without a trainer (NeMo's Fabric strategy) is the loader's ``mode``
-    attribute read, as NeMo does (``"train"`` when it has none). Validation and test datasets
-    are wrapped in :class:`PaddedEvalDataset` (to a multiple of ``global_batch_size``) before
-    Megatron's sampler deals them out, so its ``drop_last`` drops nothing, and the validation
-    loader's batch sampler in a :class:`RealSampleTracker`. Predict loaders get NeMo's
-    ``"predict"`` treatment (nothing dropped) even when they have no ``mode``.
+    Same arguments as ``MegatronDataSampler``; training is unchanged (``docs/nemo.md``). The
+    loader being built is read from ``trainer.state.stage`` (:meth:`loader_mode`), so any
+    ``DataLoader`` works. Validation and test datasets are wrapped in
+    :class:`PaddedEvalDataset` (to a multiple of ``global_batch_size``), so Megatron's
+    ``drop_last`` drops nothing, and the validation loader's batch sampler in a
+    :class:`RealSampleTracker`.
     """
 
     @classmethod
@@ -159,7 +156,11 @@ class ExactValidationDataSampler(MegatronDataSampler):
         )
 
     def loader_mode(self, dataloader: DataLoader) -> str:
-        """``"train"``, ``"validation"``, ``"test"`` or ``"predict"``: the loader being built."""
+        """``"train"``, ``"validation"``, ``"test"`` or ``"predict"``: the loader being built.
+
+        From ``trainer.state.stage``; without a trainer (NeMo's Fabric strategy) the loader's
+        ``mode`` attribute, as NeMo reads it (``"train"`` when it has none).
+        """
         state = getattr(getattr(self, "trainer", None), "state", None)
         stage = getattr(state, "stage", None)
         if stage in _MODE_OF_STAGE:

@@ -28,21 +28,14 @@ __all__ = ["NeMoValidationPerplexityCallback"]
 class NeMoValidationPerplexityCallback(ValidationPerplexityCallback):
     """:class:`~bert_reduce.lightning.ValidationPerplexityCallback` fed by NeMo 2's reports.
 
-    Add it to ``nl.Trainer(callbacks=[...])``: NeMo's ``MegatronStrategy`` registers trainer
-    callbacks with ``MegatronParallel``, which calls ``on_megatron_reduce_microbatches_end``
-    with every micro-batch report of a step on the last pipeline stage. NeMo's own
-    ``validation_step`` output, a reduced scalar, is ignored. At the end of each validation
-    epoch the sums are added up over data-parallel ranks and broadcast from the last pipeline
-    stage, so every rank, every stage included, logs the same ``val_loss`` / ``val_ppl`` (the
-    keys can be changed); it replaces NeMo's mean of step means under ``val_loss`` in
-    ``trainer.callback_metrics`` and loggers.
-
-    Nothing is logged from a partial epoch: the callback counts the real samples behind the
-    reports it summed (micro-batches times their size, less the padding that
-    :class:`~bert_reduce.nemo.ExactValidationDataSampler`'s
-    :class:`~bert_reduce.nemo.RealSampleTracker` dealt) over data-parallel
-    ranks and raises unless it equals the length of the validation set. Arguments as the
-    Lightning callback's.
+    Add it to ``nl.Trainer(callbacks=[...])``: ``MegatronParallel`` hands it every micro-batch
+    report of a step (``on_megatron_reduce_microbatches_end``, on the last pipeline stage),
+    and NeMo's reduced ``validation_step`` scalar is ignored. Every rank, every stage
+    included, logs the same ``val_loss`` / ``val_ppl`` over the whole set, in place of NeMo's
+    mean of step means (``docs/nemo.md``). Nothing is logged from a partial epoch: the real
+    samples behind the summed reports (less the padding the
+    :class:`~bert_reduce.nemo.RealSampleTracker` dealt) must make up the validation set.
+    Arguments as the Lightning callback's.
 
     Raises:
         ValueError: At the start of a validation epoch, if there is not exactly one
@@ -97,14 +90,12 @@ class NeMoValidationPerplexityCallback(ValidationPerplexityCallback):
         else:
             real_seen = self._tracker.real_samples_in_first(self._samples_summed)
         seen = torch.tensor(float(real_seen), dtype=torch.float64, device=loss_sum.device)
-        if parallel_state.model_parallel_is_initialized():
+        megatron = parallel_state.model_parallel_is_initialized()
+        if megatron:
             # Context-parallel ranks share their samples: count over data-parallel ranks only.
             all_reduce_sum_(seen, parallel_state.get_data_parallel_group())
         totals = torch.stack([loss_sum, denominator, seen])
-        if (
-            parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_pipeline_model_parallel_world_size() > 1
-        ):
+        if megatron and parallel_state.get_pipeline_model_parallel_world_size() > 1:
             # The reports live on the last stage: every stage takes its totals.
             dist.broadcast(
                 totals,
