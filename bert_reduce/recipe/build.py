@@ -319,10 +319,7 @@ def _continue_automatically(
 
 
 def _supersede_later_checkpoints(checkpoint_dir: Path, step: int) -> None:
-    # A run resumed from step k in its own directory trains the steps after k again, and
-    # metrics.csv drops their rows: a checkpoint after k (of the continuation this run
-    # replaces) must not be resumed from later (resume=auto), or the rows in between would be
-    # missing.
+    # Why they must go aside: later_checkpoints.
     for path in later_checkpoints(checkpoint_dir, step):
         moved = move_aside(path, "superseded")
         log.warning(

@@ -80,19 +80,13 @@ class HFEsm2ModelConfig:
     Attributes:
         pretrained_path: A local Hugging Face checkpoint directory to load (its config gives
             the shape, the sizes below are then unused); ``None`` builds from them.
-        vocab_size: Number of tokens (33: the ESM alphabet of the recipe's tokenizer).
-        hidden_size: Width of the residual stream.
-        num_layers: Number of transformer layers.
-        num_heads: Attention heads; must divide ``hidden_size``.
-        ffn_size: Width of the feed-forward layer.
+        vocab_size, hidden_size, num_layers, num_heads, ffn_size, pad_id, init_std,
+            fused_head: As :class:`ModelConfig`'s.
         max_position_embeddings: Longest input (ESM-2: 1026).
         dropout: Hidden and attention dropout.
         token_dropout: ESM-2's rescaling of embeddings by the fraction of masked tokens.
-        pad_id: The ``<pad>`` id.
         mask_id: The ``<mask>`` id (used by ``token_dropout``).
-        init_std: Standard deviation of the weight initialization.
         attn_implementation: ``"sdpa"`` or ``"eager"`` (Hugging Face's choices).
-        fused_head: As :class:`ModelConfig`'s.
     """
 
     _target_: str = "bert_reduce.recipe.hf_esm.HFEsm2Model"
