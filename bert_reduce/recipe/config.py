@@ -12,6 +12,7 @@ data, whose ``_target_`` class takes the node itself as one typed config (:class
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -325,20 +326,12 @@ class TrainConfig:
     cpu_threads: int | None = 1
 
 
-_GROUPS: dict[str, Any] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "loss": LossConfig,
-    "optim": OptimConfig,
-    "trainer": TrainerConfig,
-    "callbacks": CallbacksConfig,
-}
-
-
 def register_configs() -> None:
     """Store ``base_config``, each group's ``base_<group>`` schema and ``base_hf_esm2_model``."""
     store = ConfigStore.instance()
     store.store(name="base_config", node=TrainConfig)
-    for group, node in _GROUPS.items():
-        store.store(group=group, name=f"base_{group}", node=node)
+    store.store(group="model", name="base_model", node=ModelConfig)
     store.store(group="model", name="base_hf_esm2_model", node=HFEsm2ModelConfig)
+    for group in dataclasses.fields(TrainConfig):  # the other groups: data, loss, ...
+        if group.default_factory is not dataclasses.MISSING:
+            store.store(group=group.name, name=f"base_{group.name}", node=group.default_factory)
