@@ -403,9 +403,9 @@ def _finish(cfg: DictConfig, trainer: pl.Trainer, run_dir: Path) -> dict[str, An
                 for key, value in row.items():
                     if key != "step" and value and key not in trainer.callback_metrics:
                         metrics[key] = float(value)
-        outputs = ["metrics.csv", "config.yaml", "checkpoints/"]
+        outputs = [METRICS_FILE, "config.yaml", "checkpoints/"]
         if cfg.plot:
-            plot_metrics(run_dir / "metrics.csv", run_dir / "curves.png")
+            plot_metrics(run_dir / METRICS_FILE, run_dir / "curves.png")
             outputs.append("curves.png")
         summary = ", ".join(
             f"{key}={metrics[key]:.4f}"
