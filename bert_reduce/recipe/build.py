@@ -81,13 +81,10 @@ def build_from_config(node: DictConfig) -> Any:
     """The ``_target_`` class of a model or data node, given the node as its typed config.
 
     Args:
-        node: ``cfg.model`` or ``cfg.data``: a :class:`~bert_reduce.recipe.config.ModelConfig`,
-            :class:`~bert_reduce.recipe.config.HFEsm2ModelConfig` or
-            :class:`~bert_reduce.recipe.config.DataConfig` node.
+        node: ``cfg.model`` or ``cfg.data`` (why these two: :mod:`bert_reduce.recipe.config`).
 
     Returns:
-        ``ESM2Model(config)``, ``HFEsm2Model(config)`` or ``ESMDataModule(config)``, the
-        config being the node's dataclass with its interpolations resolved.
+        ``_target_(config)``, the config being the node's dataclass, interpolations resolved.
     """
     return get_class(node["_target_"])(OmegaConf.to_object(node))
 
@@ -124,15 +121,12 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
 def build_loggers(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> list[Logger]:
     """``run_dir/metrics.csv``, and TensorBoard under ``run_dir/tensorboard`` if installed.
 
-    ``metrics.csv`` is appended to, every step; a run resumed from step ``resumed_step`` first
-    drops the rows after that step (see :class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`).
+    ``metrics.csv`` (:class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`) keeps the rows
+    up to ``resumed_step``, then is appended to and synced at every row: RunCheckpoint puts a
+    step's checkpoint in place only after its rows, so a run killed outright (kill -9, out of
+    memory) never has a checkpoint ahead of its metrics.csv.
     """
-    loggers: list[Logger] = [
-        # Written and synced at every row; RunCheckpoint puts a step's checkpoint in place only
-        # after its rows: a run killed outright (kill -9, out of memory) never has a checkpoint
-        # ahead of its metrics.csv.
-        AppendingCSVLogger(save_dir=run_dir, keep_steps_up_to=resumed_step)
-    ]
+    loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir, keep_steps_up_to=resumed_step)]
     if cfg.tensorboard:
         try:
             from lightning.pytorch.loggers import TensorBoardLogger
@@ -283,9 +277,7 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
     datamodule.setup("fit")  # bad data fails here, before the run directory is touched
     with RunDirectoryLock(run_dir) as lock:
         found = find_resume_checkpoint(checkpoint_dir, global_batch_size) if auto else None
-        previous = check_run_directory(
-            run_dir, checkpoint_dir, AUTO if auto else explicit, cfg.overwrite
-        )
+        previous = check_run_directory(run_dir, checkpoint_dir, cfg.resume, cfg.overwrite)
         lock.record_holder()
         remove_outputs(previous)
         for path in remove_leftovers(run_dir, checkpoint_dir):
@@ -327,10 +319,7 @@ def _continue_automatically(
 
 
 def _supersede_later_checkpoints(checkpoint_dir: Path, step: int) -> None:
-    # A run resumed from step k in its own directory trains the steps after k again, and
-    # metrics.csv drops their rows: a checkpoint after k (of the continuation this run
-    # replaces) must not be resumed from later (resume=auto), or the rows in between would be
-    # missing.
+    # Why they must go aside: later_checkpoints.
     for path in later_checkpoints(checkpoint_dir, step):
         moved = move_aside(path, "superseded")
         log.warning(
@@ -414,9 +403,9 @@ def _finish(cfg: DictConfig, trainer: pl.Trainer, run_dir: Path) -> dict[str, An
                 for key, value in row.items():
                     if key != "step" and value and key not in trainer.callback_metrics:
                         metrics[key] = float(value)
-        outputs = ["metrics.csv", "config.yaml", "checkpoints/"]
+        outputs = [METRICS_FILE, "config.yaml", "checkpoints/"]
         if cfg.plot:
-            plot_metrics(run_dir / "metrics.csv", run_dir / "curves.png")
+            plot_metrics(run_dir / METRICS_FILE, run_dir / "curves.png")
             outputs.append("curves.png")
         summary = ", ".join(
             f"{key}={metrics[key]:.4f}"

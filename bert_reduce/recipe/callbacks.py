@@ -1,9 +1,7 @@
 """The recipe's fault tolerance: stop at a step boundary, checkpoint once the step is logged.
 
-A signal stops training at a step boundary; checkpoints are taken at step ends, put in place
-only once the step is logged, and carry every rank's generators. A run stopped or killed at
-any instant then resumes with every logged row exactly once, bit-exact with dropout
-(docs/recipe.md, "Preemptible clusters").
+What it guarantees (every logged row exactly once, bit-exact with dropout): docs/recipe.md,
+"Preemptible clusters".
 """
 
 from __future__ import annotations

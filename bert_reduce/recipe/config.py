@@ -12,6 +12,7 @@ data, whose ``_target_`` class takes the node itself as one typed config (:class
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -80,19 +81,13 @@ class HFEsm2ModelConfig:
     Attributes:
         pretrained_path: A local Hugging Face checkpoint directory to load (its config gives
             the shape, the sizes below are then unused); ``None`` builds from them.
-        vocab_size: Number of tokens (33: the ESM alphabet of the recipe's tokenizer).
-        hidden_size: Width of the residual stream.
-        num_layers: Number of transformer layers.
-        num_heads: Attention heads; must divide ``hidden_size``.
-        ffn_size: Width of the feed-forward layer.
+        vocab_size, hidden_size, num_layers, num_heads, ffn_size, pad_id, init_std,
+            fused_head: As :class:`ModelConfig`'s.
         max_position_embeddings: Longest input (ESM-2: 1026).
         dropout: Hidden and attention dropout.
         token_dropout: ESM-2's rescaling of embeddings by the fraction of masked tokens.
-        pad_id: The ``<pad>`` id.
         mask_id: The ``<mask>`` id (used by ``token_dropout``).
-        init_std: Standard deviation of the weight initialization.
         attn_implementation: ``"sdpa"`` or ``"eager"`` (Hugging Face's choices).
-        fused_head: As :class:`ModelConfig`'s.
     """
 
     _target_: str = "bert_reduce.recipe.hf_esm.HFEsm2Model"
@@ -331,20 +326,12 @@ class TrainConfig:
     cpu_threads: int | None = 1
 
 
-_GROUPS: dict[str, Any] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "loss": LossConfig,
-    "optim": OptimConfig,
-    "trainer": TrainerConfig,
-    "callbacks": CallbacksConfig,
-}
-
-
 def register_configs() -> None:
     """Store ``base_config``, each group's ``base_<group>`` schema and ``base_hf_esm2_model``."""
     store = ConfigStore.instance()
     store.store(name="base_config", node=TrainConfig)
-    for group, node in _GROUPS.items():
-        store.store(group=group, name=f"base_{group}", node=node)
+    store.store(group="model", name="base_model", node=ModelConfig)
     store.store(group="model", name="base_hf_esm2_model", node=HFEsm2ModelConfig)
+    for group in dataclasses.fields(TrainConfig):  # the other groups: data, loss, ...
+        if group.default_factory is not dataclasses.MISSING:
+            store.store(group=group.name, name=f"base_{group.name}", node=group.default_factory)

@@ -2,11 +2,7 @@
 
 Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` when its writer is created,
 rewrites the whole file in place when a new column appears (a kill then loses the file), and
-does not sync it. :class:`AppendingCSVLogger` writes the same format (one row per
-``log_metrics`` call, ``step`` and the metric names as sorted columns, empty cells for metrics
-not logged in a row) through Lightning's public ``Logger`` interface, appends to an existing
-file, rewrites it only atomically and syncs it at every save (docs/recipe.md, "Exactly-once
-rows").
+does not sync it: hence :class:`AppendingCSVLogger` (docs/recipe.md, "Exactly-once rows").
 """
 
 from __future__ import annotations
@@ -87,6 +83,10 @@ def keep_metrics_up_to(metrics_csv: Path, step: float) -> int:
 
 class AppendingCSVLogger(Logger):
     """Logs to ``<save_dir>/metrics.csv``, appending to an existing file (rank 0 only).
+
+    The format is ``CSVLogger``'s: one row per ``log_metrics`` call, ``step`` and the metric
+    names as sorted columns, empty cells for metrics not logged in a row. The file is appended
+    to, rewritten only atomically, and synced at every save.
 
     Args:
         save_dir: The run directory.

@@ -48,8 +48,11 @@ FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas")
 TABLE_SUFFIXES = (".csv", ".tsv", ".parquet")
 
 
-def _check_residues(sequence: str, tokenizer: ESMTokenizer, where: str) -> None:
-    bad = tokenizer.invalid_characters(sequence)
+_TOKENIZER = ESMTokenizer()  # the alphabet the readers check against
+
+
+def _check_residues(sequence: str, where: str) -> None:
+    bad = _TOKENIZER.invalid_characters(sequence)
     if bad:
         raise ValueError(f"{where}: character(s) {bad} are not amino acids of the ESM alphabet.")
 
@@ -91,7 +94,6 @@ def read_fasta(path: str | os.PathLike[str]) -> list[str]:
             before the first header, characters outside the ESM alphabet (naming the file and
             line number), a record without residues, or a file without any record.
     """
-    tokenizer = ESMTokenizer()
     sequences: list[str] = []
     current: list[str] | None = None
     header_line = 0
@@ -106,7 +108,7 @@ def read_fasta(path: str | os.PathLike[str]) -> list[str]:
             continue
         if current is None:
             raise ValueError(f"{path}, line {line_number}: sequence data before any '>' header.")
-        _check_residues(line, tokenizer, f"{path}, line {line_number}")
+        _check_residues(line, f"{path}, line {line_number}")
         current.append(line)
     if current is not None:
         _finish_record(sequences, current, path, header_line)
@@ -147,27 +149,23 @@ def read_table(path: str | os.PathLike[str], column: str = "sequence") -> list[s
         except ImportError as error:
             raise ImportError(f"Reading {path} needs pyarrow: pip install pyarrow") from error
         table = pq.read_table(path)
-        if column not in table.column_names:
-            raise KeyError(
-                f"{path} has no column {column!r}; its columns are {table.column_names}."
-            )
-        values = [str(v) if v is not None else "" for v in table.column(column).to_pylist()]
-        first_row = 0
+        columns, first_row = table.column_names, 0
+        values = table.column(column).to_pylist() if column in columns else []
     else:
         handle = io.StringIO(_read_text(path), newline="")
         reader = csv.DictReader(handle, delimiter="\t" if path.suffix == ".tsv" else ",")
-        if reader.fieldnames is None or column not in reader.fieldnames:
-            raise KeyError(f"{path} has no column {column!r}; its columns are {reader.fieldnames}.")
-        values = [row[column] or "" for row in reader]
-        first_row = 2  # line numbers as a spreadsheet shows them: the header is line 1
-    tokenizer = ESMTokenizer()
+        # first_row: line numbers as a spreadsheet shows them, the header is line 1
+        columns, first_row = reader.fieldnames, 2
+        values = [row[column] for row in reader] if column in (columns or []) else []
+    if column not in (columns or []):
+        raise KeyError(f"{path} has no column {column!r}; its columns are {columns}.")
     sequences = []
     for offset, value in enumerate(values):
         where = f"{path}, row {first_row + offset}"
-        sequence = value.strip()
+        sequence = "" if value is None else str(value).strip()
         if not sequence:
             raise ValueError(f"{where}: empty sequence in column {column!r}.")
-        _check_residues(sequence, tokenizer, where)
+        _check_residues(sequence, where)
         sequences.append(sequence.upper())
     _check_not_empty(sequences, str(path))
     return sequences
@@ -201,11 +199,10 @@ def synthetic_proteins(
 ) -> list[str]:
     """A deterministic synthetic protein corpus, made without any download.
 
-    Residues are drawn independently from :data:`BACKGROUND_FREQUENCIES` (the composition
-    of Swiss-Prot) after a leading methionine, and lengths from a log-normal distribution
-    shaped like Swiss-Prot's (median about 280, long right tail), clipped to
-    ``[min_length, max_length]``. The sequences carry no biology: the best a model can do is
-    learn the composition, whose perplexity is ``exp(entropy) = 17.96``.
+    Residues are drawn independently from :data:`BACKGROUND_FREQUENCIES` after a leading
+    methionine, lengths from a log-normal distribution shaped like Swiss-Prot's, clipped to
+    ``[min_length, max_length]``; what a model can learn of it: docs/recipe.md, "The built-in
+    corpus".
 
     Args:
         num_sequences: How many sequences.
@@ -275,12 +272,11 @@ def mask_tokens(
 class MLMDataset(Dataset[dict[str, Tensor]]):
     """Masked-language-model samples of protein sequences.
 
-    A sample is ``<cls> residues <eos>``; a sequence longer than ``max_length - 2`` residues is
-    cropped to a random window. The crop and the mask of sample ``index`` in ``epoch`` come
-    from a generator seeded with ``(seed, stream, epoch, index)``, so they do not depend on
-    which rank or micro-batch the sample lands in. Index the dataset with ``(epoch, index)``
-    (what :class:`~bert_reduce.recipe.datamodule.EpochKeyedBatchSampler` yields) or with a
-    plain ``index`` for epoch 0.
+    A sample is ``<cls> residues <eos>``, a sequence longer than ``max_length - 2`` residues
+    cropped to a random window; its crop and mask come from a generator seeded with ``(seed,
+    stream, epoch, index)``. Index the dataset with ``(epoch, index)`` (as
+    :class:`~bert_reduce.recipe.datamodule.EpochKeyedBatchSampler` yields) or ``index``
+    (epoch 0).
 
     Args:
         sequences: The protein sequences.
@@ -338,12 +334,6 @@ class MLMCollator:
     Args:
         pad_id: The ``<pad>`` id.
         pad_to_multiple_of: Round ``s`` up to a multiple of this (8 suits tensor cores).
-
-    Returns (when called):
-        ``input_ids`` (``[b, s]`` int64, padded with ``pad_id``), ``attention_mask`` (``[b, s]``
-        bool, false on padding), ``labels`` (``[b, s]`` int64), ``loss_mask`` (``[b, s]``
-        bool, false on padding) and ``num_scored`` (a tuple of ``b`` Python ints, each
-        sample's number of scored positions, counted on the host: :mod:`bert_reduce.num_scored`).
     """
 
     def __init__(self, pad_id: int = 1, pad_to_multiple_of: int = 1) -> None:
@@ -351,7 +341,14 @@ class MLMCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, samples: Sequence[Mapping[str, Tensor]]) -> dict[str, Any]:
-        """Pad ``samples`` into one batch; see the class docstring."""
+        """Pad ``samples`` into one batch.
+
+        Returns:
+            ``input_ids`` and ``labels`` (``[b, s]`` int64, padded with ``pad_id``),
+            ``attention_mask`` and ``loss_mask`` (``[b, s]`` bool, false on padding), and
+            ``num_scored`` (a tuple of ``b`` Python ints, each sample's count of scored
+            positions, counted on the host: :mod:`bert_reduce.num_scored`).
+        """
         if not samples:
             raise ValueError("Cannot collate an empty list of samples.")
         longest = max(sample["input_ids"].numel() for sample in samples)
@@ -388,9 +385,6 @@ class PackedMicroBatchCollator:
         pad_id: The ``<pad>`` id.
         pad_to_multiple_of: Pad each sequence to a multiple of this inside the row (``2 *
             cp_size`` for context parallelism).
-
-    Returns (when called):
-        ``{"micro_batches": [packed micro-batch, ...]}``, in sample order.
     """
 
     def __init__(self, micro_batch_size: int, pad_id: int = 1, pad_to_multiple_of: int = 1) -> None:
@@ -403,7 +397,7 @@ class PackedMicroBatchCollator:
     def __call__(
         self, samples: Sequence[Mapping[str, Tensor]]
     ) -> dict[str, list[dict[str, Any]]]:
-        """Pack ``samples`` micro-batch by micro-batch; see the class docstring."""
+        """``{"micro_batches": [packed micro-batch, ...]}`` of ``samples``, in sample order."""
         micro_batches = []
         for start in range(0, len(samples), self.micro_batch_size):
             chunk = samples[start : start + self.micro_batch_size]

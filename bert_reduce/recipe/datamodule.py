@@ -1,8 +1,6 @@
 """The recipe's LightningDataModule: the same global batches on any number of ranks.
 
-One training dataloader batch is this rank's share of one global batch, which
-:class:`bert_reduce.lightning.ExactMLMModule` cuts into micro-batches; every validation sample
-is on exactly one rank. Run with ``Trainer(use_distributed_sampler=False)``.
+Its samplers shard the data: run with ``Trainer(use_distributed_sampler=False)``.
 """
 
 from __future__ import annotations
@@ -179,6 +177,8 @@ class ESMDataModule(pl.LightningDataModule):
     @override
     def train_dataloader(self) -> ResumableDataLoader:
         """This rank's share of each global batch, one share per optimizer step.
+
+        :class:`~bert_reduce.lightning.ExactMLMModule` cuts each share into micro-batches.
 
         Raises:
             ValueError: If ``global_batch_size`` is not a multiple of ``micro_batch_size``

@@ -2,9 +2,8 @@
 
 Every file ``train.py`` replaces (checkpoints, a rewritten ``metrics.csv``, ``config.yaml``) is
 written to ``<name>.tmp-<pid>`` next to it, synced to the disk, and renamed into place
-(``os.replace``, atomic on POSIX; then the directory entry is synced). A failed write (a full
-disk, say) removes the temporary file and leaves the previous file of that name untouched.
-The run that next holds the run directory's lock deletes the temporary files a kill left
+(``os.replace``, atomic on POSIX; then the directory entry is synced). The run that next holds
+the run directory's lock deletes the temporary files a kill left
 (:func:`bert_reduce.recipe.run_directory.remove_leftovers`).
 """
 

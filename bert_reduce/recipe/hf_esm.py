@@ -1,11 +1,8 @@
 """Hugging Face ``EsmForMaskedLM`` as a recipe model: ``python train.py model=hf_esm2``.
 
-The model is built from an ``EsmConfig`` (ESM-2 8M's shape by default) or loaded from a local
-checkpoint directory (``save_pretrained``'s; nothing is downloaded). Its outputs are those of
-the recipe's own :class:`~bert_reduce.recipe.model.ESM2Model` (the fused head's inputs from
-:func:`bert_reduce.hf.lm_head_inputs`), so the same exact loss trains it.
-
-Needs ``transformers`` (the ``hf`` extra); it is imported when the model is built.
+Its outputs are those of the recipe's own :class:`~bert_reduce.recipe.model.ESM2Model` (the
+fused head's inputs from :func:`bert_reduce.hf.lm_head_inputs`), so the same exact loss trains
+it. Needs ``transformers`` (the ``hf`` extra), imported when the model is built.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class ESM2MLMModule(ExactMLMModule):
 
     @override
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
-        """:meth:`ExactMLMModule.training_step`, logging the step's learning rate as ``lr``."""
+        """:meth:`ExactMLMModule.training_step`, logging ``lr`` and ``step``."""
         lr = self.optimizers().param_groups[0]["lr"]
         loss = super().training_step(batch, batch_idx)
         self.log("lr", lr, on_step=True, on_epoch=False, batch_size=1)
@@ -67,9 +67,8 @@ class ESM2MLMModule(ExactMLMModule):
         return loss
 
     def _log_step(self, in_training_step: bool) -> None:
-        # Lightning writes a logged "step" as the row's step: the optimizer steps done so far,
-        # for training and validation rows alike (its own counter lags by one in validation
-        # during fit, and not in a standalone validate).
+        # Lightning writes a logged "step" as the row's step. Its own counter lags by one in
+        # validation during fit, and not in a standalone validate.
         self.log(
             "step",
             float(self.trainer.global_step),

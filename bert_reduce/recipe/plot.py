@@ -33,17 +33,17 @@ def plot_metrics(metrics_csv: str | os.PathLike[str], png: str | os.PathLike[str
         for name in columns
     }
     figure, (loss_axis, ppl_axis) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    for name, style in (("train_loss", "-"), ("val_loss", "o-")):
-        points = series.get(name, [])
-        if points:
-            steps, values = zip(*points, strict=True)
-            loss_axis.plot(steps, values, style, label=name, markersize=4)
+    curves = [
+        (loss_axis, "train_loss", "-", {"label": "train_loss"}),
+        (loss_axis, "val_loss", "o-", {"label": "val_loss"}),
+        (ppl_axis, "val_ppl", "o-", {"color": "tab:green"}),
+    ]
+    for axis, name, style, options in curves:
+        if series.get(name):
+            steps, values = zip(*series[name], strict=True)
+            axis.plot(steps, values, style, markersize=4, **options)
     loss_axis.set(xlabel="optimizer step", ylabel="masked-token cross-entropy (nats)")
     loss_axis.legend()
-    points = series.get("val_ppl", [])
-    if points:
-        steps, values = zip(*points, strict=True)
-        ppl_axis.plot(steps, values, "o-", color="tab:green", markersize=4)
     ppl_axis.set(xlabel="optimizer step", ylabel="validation perplexity", title="val_ppl")
     path = Path(png)
     figure.savefig(path, dpi=100)

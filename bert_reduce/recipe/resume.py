@@ -169,9 +169,10 @@ def find_resume_checkpoint(checkpoint_dir: Path, global_batch_size: int) -> Resu
 def later_checkpoints(checkpoint_dir: Path, step: int) -> list[Path]:
     """The checkpoints of ``checkpoint_dir`` that load and hold more than ``step`` steps.
 
-    A run resumed in its own directory from an earlier checkpoint trains those steps again:
-    the later checkpoints are of the abandoned continuation, and ``resume=auto`` must not take
-    them for this run's. Reads only.
+    A run resumed in its own directory from an earlier checkpoint trains those steps again and
+    drops their rows from ``metrics.csv``: the later checkpoints are of the abandoned
+    continuation, and ``resume=auto`` must not take them for this run's (the rows in between
+    would be missing). Reads only.
     """
     return [
         path

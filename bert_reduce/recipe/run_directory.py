@@ -41,11 +41,9 @@ class RunDirectoryError(RuntimeError):
 
 def existing_outputs(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
     """A previous run's outputs in ``run_dir`` and checkpoints in ``checkpoint_dir``, sorted."""
-    found = {run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()}
-    found.discard(run_dir / "checkpoints")  # a directory holding no checkpoint is no run
-    if checkpoint_dir.is_dir():
-        found.update(checkpoint_dir.glob("*.ckpt"))
-    return sorted(found)
+    found = [run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    # Checkpoints, not their directory: a directory holding no checkpoint is no run.
+    return sorted(found + list(checkpoint_dir.glob("*.ckpt")))
 
 
 def check_run_directory(
@@ -69,7 +67,6 @@ def check_run_directory(
             allowed to overwrite, or ``overwrite`` is combined with resuming from this
             directory's own checkpoint or with ``resume=auto``.
     """
-    outputs = existing_outputs(run_dir, checkpoint_dir)
     if resume == "auto":
         if overwrite:
             raise RunDirectoryError(
@@ -85,6 +82,7 @@ def check_run_directory(
             "Drop overwrite=true to continue this run in its directory, or resume into a new "
             "directory (hydra.run.dir=...)."
         )
+    outputs = existing_outputs(run_dir, checkpoint_dir)
     if not outputs or resumes_here:
         return []
     if overwrite:

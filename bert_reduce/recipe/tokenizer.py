@@ -30,8 +30,8 @@ ESM_ALPHABET: tuple[str, ...] = (
 class ESMTokenizer:
     """Maps protein sequences to ESM-2 token ids and back.
 
-    One character is one token. ``encode`` accepts upper- or lower-case residues and the
-    ambiguity/gap characters of the alphabet (``X B U Z O . -``); anything else raises.
+    One character is one token; the alphabet has ambiguity and gap characters
+    (``X B U Z O . -``) besides the 20 amino acids.
 
     Attributes:
         vocab: Token string to id.
@@ -50,11 +50,7 @@ class ESMTokenizer:
 
     def invalid_characters(self, sequence: str) -> list[str]:
         """The distinct characters of ``sequence`` that are not in the alphabet, in order."""
-        seen: dict[str, None] = {}
-        for char in sequence.upper():
-            if char not in self._char_ids:
-                seen[char] = None
-        return list(seen)
+        return list(dict.fromkeys(c for c in sequence.upper() if c not in self._char_ids))
 
     def encode(self, sequence: str) -> list[int]:
         """Token ids of ``sequence``, wrapped in ``<cls> ... <eos>``.
