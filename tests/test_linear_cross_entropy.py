@@ -195,6 +195,13 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
                        (-1, ValueError)]:  # fmt: skip
         with pytest.raises(error, match="num_scored"):
             linear_cross_entropy_token_losses(hidden, weight, labels, mask, num_scored=bad)
+    for weights, kwargs, match in [
+        (mask, {}, "token_weights must be floating-point"),
+        (mask[:, :4].double(), {}, r"token_weights of shape \(4, 4\)"),
+        (mask.double(), {"chunk_rows": 0}, "chunk_rows and chunk_vocab must be positive"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            linear_cross_entropy_weighted_sum(hidden, weight, labels, weights, **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
@@ -414,13 +421,3 @@ def test_half_precision_weight_gradient_is_summed_in_fp32_over_row_chunks() -> N
     expected = linear_reference(hidden, weight, None, labels, mask.double())[2]
     error = (weight.grad.double() - expected).abs().max() / expected.abs().max()
     assert error < 6e-3
-
-
-def test_weighted_loss_sum_argument_errors() -> None:
-    hidden, weight, _, labels, mask = make_head_batch()
-    with pytest.raises(ValueError, match="token_weights must be floating-point"):
-        linear_cross_entropy_weighted_sum(hidden, weight, labels, mask)
-    with pytest.raises(ValueError, match=r"token_weights of shape \(4, 4\)"):
-        linear_cross_entropy_weighted_sum(hidden, weight, labels, mask[:, :4].double())
-    with pytest.raises(ValueError, match="chunk_rows and chunk_vocab must be positive"):
-        linear_cross_entropy_weighted_sum(hidden, weight, labels, mask.double(), chunk_rows=0)
