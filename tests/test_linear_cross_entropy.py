@@ -19,7 +19,6 @@ from bert_reduce import (
     pack_batch,
 )
 from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
-from bert_reduce.recipe.data import MLMCollator
 from tests.helpers.linear_reference import linear_reference, make_head_batch
 from tests.helpers.megatron_cpu import single_process_megatron
 from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
@@ -116,27 +115,6 @@ def test_chunk_sizes_do_not_change_the_result(chunks) -> None:
     assert_matches(got, linear_reference(hidden, weight, bias, labels, coef), rtol=1e-10)
 
 
-def test_collator_count_is_exact_without_host_sync_or_collective() -> None:
-    gen = torch.Generator().manual_seed(1)
-    samples = []
-    for length in (7, 3, 9, 5):
-        ids = torch.randint(4, 24, (length,), generator=gen)
-        mask = torch.rand(length, generator=gen) < 0.4
-        samples.append({"input_ids": ids, "labels": ids, "loss_mask": mask})
-    batch = MLMCollator()(samples)
-    assert batch["num_scored"] == tuple(batch["loss_mask"].sum(dim=1).tolist())  # host ints
-    b, s = batch["labels"].shape
-    hidden, weight, bias, _, _ = make_head_batch(b, s, v=33)
-    labels, mask = batch["labels"], batch["loss_mask"]
-    with forbid_host_syncs(), count_collectives() as calls:
-        got = run_head(
-            "token losses", hidden, weight, bias, labels, mask, mask.double(),
-            num_scored=batch["num_scored"],
-        )  # fmt: skip
-    assert sum(calls.values()) == 0
-    assert_matches(got, linear_reference(hidden, weight, bias, labels, mask.double()), rtol=1e-10)
-
-
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_num_scored_overrides_capacity_and_an_undercount_or_overflow_is_nan(entry) -> None:
     hidden, weight, bias, labels, mask = make_head_batch(mask_prob=0.5)
@@ -144,9 +122,11 @@ def test_num_scored_overrides_capacity_and_an_undercount_or_overflow_is_nan(entr
     coef = mask * torch.rand(mask.shape, dtype=torch.float64)
     expected = reference(entry, hidden, weight, bias, labels, coef)
     inputs = (entry, hidden, weight, bias, labels, mask, coef)
-    # A Python int (the micro-batch's total), tensors and an overcount (which only costs
-    # unscored rows of work): the capacity is ignored, no host sync, no collective.
-    for num_scored in (count, torch.tensor(count), mask.sum(dim=1), torch.tensor([count + 5])):
+    # A Python int (the micro-batch's total), the collator's per-row host ints, tensors and an
+    # overcount (which only costs unscored rows of work): the capacity is ignored, no host
+    # sync, no collective.
+    per_row = tuple(mask.sum(dim=1).tolist())
+    for num_scored in (count, per_row, torch.tensor(count), mask.sum(1), torch.tensor([count + 5])):
         with forbid_host_syncs(), count_collectives() as calls:
             got = run_head(*inputs, capacity=1, num_scored=num_scored, **ENTRIES[entry])
         assert sum(calls.values()) == 0
@@ -215,6 +195,13 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
                        (-1, ValueError)]:  # fmt: skip
         with pytest.raises(error, match="num_scored"):
             linear_cross_entropy_token_losses(hidden, weight, labels, mask, num_scored=bad)
+    for weights, kwargs, match in [
+        (mask, {}, "token_weights must be floating-point"),
+        (mask[:, :4].double(), {}, r"token_weights of shape \(4, 4\)"),
+        (mask.double(), {"chunk_rows": 0}, "chunk_rows and chunk_vocab must be positive"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            linear_cross_entropy_weighted_sum(hidden, weight, labels, weights, **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
@@ -434,13 +421,3 @@ def test_half_precision_weight_gradient_is_summed_in_fp32_over_row_chunks() -> N
     expected = linear_reference(hidden, weight, None, labels, mask.double())[2]
     error = (weight.grad.double() - expected).abs().max() / expected.abs().max()
     assert error < 6e-3
-
-
-def test_weighted_loss_sum_argument_errors() -> None:
-    hidden, weight, _, labels, mask = make_head_batch()
-    with pytest.raises(ValueError, match="token_weights must be floating-point"):
-        linear_cross_entropy_weighted_sum(hidden, weight, labels, mask)
-    with pytest.raises(ValueError, match=r"token_weights of shape \(4, 4\)"):
-        linear_cross_entropy_weighted_sum(hidden, weight, labels, mask[:, :4].double())
-    with pytest.raises(ValueError, match="chunk_rows and chunk_vocab must be positive"):
-        linear_cross_entropy_weighted_sum(hidden, weight, labels, mask.double(), chunk_rows=0)

@@ -17,17 +17,13 @@ from bert_reduce.normalization import (
 from tests.helpers.mode_reference import (
     MODES,
     float_weights,
+    mode_kwargs,
     reference_mode_loss,
     reference_mode_loss_and_grad,
     run_mode_microbatches,
 )
-from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
 from tests.helpers.reference import make_mlm_batch
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
-
-
-def mode_kwargs(mode: str) -> dict:
-    return _mode_kwargs(mode, 10)
 
 
 def test_modes_differ_so_the_split_tests_can_fail() -> None:

@@ -11,10 +11,10 @@ from bert_reduce.packing import unpack_sequences
 from tests.helpers.mode_reference import (
     MODES,
     checked_reduce,
+    mode_kwargs,
     reference_mode_loss,
     reference_mode_loss_and_grad,
 )
-from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
 from tests.helpers.packed_batch import pack_with_logits, ragged_padded_batch
 from tests.helpers.reference import (
     RAGGED_LENGTHS,
@@ -24,10 +24,6 @@ from tests.helpers.reference import (
 from tests.helpers.sync_guard import forbid_host_syncs
 
 LENGTHS, SEQ_LEN, VOCAB = RAGGED_LENGTHS, RAGGED_SEQ_LEN, RAGGED_VOCAB
-
-
-def mode_kwargs(mode: str) -> dict:
-    return _mode_kwargs(mode, SEQ_LEN)
 
 
 def unpack(tensor: torch.Tensor, packed: dict, **kwargs) -> torch.Tensor:

@@ -29,6 +29,7 @@ from bert_reduce.num_scored import NumScoredCollator
 from bert_reduce.reduction import BERTMLMLossWithReduction
 from tests.helpers.mode_reference import reference_mode_loss
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
+from tests.helpers.tiny_lightning import quiet_trainer
 
 VOCAB = 11
 MASK_ID = VOCAB - 1
@@ -243,15 +244,10 @@ def lightning_train(
     )
     recorder = _Record()
     common = {
-        "accelerator": "cpu",
         "devices": devices,
         "strategy": strategy,
         "max_steps": steps,
         "precision": precision,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
         "use_distributed_sampler": False,
         "num_sanity_val_steps": 0,
         "limit_val_batches": 1.0 if val_size else 0,
@@ -260,7 +256,7 @@ def lightning_train(
     if stock:
         module = StockAccumulationModule(model, optimizer)
         loader = DataLoader(dataset, batch_sampler=list(_micro_batches(sampler, micro_batch_size)))
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accumulate_grad_batches=sampler.share // micro_batch_size,
             gradient_clip_val=clip,
             **common,
@@ -277,7 +273,7 @@ def lightning_train(
         )
         collate = NumScoredCollator(default_collate, per_sample=True) if count_scored else None
         loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
-        trainer = pl.Trainer(callbacks=[recorder], **common)
+        trainer = quiet_trainer([recorder], **common)
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
     assert (trainer.global_step, trainer.world_size) == (steps, devices)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -85,33 +85,29 @@ def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
-def cross_entropy_mean(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean ``F.cross_entropy`` over the labelled (``!= -100``) tokens; 0 if there are none."""
-    scored = labels != -100
+def cross_entropy_mean(model: nn.Module, rows: Sequence[dict[str, Tensor]]) -> Tensor:
+    """Mean ``F.cross_entropy`` of ``model`` over the labelled (``!= -100``) tokens of ``rows``
+    in one pass; 0 if there are none."""
+    batch = stack(rows)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    scored = batch["labels"] != -100
     if not scored.any():
         return logits.sum() * 0
-    return F.cross_entropy(logits[scored].double(), labels[scored])
+    return F.cross_entropy(logits[scored].double(), batch["labels"][scored])
 
 
 def reference_step(kind: str, rows: Sequence[dict[str, Tensor]]) -> dict[str, Any]:
     """Gradient and loss of one process on the whole unsplit batch."""
-    model = tiny_model(kind)
-    model.train()
-    batch = stack(rows)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    loss = cross_entropy_mean(logits, batch["labels"])
+    model = tiny_model(kind).train()
+    loss = cross_entropy_mean(model, rows)
     loss.backward()
     return {"grads": grads(model), "loss": loss.item()}
 
 
 def reference_eval(kind: str, rows: Sequence[dict[str, Tensor]]) -> float:
     """Mean cross-entropy over every masked token of the eval set, in one pass."""
-    model = tiny_model(kind)
-    model.eval()
-    batch = stack(rows)
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    return cross_entropy_mean(logits.logits, batch["labels"]).item()
+        return cross_entropy_mean(tiny_model(kind).eval(), rows).item()
 
 
 def grads(model: nn.Module) -> dict[str, Tensor]:

@@ -114,20 +114,6 @@ def assert_matches_reference(
     torch.testing.assert_close(result.perplexity, ref_ppl, rtol=1e-12, atol=0)
 
 
-def trainer(callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    """A quiet CPU Trainer."""
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-    }
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
-
-
 def loader(dataset: MLMSamples, batch_size: int, **kwargs: Any) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)
 

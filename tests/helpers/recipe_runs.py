@@ -12,10 +12,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from bert_reduce.recipe.config import register_configs
+from bert_reduce.recipe.resume import DATAMODULE_STATE_KEY
 from tests.helpers.dist_utils import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,3 +148,11 @@ def assert_same_rows(run_dir: Path, reference: Path, steps: list[int]) -> None:
         assert losses[step] == pytest.approx(expected[step], rel=1e-5), (run_dir, step)
     last = max(validations(reference))
     assert validations(run_dir)[last] == pytest.approx(validations(reference)[last], rel=1e-5)
+
+
+def recipe_checkpoint(path: Path, global_batch_size: int = 16, step: int = 7) -> Path:
+    """A file in the format of a ``train.py`` checkpoint, as far as resuming first reads it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {DATAMODULE_STATE_KEY: {"global_batch_size": global_batch_size}, "global_step": step}
+    torch.save(state, path)
+    return path

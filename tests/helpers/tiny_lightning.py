@@ -89,17 +89,29 @@ class RecordingLogger(Logger):
         return sum(metric in names for names, _ in self.rows)
 
 
-def tiny_trainer(tmp_path: Any, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    """A CPU ``Trainer`` rooted at ``tmp_path``, quiet, with a :class:`RecordingLogger`."""
+def quiet_trainer(callbacks: list[pl.Callback] | None = None, **kwargs: Any) -> pl.Trainer:
+    """A one-device CPU ``Trainer`` that logs, checkpoints and prints nothing unless told to."""
     options: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": 1,
-        "default_root_dir": tmp_path,
-        "logger": RecordingLogger(),
-        "log_every_n_steps": 1,
-        "num_sanity_val_steps": 0,
+        "logger": False,
+        "enable_checkpointing": False,
         "enable_progress_bar": False,
         "enable_model_summary": False,
         **kwargs,
     }
     return pl.Trainer(callbacks=callbacks, **options)
+
+
+def tiny_trainer(tmp_path: Any, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    """A :func:`quiet_trainer` rooted at ``tmp_path`` that checkpoints, with a
+    :class:`RecordingLogger`."""
+    options: dict[str, Any] = {
+        "default_root_dir": tmp_path,
+        "logger": RecordingLogger(),
+        "log_every_n_steps": 1,
+        "num_sanity_val_steps": 0,
+        "enable_checkpointing": True,
+        **kwargs,
+    }
+    return quiet_trainer(callbacks, **options)

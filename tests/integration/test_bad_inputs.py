@@ -13,7 +13,6 @@ processes and signals are in ``tests/recipe/test_fault_tolerance.py``.
 
 from __future__ import annotations
 
-import csv
 import math
 import re
 import sys
@@ -24,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from lightning.pytorch import Trainer
 
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
@@ -35,17 +33,16 @@ from bert_reduce.normalization import token_loss_sum
 from bert_reduce.num_scored import count_scored
 from bert_reduce.packing import pack_batch, unpack_sequences
 from bert_reduce.recipe.build import run
-from bert_reduce.recipe.config import DataConfig, register_configs
+from bert_reduce.recipe.config import DataConfig
 from bert_reduce.recipe.data import load_sequences
 from bert_reduce.recipe.datamodule import ESMDataModule
-from bert_reduce.recipe.resume import DATAMODULE_STATE_KEY
 from bert_reduce.recipe.run_directory import LOCK_NAME, RunDirectoryError, RunDirectoryLock
 from bert_reduce.reports import REPORT_KEY
+from tests.helpers.recipe_runs import ROOT, compose_config, recipe_checkpoint, training_steps
 
 # Its probes run train.py's training in this process: the module runs in CI, outside the fast set.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "errors.md"
 TINY = [
     "data.global_batch_size=16",
@@ -86,10 +83,7 @@ def probes(where: str, *rows: tuple) -> list[Probe]:
 
 def train(tmp: Path, *overrides: str, fixed_run_dir: bool = True) -> str:
     """``python train.py TINY overrides hydra.run.dir=tmp/run``, in this process."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, *overrides])
-    run(cfg, tmp / "run", fixed_run_dir=fixed_run_dir)
+    run(compose_config(*TINY, *overrides), tmp / "run", fixed_run_dir=fixed_run_dir)
     return "trained"
 
 
@@ -113,14 +107,6 @@ def refused_untouched(tmp: Path, *overrides: str) -> str:
         return train(tmp, *overrides)
     finally:
         assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
-
-
-def recipe_checkpoint(path: Path, global_batch_size: int) -> Path:
-    """A file in the format of a ``train.py`` checkpoint, as far as resuming first reads it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {DATAMODULE_STATE_KEY: {"global_batch_size": global_batch_size}, "global_step": 3}
-    torch.save(state, path)
-    return path
 
 
 def bad_resume(content: bytes | None) -> Callable[[Path], str]:
@@ -151,9 +137,7 @@ def auto_resume_all_damaged(tmp: Path) -> str:
     last.write_bytes(last.read_bytes()[:100])
     train(tmp, "resume=auto")
     assert (run_dir / "checkpoints" / "last.ckpt.damaged").stat().st_size == 100
-    with open(run_dir / "metrics.csv") as handle:  # the old row of step 1 replaced
-        steps = [row["step"] for row in csv.DictReader(handle) if row["train_loss"]]
-    assert steps == ["1", "2"], steps
+    assert training_steps(run_dir) == [1, 2]  # the old row of step 1 replaced
     return (
         "trains from step 0: the file is kept as `last.ckpt.damaged` (a warning names it and "
         "the reason), `metrics.csv`'s rows are replaced as the steps are trained again"

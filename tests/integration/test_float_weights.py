@@ -22,8 +22,9 @@ from bert_reduce import (
 from bert_reduce.lightning import ValidationPerplexityCallback
 from bert_reduce.reports import reduce_reports
 from tests.helpers.mode_reference import reference_mode_loss
-from tests.helpers.perplexity_helpers import MLMSamples, TinyMLM, loader, trainer
+from tests.helpers.perplexity_helpers import MLMSamples, TinyMLM, loader
 from tests.helpers.reference import make_mlm_batch
+from tests.helpers.tiny_lightning import quiet_trainer as trainer
 
 SPLIT = (slice(0, 3), slice(3, 4), slice(4, 6))
 

@@ -21,8 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce import GlobalBatchLoss
 from tests.helpers.dist_utils import full_grads, run_distributed
-from tests.helpers.mode_reference import mode_kwargs as _mode_kwargs
-from tests.helpers.mode_reference import reference_mode_loss
+from tests.helpers.mode_reference import mode_kwargs, reference_mode_loss
 from tests.helpers.sync_guard import count_collectives
 
 pytestmark = pytest.mark.slow
@@ -63,10 +62,6 @@ def global_batch(num_rows: int, empty_rows: tuple[int, ...], seed: int = 0):
     mask[list(empty_rows)] = False
     weights = torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.1, 0)
     return input_ids, torch.where(mask, labels, -100), mask, weights
-
-
-def mode_kwargs(mode: str) -> dict:
-    return _mode_kwargs(mode, SEQ_LEN)
 
 
 def reference_grads(model: nn.Module, input_ids, labels, loss_mask, mode: str):

@@ -29,9 +29,9 @@ from tests.helpers.perplexity_helpers import (
     join_existing_group,
     loader,
     reference,
-    trainer,
 )
 from tests.helpers.sync_guard import count_collectives
+from tests.helpers.tiny_lightning import quiet_trainer as trainer
 
 pytestmark = pytest.mark.slow
 

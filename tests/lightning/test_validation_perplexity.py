@@ -23,10 +23,10 @@ from tests.helpers.perplexity_helpers import (
     assert_matches_reference,
     loader,
     reference,
-    trainer,
 )
 from tests.helpers.reference import reference_loss
 from tests.helpers.sync_guard import forbid_host_syncs
+from tests.helpers.tiny_lightning import quiet_trainer as trainer
 
 
 def test_validate_equals_one_pass_reference_and_nemo_mean_of_means_does_not() -> None:

@@ -9,20 +9,13 @@ import pytest
 import torch
 
 from bert_reduce.recipe.resume import (
-    DATAMODULE_STATE_KEY,
     ResumePoint,
     find_resume_checkpoint,
     later_checkpoints,
     move_aside,
     read_resume_step,
 )
-
-
-def recipe_checkpoint(path: Path, global_batch_size: int = 16, step: int = 7) -> Path:
-    torch.save(
-        {DATAMODULE_STATE_KEY: {"global_batch_size": global_batch_size}, "global_step": step}, path
-    )
-    return path
+from tests.helpers.recipe_runs import recipe_checkpoint
 
 
 def cut(path: Path, size: int = 1000) -> Path:
