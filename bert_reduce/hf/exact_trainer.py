@@ -65,10 +65,8 @@ def sample_loss_terms(
 ) -> Tensor:
     """``[n, 2]`` fp64 ``(numerator, denominator)`` of each of a batch's ``n`` samples.
 
-    Their sum over samples is the batch's :func:`bert_reduce.engine.mode_terms`. A sample is a
-    row of a ``[b, s]`` batch, or a sequence of a packed one (in order): the unit a distributed
-    evaluation sampler pads with duplicates and ``accelerate``'s ``gather_for_metrics`` drops
-    again.
+    Their sum is the batch's :func:`bert_reduce.engine.mode_terms`. A sample is a row, or a
+    packed sequence (in order): what ``gather_for_metrics`` drops the padding duplicates of.
     Reads the number of samples on the host (an evaluation-time sync).
 
     Args:
@@ -99,12 +97,7 @@ def sample_loss_terms(
 
 
 def _check_trainer_hooks() -> None:
-    """Raise if this ``transformers`` lacks the two Trainer hooks the exact loss relies on.
-
-    ``Trainer.loss_is_scaled_for_ga`` (the loss is not divided by the accumulation steps) and
-    ``get_batch_samples(epoch_iterator, num_batches, device)`` returning the step's batches and
-    the ``num_items_in_batch`` that ``training_step`` hands to ``compute_loss``.
-    """
+    """Raise if this ``transformers`` lacks the two Trainer hooks (docs/hf_trainer.md)."""
     parameters = list(inspect.signature(Trainer.get_batch_samples).parameters)
     if not hasattr(Trainer, "loss_is_scaled_for_ga") or parameters[1:4] != [
         "epoch_iterator",
@@ -133,23 +126,16 @@ class ExactMLMTrainer(Trainer):
         trainer.train()                 # every step: the gradient of the global batch's mean
         trainer.evaluate()              # eval_loss, eval_perplexity over the whole eval set
 
-    Every optimizer step's gradient is that of the global batch (all accumulation
-    micro-batches on all processes), and ``eval_loss`` counts every eval sample once, through
-    Trainer's public hooks (``docs/hf_trainer.md``; tested with
+    How, through Trainer's public hooks: ``docs/hf_trainer.md`` (tested with
     :data:`TESTED_TRANSFORMERS_VERSIONS`). Data parallelism only. The model is not given
     :data:`LOSS_ONLY_KEYS`.
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments.
-        fused_head: Train through the masked-only fused head (``EsmForMaskedLM`` and
-            ``BertForMaskedLM``): no ``[b, s, v]`` logits in training, nor in evaluation
-            without ``compute_metrics``. The number of scored tokens of each micro-batch is
-            read on the host once per optimizer step (one sync), so that exactly those rows
-            are computed.
+        fused_head: Train ``EsmForMaskedLM`` or ``BertForMaskedLM`` through the masked-only
+            fused head (one host read per step; docs/hf_trainer.md, "Options").
         **kwargs: ``transformers.Trainer``'s keyword arguments, and the loss options
-            (:class:`bert_reduce.LossOptions`' fields: ``normalization``,
-            ``constant_per_sequence``, ``weight_resolution``, ``capacity``,
-            ``cross_entropy``, ``ignore_index``).
+            (:class:`bert_reduce.LossOptions`' fields).
 
     Raises:
         RuntimeError: With a ``transformers`` lacking the hooks above.
@@ -229,9 +215,8 @@ class ExactMLMTrainer(Trainer):
         """The optimizer step's micro-batches and the global denominator: one all-reduce.
 
         Returns:
-            ``(batches, global_denominator)``: the 0-dim fp64 sum of the denominators of
-            every micro-batch of this step on every process (the scored-token count in
-            per-token mode), which Trainer passes to :meth:`compute_loss` as
+            ``(batches, global_denominator)``: :meth:`bert_reduce.GlobalBatchLoss.begin`'s
+            denominator, which Trainer passes to :meth:`compute_loss` as
             ``num_items_in_batch``. With ``fused_head``, each batch also gets its
             ``num_scored`` (read on the host here, once per step), unless it has one.
         """
@@ -263,9 +248,9 @@ class ExactMLMTrainer(Trainer):
                 ``None`` gives the batch's own exact mean.
 
         Returns:
-            ``loss_sum * world / global_denominator`` (0-dim; these summed over micro-batches
-            and averaged over processes are the global loss), or the batch's mean without
-            ``num_items_in_batch``; with ``return_outputs``, ``(loss, outputs)``.
+            The 0-dim share :meth:`bert_reduce.GlobalBatchLoss.__call__` returns, or the
+            batch's mean without ``num_items_in_batch``; with ``return_outputs``,
+            ``(loss, outputs)``.
         """
         fused = self.fused_head and (model.training or not self._logits_wanted)
         model_inputs = split_model_inputs(inputs)
@@ -335,9 +320,7 @@ class ExactMLMTrainer(Trainer):
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer's ``evaluation_loop``, with the exact ``<prefix>_loss`` and ``_perplexity``.
 
-        The eval set's ``(loss_sum, denominator)`` are summed over its batches and processes
-        (one all-reduce; the last batch is gathered per sample to drop the distributed
-        sampler's duplicates) and divided once. Without labels the metrics are Trainer's.
+        How: docs/hf_trainer.md, "Evaluation". Without labels the metrics are Trainer's.
         """
         signature = inspect.signature(Trainer.evaluation_loop).bind(self, *args, **kwargs)
         signature.apply_defaults()

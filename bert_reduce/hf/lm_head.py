@@ -1,16 +1,6 @@
 """The fused head's inputs from a Hugging Face masked LM, without its ``[b, s, v]`` logits.
 
-``EsmForMaskedLM`` and ``BertForMaskedLM`` end in a prediction head: a transform (dense,
-activation, LayerNorm) and a decoder, ``logits = transform(sequence_output) @ W^T + bias``.
-:func:`lm_head_inputs` runs the model through its own ``forward`` (so DDP, FSDP2 and
-``accelerate`` wrappers see a normal call) with the head stopped before its decoder, and
-returns what :func:`bert_reduce.linear_cross_entropy_loss_sum` and
-:class:`bert_reduce.BERTMLMLossWithReduction` take instead of logits::
-
-    forward_out = lm_head_inputs(model, input_ids=ids, attention_mask=mask)
-    # forward_out["hidden_states"] [b, s, h] @ forward_out["output_weight"].T [h, v]
-    #   + forward_out["output_bias"] [v]  ==  model(input_ids=ids, ...).logits [b, s, v]
-
+Use: ``docs/pytorch_loop.md``, "The masked-only head: hidden states instead of logits".
 Needs ``transformers`` (the ``hf`` extra).
 """
 
@@ -33,11 +23,7 @@ __all__ = ["lm_head_inputs"]
 
 
 def _unwrap(model: nn.Module) -> tuple[nn.Module, bool]:
-    """``(model inside DistributedDataParallel, whether DDP finds unused parameters)``.
-
-    FSDP2 keeps the model's own class. A DDP with ``find_unused_parameters=True`` marks the
-    parameters its outputs do not reach as unused.
-    """
+    """``(model inside DistributedDataParallel, whether DDP finds unused parameters)``."""
     from torch.nn.parallel import DistributedDataParallel
 
     finds_unused = isinstance(model, DistributedDataParallel) and model.find_unused_parameters
@@ -62,10 +48,9 @@ def _check_output_layer_is_in_the_root_unit(model: nn.Module, decoder: nn.Module
 
 
 def _prediction_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Tensor], nn.Module]:
-    """``(head module, its transform, its decoder)`` of a supported masked LM.
+    """``(head module, its forward up to the decoder, its decoder)`` of a supported masked LM.
 
-    The transform is the head's ``forward`` up to the decoder; ``tests/hf/test_lm_head.py``
-    checks it against the model's own logits, so a change in ``transformers`` fails there.
+    ``tests/hf/test_lm_head.py`` checks the transform against the model's own logits.
     """
     from transformers import BertForMaskedLM, EsmForMaskedLM
 
@@ -96,12 +81,8 @@ def _head_stops_before_decoder(
     """Make ``head(x)`` return ``transform(x)``; yields the decoder's ``weight`` and ``bias``.
 
     An instance attribute shadows the class's ``forward`` for this call only; module hooks
-    (FSDP2's all-gather, DDP's) still run, as ``nn.Module.__call__`` is unchanged. The
-    parameters are read inside the forward, where FSDP2 has them unsharded.
-
-    With ``keep_decoder_in_graph`` the result also depends, through an exact zero, on the
-    decoder's weight and bias (why: :func:`lm_head_inputs`; else DDP's backward fails with
-    "marked as ready twice").
+    (FSDP2's all-gather, DDP's) still run. The parameters are read inside the forward, where
+    FSDP2 has them unsharded. ``keep_decoder_in_graph``: see :func:`lm_head_inputs`.
     """
     seen: dict[str, Tensor | None] = {}
 
@@ -131,13 +112,10 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
     the hidden states as logits); the loss reads them from the batch.
 
     The loss uses the output layer's parameters after the model's forward. Under
-    ``DistributedDataParallel`` with ``find_unused_parameters=True`` (Hugging Face Trainer's
-    default), which marks the parameters the outputs do not reach as ready before the
-    backward, the hidden states keep them in the forward's graph through an exact zero; under
-    FSDP2 the prediction head must be in the root ``fully_shard`` unit (per-layer units and
-    then the whole model, the usual layout), whose parameters stay gathered until backward.
-    ``tests/integration/test_hf_fused_head_loop.py`` runs DDP and FSDP2,
-    ``tests/integration/test_hf_exact_trainer.py`` the Trainer's DDP.
+    ``DistributedDataParallel`` with ``find_unused_parameters=True`` (Trainer's default), the
+    hidden states keep them in the forward's graph through an exact zero (else DDP's backward
+    fails: "marked as ready twice"); under FSDP2 the prediction head must be in the root
+    ``fully_shard`` unit, whose parameters stay gathered until backward.
 
     Args:
         model: A ``transformers`` ``EsmForMaskedLM`` or ``BertForMaskedLM``, optionally inside
@@ -145,10 +123,8 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
         **inputs: The model's inputs (``input_ids``, ``attention_mask``, ``position_ids``, ...).
 
     Returns:
-        The ``forward_out`` of the fused head: ``hidden_states`` (``[b, s, h]``, after the
-        head's dense layer, activation and LayerNorm), ``hidden_layout`` (``"bs"``),
-        ``output_weight`` (``[v, h]``, the decoder's weight, tied to the embeddings) and
-        ``output_bias`` (``[v]``).
+        The fused head's ``forward_out``: ``hidden_states`` (``[b, s, h]``, after the head's
+        transform), ``hidden_layout`` (``"bs"``), ``output_weight`` and ``output_bias``.
 
     Raises:
         TypeError: For another model class.

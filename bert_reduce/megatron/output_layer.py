@@ -1,18 +1,7 @@
 """The fused head's inputs from a Megatron-Core language model, without its ``[s, b, v]`` logits.
 
-Megatron-Core's ``BertModel`` and BioNeMo's ``MegatronBioBertModel`` (which ESM-2 and
-Geneformer build on) end their forward with ``logits, _ = self.output_layer(hidden,
-weight=output_weight)``: a ``ColumnParallelLinear`` whose weight is this rank's vocab shard,
-the word embeddings' own when ``share_embeddings_and_output_weights``.
-:func:`output_layer_inputs` runs the model's own forward (wrappers and hooks included) with
-that one call stopped, and returns what :class:`bert_reduce.BERTMLMLossWithReduction` and
-:func:`bert_reduce.linear_cross_entropy_loss_sum` take instead of logits::
-
-    forward_out = output_layer_inputs(model, input_ids, attention_mask)
-    # F.linear(forward_out["hidden_states"] [s, b, h], forward_out["output_weight"] [v/tp, h],
-    #          forward_out["output_bias"] [v/tp])  ==  this rank's [s, b, v/tp] logits
-
-Under tensor and sequence parallelism: ``docs/megatron.md``.
+What it returns, and under tensor, sequence and pipeline parallelism: ``docs/megatron.md``,
+"The masked-only head on a Megatron-Core model".
 """
 
 from __future__ import annotations
@@ -35,11 +24,7 @@ __all__ = ["output_layer_inputs"]
 
 
 def _language_model(model: nn.Module) -> nn.Module:
-    """The module that owns ``output_layer`` (or is a pipeline stage without one).
-
-    Wrappers keep the model in ``.module``: Megatron's ``DistributedDataParallel`` and
-    ``Float16Module``, NeMo's and BioNeMo's LightningModules.
-    """
+    """The model inside its ``.module`` wrappers: owns ``output_layer``, or is an earlier stage."""
     inner = model
     while not hasattr(inner, "output_layer") and getattr(inner, "post_process", True):
         wrapped = getattr(inner, "module", None)
@@ -96,9 +81,7 @@ def output_layer_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     Use it in training, where :class:`bert_reduce.BERTMLMLossWithReduction` then computes the
     logits of the scored positions only; call the model itself where logits are wanted
-    (validation, a perplexity metric). On a pipeline stage without the output layer
-    (``post_process=False``), the model's own output (the hidden states to send on) is
-    returned unchanged.
+    (validation, a perplexity metric).
 
     Args:
         model: A Megatron-Core ``BertModel``-style language model whose forward ends in
@@ -112,7 +95,8 @@ def output_layer_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     Returns:
         ``{"hidden_states": [s, b, h], "hidden_layout": "sb", "output_weight": [v/tp, h],
         "output_bias": [v/tp] or None}`` on the last pipeline stage (with sequence
-        parallelism the hidden states are whole, ``[s, b, h]``), else the model's output.
+        parallelism the hidden states are whole, ``[s, b, h]``), else (``post_process=False``)
+        the model's own output, unchanged.
 
     Raises:
         TypeError: If no ``output_layer`` is found on the model or inside its wrappers.
