@@ -77,10 +77,9 @@ def _split_num_scored(num_scored: Any, batch_size: int, micro_batch_size: int) -
 def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list[dict[str, Any]]:
     """Cut a ``[b, ...]`` batch into consecutive micro-batches of ``micro_batch_size`` samples.
 
-    Every tensor is split along dim 0; values that are not tensors are shared by all
-    micro-batches, except ``num_scored`` (:mod:`bert_reduce.num_scored`): per-sample counts (a
-    tuple of ints) become each micro-batch's ``int`` total. Only shapes and host ints are
-    read, so this never synchronizes with the device.
+    Every tensor is split along dim 0; other values are shared by all micro-batches, except
+    ``num_scored``: per-sample counts become each micro-batch's ``int`` total
+    (``docs/lightning.md``). Only shapes and host ints are read: no device sync.
 
     Args:
         batch: This rank's share of the global batch, e.g. ``input_ids``, ``labels`` and
@@ -137,11 +136,7 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
 
 @contextlib.contextmanager
 def _without_fsdp2_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """Backward passes inside accumulate FSDP2 gradients locally, without a reduce-scatter.
-
-    torch's public switch (``FSDPModule.set_requires_gradient_sync``), set on every
-    ``fully_shard``-ed module and restored on exit.
-    """
+    """Backward passes inside accumulate FSDP2 gradients locally, without a reduce-scatter."""
     sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
     for module in sharded:
         module.set_requires_gradient_sync(False, recurse=False)
@@ -156,17 +151,10 @@ class ExactMLMModule(pl.LightningModule):
     """Masked-language-model training whose every step is exact for the whole global batch.
 
     Each ``training_step`` receives this rank's contiguous share of one global batch (see
-    :class:`bert_reduce.lightning.GlobalBatchSampler`) and performs one optimizer step: the
-    parameters after it are those of a single process back-propagating the loss of the whole
-    global batch at once, whatever the micro-batch size and number of DDP ranks, with one
-    all-reduce of two fp64 numbers besides the gradients' and no host read.
-
-    Use it with ``Trainer(strategy="ddp" | "auto" | ModelParallelStrategy(...),
-    use_distributed_sampler=False)``, without ``accumulate_grad_batches`` or
-    ``gradient_clip_val`` (done here); ``max_steps`` counts global batches. Precisions, FSDP2
-    and per-sample ``num_scored``: ``docs/lightning.md``. Override :meth:`forward` or
-    :meth:`micro_batches` to change them. Logged once per step: ``train_loss``, the global
-    batch's loss in the loss object's normalization.
+    :class:`bert_reduce.lightning.GlobalBatchSampler`) and performs one optimizer step, that
+    of a single process on the whole global batch. The Trainer's settings, and what one step
+    does: ``docs/lightning.md``. Override :meth:`forward` or :meth:`micro_batches` to change
+    them. Logged once per step: ``train_loss``, the global batch's loss.
 
     Args:
         model: Maps a micro-batch dict to a mapping with ``token_logits`` of shape ``[s, b, v]``.
@@ -174,16 +162,12 @@ class ExactMLMModule(pl.LightningModule):
         optimizer: Builds the optimizer from ``self.parameters()``; ``None`` means a subclass
             overrides :meth:`configure_optimizers`.
         lr_scheduler: Builds a scheduler from the optimizer, stepped after every optimizer step.
-        loss_fn: Training loss: ``setup(batch)`` then ``loss_fn(forward_out)`` returns
-            ``(numerator, denominator, report)`` whose sums over every micro-batch and rank,
-            divided once, are the loss of the global batch. Defaults to
-            ``BERTMLMLossWithReduction()`` (per-token mean); pass e.g.
-            ``BERTMLMLossWithReduction(normalization="per_sequence")`` for another mode.
-        val_loss_fn: Validation loss, same contract, returning a report with
-            ``loss_sum_and_microbatch_size``. Defaults to
-            ``BERTMLMLossWithReduction(validation_step=True, send_val_output=False)``: per-token,
-            so that validation reports give the token-weighted loss and perplexity whatever
-            the training normalization.
+        loss_fn: Training loss (a :class:`bert_reduce.MegatronLossReduction`: ``setup(batch)``,
+            then ``(numerator, denominator, report)``); ``BERTMLMLossWithReduction()`` by
+            default, e.g. ``BERTMLMLossWithReduction(normalization="per_sequence")``.
+        val_loss_fn: Validation loss, same contract; by default per-token
+            (``BERTMLMLossWithReduction(validation_step=True, send_val_output=False)``)
+            whatever the training normalization.
         gradient_clip_val: Clip the exact global gradient to this norm (or value); ``None``
             disables clipping.
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
@@ -399,10 +383,8 @@ class ExactMLMModule(pl.LightningModule):
     ) -> dict[str, Any]:
         """The validation loss report of one micro-batch; nothing is reduced or logged here.
 
-        Validation runs no collective per step, so ranks may hold different numbers of
-        validation batches (see :class:`bert_reduce.lightning.ShardedEvalBatchSampler`).
-        Callbacks reduce the reports, e.g. summing ``loss_sum_and_microbatch_size`` over
-        batches and ranks once per epoch for an exact ``val_loss`` and perplexity.
+        No collective: ranks may hold different numbers of batches; a callback reduces the
+        reports (:class:`bert_reduce.lightning.ValidationPerplexityCallback`).
 
         Args:
             batch: One validation micro-batch: ``labels`` and ``loss_mask`` of shape ``[b, s]``
@@ -411,9 +393,8 @@ class ExactMLMModule(pl.LightningModule):
             dataloader_idx: Index of the validation dataloader.
 
         Returns:
-            The loss object's report: ``loss_sum_and_microbatch_size``, a detached ``[2]`` fp64
-            tensor ``(sum of masked-token losses, number of masked tokens)`` on this rank, plus
-            ``batch`` and ``forward_out`` when the validation loss sends outputs.
+            The validation loss's report (``loss_sum_and_microbatch_size``:
+            :mod:`bert_reduce.reports`), plus ``batch`` and ``forward_out`` when it sends them.
         """
         forward_out = self(batch)
         self.val_loss_fn.setup(batch)

@@ -1,8 +1,6 @@
 """Exact validation loss and perplexity over a whole validation epoch, as a Lightning callback.
 
-The LightningModule's ``validation_step`` returns the loss report (:mod:`bert_reduce.reports`,
-as :class:`bert_reduce.lightning.ExactMLMModule` does), or a sequence of them; the callback
-sums them over the epoch and the ranks and divides once (``docs/perplexity.md``).
+Its contract and what it guarantees: ``docs/perplexity.md``.
 """
 
 from __future__ import annotations
@@ -49,21 +47,18 @@ class ValidationResult(NamedTuple):
 class ValidationPerplexityCallback(Callback):
     """Logs the token-weighted validation loss and perplexity of each validation epoch.
 
-    Each batch's report is added to a :class:`bert_reduce.TokenPerplexity` on the module's
-    device (no host read, no collective); at the end of the epoch one sync of the two sums
-    gives ``loss_key`` and ``ppl_key``, the same on every rank (``sync_dist`` stays off). All
-    validation dataloaders count together, sanity checks not at all; ranks may run different
-    numbers of batches, but every rank must run the epoch. The last :class:`ValidationResult`
-    is in :attr:`result` and in checkpoints; resumed mid-epoch, the epoch runs whole again
-    (``docs/perplexity.md``).
+    ``validation_step`` returns the loss report (:mod:`bert_reduce.reports`, as
+    :class:`bert_reduce.lightning.ExactMLMModule` does) or a list of them; each is added to a
+    :class:`bert_reduce.TokenPerplexity`, summed over ranks once per epoch (every rank must
+    run it) and divided once. The last :class:`ValidationResult` is in :attr:`result` and in
+    checkpoints. Sanity checks, samplers, resume: ``docs/perplexity.md``.
 
     Args:
         loss_key: Name the token-weighted mean validation loss is logged under.
         ppl_key: Name the validation perplexity is logged under.
         prog_bar: Also show both values in the progress bar.
-        check_sampler: At the start of each validation epoch, raise ``ValueError`` if a
-            validation dataloader's ``DistributedSampler`` repeats or drops samples (see
-            :func:`bert_reduce.sampling.check_no_repeated_samples`).
+        check_sampler: At the start of each validation epoch, run
+            :func:`bert_reduce.sampling.check_no_repeated_samples` on the validation loaders.
         process_group: Group the sums are reduced over; see :class:`bert_reduce.TokenPerplexity`.
     """
 

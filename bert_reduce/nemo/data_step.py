@@ -46,12 +46,9 @@ def num_scored_data_step(data_step: DataStep) -> DataStep:
     """``data_step``, with ``num_scored`` added to the micro-batch it returns.
 
     For BioNeMo (``biobert_lightning_module(config, data_step=num_scored_data_step(
-    biobert_data_step), ...)``), NeMo's ``bert_data_step`` or ``default_data_step``, or a
-    module's own ``data_step``. The count is an ``int`` made on the host before the wrapped
-    step moves the micro-batch: this context-parallel rank's share of the micro-batch's
-    ``loss_mask`` (else of its ``labels`` other than -100), so it costs no device sync. A
-    ``num_scored`` the collator added (:class:`bert_reduce.num_scored.NumScoredCollator`) is
-    used where the mask is not on the host; the wrapped step never sees it.
+    biobert_data_step), ...)``), NeMo's data steps, or a module's own; what it counts, and
+    why: ``docs/nemo.md``, "The count of scored positions". A ``num_scored`` the collator
+    added is used where the mask is not on the host; the wrapped step never sees it.
 
     Args:
         data_step: NeMo's data step: the data iterator in, one micro-batch (a mapping) out.

@@ -1,14 +1,12 @@
 """Validation data for NeMo 2 that drops nothing: every sample of the set on exactly one rank.
 
-NeMo 2's ``MegatronDataSampler`` drops the validation set's last partial global batch and
-samples a plain ``DataLoader`` from ``val_dataloader`` as training data;
-:class:`ExactValidationDataSampler` pads the set with unscored samples
-(:class:`PaddedEvalDataset`) and records which dealt samples are real
-(:class:`RealSampleTracker`), for :class:`bert_reduce.nemo.NeMoValidationPerplexityCallback`.
+Why NeMo's own sampler does not, and how this one is used: ``docs/nemo.md``, "Exact validation
+loss and perplexity".
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -128,12 +126,10 @@ def _loader_like(dataloader: DataLoader, dataset: Dataset, **kwargs: Any) -> Dat
 class ExactValidationDataSampler(MegatronDataSampler):
     """NeMo's ``MegatronDataSampler`` that keeps the whole validation and test sets.
 
-    Same arguments as ``MegatronDataSampler``; training is unchanged (``docs/nemo.md``). The
-    loader being built is read from ``trainer.state.stage`` (:meth:`loader_mode`), so any
-    ``DataLoader`` works. Validation and test datasets are wrapped in
-    :class:`PaddedEvalDataset` (to a multiple of ``global_batch_size``), so Megatron's
-    ``drop_last`` drops nothing, and the validation loader's batch sampler in a
-    :class:`RealSampleTracker`.
+    Same arguments as ``MegatronDataSampler``; training is unchanged (``docs/nemo.md``).
+    Validation and test datasets are wrapped in :class:`PaddedEvalDataset` (to a multiple of
+    ``global_batch_size``), the validation loader's batch sampler in a
+    :class:`RealSampleTracker`; :meth:`loader_mode` tells the loaders apart.
     """
 
     @classmethod
@@ -143,17 +139,9 @@ class ExactValidationDataSampler(MegatronDataSampler):
         For data modules that build their own (NeMo's, BioNeMo's), e.g.
         ``dm.data_sampler = ExactValidationDataSampler.from_sampler(dm.data_sampler)``.
         """
-        return cls(
-            seq_len=sampler.seq_len,
-            micro_batch_size=sampler.micro_batch_size,
-            global_batch_size=sampler.global_batch_size,
-            rampup_batch_size=sampler.rampup_batch_size,
-            dataloader_type=sampler.dataloader_type,
-            init_consumed_samples=sampler.init_consumed_samples,
-            init_global_step=sampler.init_global_step,
-            output_log=sampler.output_log,
-            decoder_seq_len=sampler.decoder_seq_len,
-        )
+        # MegatronDataSampler keeps each of its arguments under the argument's name.
+        names = list(inspect.signature(MegatronDataSampler.__init__).parameters)[1:]
+        return cls(**{name: getattr(sampler, name) for name in names})
 
     def loader_mode(self, dataloader: DataLoader) -> str:
         """``"train"``, ``"validation"``, ``"test"`` or ``"predict"``: the loader being built.

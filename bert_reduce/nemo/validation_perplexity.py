@@ -1,9 +1,4 @@
-"""Exact ``val_loss`` / ``val_ppl`` under NeMo 2, from the reports NeMo hands its callbacks.
-
-NeMo 2 logs ``val_loss`` as a mean over validation steps of each step's reduced loss;
-:class:`NeMoValidationPerplexityCallback` logs ``sum(loss_sum) / sum(denominator)`` over every
-masked token of the validation set, or raises when its reports do not cover the whole set.
-"""
+"""Exact ``val_loss`` / ``val_ppl`` under NeMo 2, from the reports NeMo hands its callbacks."""
 
 from __future__ import annotations
 
@@ -28,22 +23,19 @@ __all__ = ["NeMoValidationPerplexityCallback"]
 class NeMoValidationPerplexityCallback(ValidationPerplexityCallback):
     """:class:`~bert_reduce.lightning.ValidationPerplexityCallback` fed by NeMo 2's reports.
 
-    Add it to ``nl.Trainer(callbacks=[...])``: ``MegatronParallel`` hands it every micro-batch
-    report of a step (``on_megatron_reduce_microbatches_end``, on the last pipeline stage),
-    and NeMo's reduced ``validation_step`` scalar is ignored. Every rank, every stage
-    included, logs the same ``val_loss`` / ``val_ppl`` over the whole set, in place of NeMo's
-    mean of step means (``docs/nemo.md``). Nothing is logged from a partial epoch: the real
-    samples behind the summed reports (less the padding the
-    :class:`~bert_reduce.nemo.RealSampleTracker` dealt) must make up the validation set.
-    Arguments as the Lightning callback's.
+    Add it to ``nl.Trainer(callbacks=[...])``: it sums the micro-batch reports
+    ``MegatronParallel`` hands it, and every rank, every stage included, logs ``val_loss`` /
+    ``val_ppl`` over the whole set, in place of NeMo's mean of step means; nothing from an
+    epoch whose real samples (less the :class:`~bert_reduce.nemo.RealSampleTracker`'s
+    padding) are not the validation set (``docs/nemo.md``). Arguments as the Lightning
+    callback's.
 
     Raises:
         ValueError: At the start of a validation epoch, if there is not exactly one
             validation dataloader with a dataset of known length.
         RuntimeError: At the end of a validation epoch (before anything is logged), naming
             both counts, if the summed reports do not cover every sample of the validation
-            set exactly once: NeMo's ``MegatronDataSampler`` dropped its last partial global
-            batch, ``limit_val_batches`` cut the epoch short, or a sampler repeated samples.
+            set exactly once (the causes: ``docs/nemo.md``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
