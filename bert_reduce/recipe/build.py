@@ -121,10 +121,8 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
 def build_loggers(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> list[Logger]:
     """``run_dir/metrics.csv``, and TensorBoard under ``run_dir/tensorboard`` if installed.
 
-    ``metrics.csv`` (:class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`) keeps the rows
-    up to ``resumed_step``, then is appended to and synced at every row: RunCheckpoint puts a
-    step's checkpoint in place only after its rows, so a run killed outright (kill -9, out of
-    memory) never has a checkpoint ahead of its metrics.csv.
+    ``metrics.csv``: :class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`, keeping the
+    rows up to ``resumed_step`` (docs/recipe.md, "Exactly-once rows").
     """
     loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir, keep_steps_up_to=resumed_step)]
     if cfg.tensorboard:
@@ -178,11 +176,7 @@ def _not_a_tip(record: logging.LogRecord) -> bool:
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> pl.Trainer:
-    """The Trainer of ``cfg.trainer`` with the callbacks, loggers and resolved precision.
-
-    Checkpoints are written atomically (:class:`~bert_reduce.recipe.files.
-    AtomicCheckpointIO`).
-    """
+    """``cfg.trainer``'s Trainer: callbacks, loggers, precision, atomic checkpoint writes."""
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
@@ -360,15 +354,19 @@ def _validated_at_last_step(
     if module.last_validation_step == trainer.global_step:
         return True
     done = False
-    metrics_csv = run_dir / METRICS_FILE
-    if trainer.is_global_zero and metrics_csv.is_file():
+    if trainer.is_global_zero:
         node = cfg.callbacks.val_perplexity
         key = "val_loss" if node is None else node.loss_key
         done = any(
             row.get(key) and float(row["step"]) == trainer.global_step
-            for row in read_metrics(metrics_csv)[1]
+            for row in _logged_rows(run_dir)
         )
     return trainer.strategy.broadcast(done) if trainer.world_size > 1 else done
+
+
+def _logged_rows(run_dir: Path) -> list[dict[str, str]]:
+    metrics_csv = run_dir / METRICS_FILE
+    return read_metrics(metrics_csv)[1] if metrics_csv.is_file() else []
 
 
 def _report_stop(cfg: DictConfig, trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None:
@@ -397,12 +395,11 @@ def _finish(cfg: DictConfig, trainer: pl.Trainer, run_dir: Path) -> dict[str, An
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.save()
-        if (run_dir / METRICS_FILE).is_file():
-            # A run resumed from its final checkpoint logs nothing: its values are on file.
-            for row in read_metrics(run_dir / METRICS_FILE)[1]:
-                for key, value in row.items():
-                    if key != "step" and value and key not in trainer.callback_metrics:
-                        metrics[key] = float(value)
+        # A run resumed from its final checkpoint logs nothing: its values are on file.
+        for row in _logged_rows(run_dir):
+            for key, value in row.items():
+                if key != "step" and value and key not in trainer.callback_metrics:
+                    metrics[key] = float(value)
         outputs = [METRICS_FILE, "config.yaml", "checkpoints/"]
         if cfg.plot:
             plot_metrics(run_dir / METRICS_FILE, run_dir / "curves.png")

@@ -41,11 +41,9 @@ class StopOnSignal(Callback):
     Lightning's own ``SIGTERM`` handler stops wherever its loops next check, possibly
     mid-validation where no checkpoint is taken (under Lightning 2.6 it also runs a collective
     inside the handler), and ``SIGINT`` raises ``KeyboardInterrupt`` anywhere. This handler
-    only records the signal. At the end of each step the ranks agree whether any received one
-    (one all-reduce of a flag); if so :attr:`stop_signal` is set, :class:`RunCheckpoint` saves
-    ``last.ckpt`` for this step, Lightning logs (and validates, if due), and the next step's
-    start raises Lightning's public ``SIGTERMException(128 + stop_signal)``. A second ``SIGINT``
-    stops at once. Lightning puts the previous handlers back when ``fit`` ends.
+    only records the signal; the ranks agree at each step end (one all-reduce of a flag), and
+    the next step's start raises Lightning's public ``SIGTERMException(128 + stop_signal)``.
+    What a run then does: docs/recipe.md, "Preemption: SIGTERM and Ctrl+C".
     """
 
     def __init__(self) -> None:
@@ -92,12 +90,7 @@ class StopOnSignal(Callback):
 
 
 def _get_rng_states() -> dict[str, Any]:
-    """This process' generator states, in types a ``weights_only`` checkpoint load accepts.
-
-    Returns:
-        ``python``, ``numpy`` (the legacy global generator, its key as an int64 tensor),
-        ``torch`` (CPU) and ``cuda`` (per device; ``None`` when CUDA is not initialized).
-    """
+    """This process' generator states, in types a ``weights_only`` checkpoint load accepts."""
     _, key, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -125,11 +118,10 @@ class RunCheckpoint(Checkpoint):
     Checkpoints are taken only at step ends, the one point where resume is exact (Lightning's
     ``ModelCheckpoint`` also saves after validation and when training ends: a ``last.ckpt``
     written at ``max_steps`` mid-epoch records that epoch as finished). A step's checkpoints
-    are renamed into place at the next step boundary (the next step's start, the end of
-    training, or a ``SIGTERMException`` outside validation), ``last.ckpt`` last; any other
-    failure drops them. Every rank's generator states are put back right before the first
-    resumed step, after whatever ran since the load (sanity validation, the data iterator).
-    Why: docs/recipe.md, "Resume" and "Preemptible clusters".
+    are renamed into place at the next step boundary, ``last.ckpt`` last (:meth:`commit`);
+    a failure that may have cut the step's rows short drops them (:meth:`on_exception`).
+    Every rank's generator states are put back right before the first resumed step. Why:
+    docs/recipe.md, "Resume" and "Preemptible clusters".
 
     Args:
         dirpath: Where checkpoints go (``<default_root_dir>/checkpoints`` when ``None``).

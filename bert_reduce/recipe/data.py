@@ -199,15 +199,12 @@ def synthetic_proteins(
 ) -> list[str]:
     """A deterministic synthetic protein corpus, made without any download.
 
-    Residues are drawn independently from :data:`BACKGROUND_FREQUENCIES` after a leading
-    methionine, lengths from a log-normal distribution shaped like Swiss-Prot's, clipped to
-    ``[min_length, max_length]``; what a model can learn of it: docs/recipe.md, "The built-in
-    corpus".
+    Residues drawn from :data:`BACKGROUND_FREQUENCIES` after a leading methionine, log-normal
+    lengths clipped to ``[min_length, max_length]`` (docs/recipe.md, "The built-in corpus").
 
     Args:
         num_sequences: How many sequences.
-        seed: The corpus is a pure function of ``(num_sequences, seed)`` and the other
-            arguments.
+        seed: The corpus is a pure function of the arguments.
         median_length: Median length in residues.
         length_sigma: Standard deviation of the log-length.
         min_length: Shortest length.
@@ -272,11 +269,10 @@ def mask_tokens(
 class MLMDataset(Dataset[dict[str, Tensor]]):
     """Masked-language-model samples of protein sequences.
 
-    A sample is ``<cls> residues <eos>``, a sequence longer than ``max_length - 2`` residues
-    cropped to a random window; its crop and mask come from a generator seeded with ``(seed,
-    stream, epoch, index)``. Index the dataset with ``(epoch, index)`` (as
-    :class:`~bert_reduce.recipe.datamodule.EpochKeyedBatchSampler` yields) or ``index``
-    (epoch 0).
+    A sample is ``<cls> residues <eos>``, cropped to a random window of ``max_length - 2``
+    residues; crop and mask come from a generator seeded with ``(seed, stream, epoch, index)``.
+    Index it with ``(epoch, index)`` (from
+    :class:`~bert_reduce.recipe.datamodule.EpochKeyedBatchSampler`) or ``index`` (epoch 0).
 
     Args:
         sequences: The protein sequences.
@@ -373,12 +369,9 @@ class MLMCollator:
 class PackedMicroBatchCollator:
     """Cuts this rank's share of a global batch into micro-batches, each packed into one row.
 
-    Packing happens here, in the data pipeline, where the lengths are plain host integers, so
-    the training step reads nothing back from the device. Each micro-batch is what
-    :func:`bert_reduce.pack_batch` makes of ``micro_batch_size`` consecutive samples: one
-    ``[1, T]`` row without padding (unless ``pad_to_multiple_of > 1``), with ``cu_seqlens``,
-    ``cu_seqlens_padded``, the per-sequence normalizers, and ``num_scored``, the packed row's
-    count of scored positions as a Python ``int``.
+    Each micro-batch is :func:`bert_reduce.pack_batch` of ``micro_batch_size`` consecutive
+    samples (packed here, where the lengths are host ints: ``docs/packing.md``), with
+    ``num_scored``, the row's count of scored positions, as a Python ``int``.
 
     Args:
         micro_batch_size: Samples per packed micro-batch.

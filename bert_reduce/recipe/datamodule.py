@@ -32,9 +32,8 @@ __all__ = ["ESMDataModule", "EpochKeyedBatchSampler", "ResumableDataLoader"]
 class EpochKeyedBatchSampler:
     """Wraps a :class:`GlobalBatchSampler` to yield ``(epoch, index)`` keys, and to resume.
 
-    Lightning sets the epoch on ``self.sampler`` (the wrapped sampler's order), which is read
-    when iteration starts. After :meth:`resume_from`, the next pass over that epoch skips the
-    batches a previous run already trained on.
+    Lightning sets the epoch on ``self.sampler`` (the wrapped sampler's), read when iteration
+    starts. After :meth:`resume_from`, the next pass over that epoch skips the batches done.
 
     Args:
         batch_sampler: Yields this rank's indices of each global batch.
@@ -66,10 +65,8 @@ class EpochKeyedBatchSampler:
 class ResumableDataLoader(DataLoader):
     """A training DataLoader whose position in the epoch is saved in checkpoints.
 
-    Lightning stores ``state_dict()`` of loaders that have one and hands it back through
-    ``load_state_dict`` before iterating. The position is the trainer's count of processed
-    global batches in the current epoch, read through ``progress`` when the checkpoint is
-    written: what the dataloader prefetched but the model did not see is not counted.
+    The position is the trainer's count of processed global batches in the epoch, read
+    through ``progress`` when the checkpoint is written (not what the loader prefetched).
 
     Args:
         progress: Returns ``(epoch, global batches processed in it)``.

@@ -1,10 +1,7 @@
 """Files a killed run leaves whole or absent: written under a temporary name, synced, renamed.
 
-Every file ``train.py`` replaces (checkpoints, a rewritten ``metrics.csv``, ``config.yaml``) is
-written to ``<name>.tmp-<pid>`` next to it, synced to the disk, and renamed into place
-(``os.replace``, atomic on POSIX; then the directory entry is synced). The run that next holds
-the run directory's lock deletes the temporary files a kill left
-(:func:`bert_reduce.recipe.run_directory.remove_leftovers`).
+Every file ``train.py`` replaces (checkpoints, a rewritten ``metrics.csv``, ``config.yaml``)
+goes through :func:`write_atomically` (docs/recipe.md, "The run directory").
 """
 
 from __future__ import annotations

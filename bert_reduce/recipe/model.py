@@ -1,9 +1,7 @@
 """A small ESM-2-style protein language model: a pre-LayerNorm transformer encoder.
 
-Like ESM-2: token embeddings without absolute positions, rotary position embeddings on the
-queries and keys, pre-LN blocks with a GELU feed-forward, a final LayerNorm, and a
-``dense -> GELU -> LayerNorm -> decoder`` language-model head whose decoder weight is tied to
-the embeddings by default. The outputs: :meth:`ESM2Model.forward`.
+Like ESM-2: no absolute positions, rotary embeddings on queries and keys, pre-LN GELU blocks,
+a final LayerNorm and a ``dense -> GELU -> LayerNorm -> decoder`` head, tied by default.
 """
 
 from __future__ import annotations

@@ -17,14 +17,10 @@ class ESM2MLMModule(ExactMLMModule):
     """Exact global-batch MLM training of a model called as ``model(input_ids, attention_mask)``.
 
     Everything but the call is :class:`bert_reduce.lightning.ExactMLMModule`'s (same
-    arguments). On top of it:
-
-    * ``lr``, the learning rate of each step, is logged on the row of its ``train_loss``;
-    * ``step`` is written as the number of optimizer steps done when a row (training or
-      validation) is logged: step ``k``'s ``train_loss`` is that of the ``k``-th global batch,
-      and ``val_*`` at step ``k`` are those of the weights after ``k`` steps;
-    * the step of the last validation epoch is kept in ``last_validation_step``, so the entry
-      point can validate at the end without validating the same weights twice.
+    arguments). On top of it, ``lr`` is logged with each ``train_loss``, ``step`` as the
+    optimizer steps done when a row is logged (docs/recipe.md, "The run directory"), and the
+    step of the last validation epoch kept in ``last_validation_step`` (the entry point then
+    does not validate the same weights twice).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

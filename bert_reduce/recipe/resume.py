@@ -1,10 +1,10 @@
 """The checkpoint a run resumes from: named (``resume=<file>``) or found (``resume=auto``).
 
-Lightning reads the checkpoint only once training starts, and a missing, empty or corrupt file
-then fails with a bare ``FileNotFoundError``, ``EOFError`` or unpickling error. Reading it here
-first (memory-mapped) lets ``train.py`` refuse before it touches the run directory, name the
-file, and list the checkpoints next to it. Which checkpoint ``resume=auto`` takes, and why:
-docs/recipe.md, "Preemptible clusters".
+Lightning reads the checkpoint only once training starts, where a missing or bad file fails
+with a bare ``FileNotFoundError``, ``EOFError`` or unpickling error; read here first
+(memory-mapped), it is refused before the run directory is touched, named, with the
+checkpoints next to it. Which checkpoint
+``resume=auto`` takes, and why: docs/recipe.md, "Preemptible clusters".
 """
 
 from __future__ import annotations
@@ -169,10 +169,8 @@ def find_resume_checkpoint(checkpoint_dir: Path, global_batch_size: int) -> Resu
 def later_checkpoints(checkpoint_dir: Path, step: int) -> list[Path]:
     """The checkpoints of ``checkpoint_dir`` that load and hold more than ``step`` steps.
 
-    A run resumed in its own directory from an earlier checkpoint trains those steps again and
-    drops their rows from ``metrics.csv``: the later checkpoints are of the abandoned
-    continuation, and ``resume=auto`` must not take them for this run's (the rows in between
-    would be missing). Reads only.
+    Those of the continuation a run resumed from an earlier step abandons (docs/recipe.md,
+    "Preemptible clusters": why they go aside). Reads only.
     """
     return [
         path

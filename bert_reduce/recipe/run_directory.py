@@ -111,8 +111,7 @@ def remove_outputs(outputs: list[Path]) -> None:
 def remove_leftovers(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
     """Delete the temporary files (``<name>.tmp-<pid>``) that a killed run left behind.
 
-    Never put in place, they are not the run's: it resumes from the files in place. Call it
-    only while holding the directory's lock.
+    Call it only while holding the directory's lock.
 
     Returns:
         The deleted files.
