@@ -1,11 +1,5 @@
 """Hugging Face ``transformers`` integration (the ``hf`` extra).
 
-* :class:`ExactMLMTrainer`: a drop-in ``transformers.Trainer`` whose training steps and
-  evaluation use the exact masked-LM loss of the global batch and of the eval set
-  (``docs/hf_trainer.md``).
-* :func:`lm_head_inputs`: the fused masked-only head's inputs of an ``EsmForMaskedLM`` or
-  ``BertForMaskedLM`` (hidden states, output weight and bias), without their logits.
-
 ``ExactMLMTrainer`` is imported on first use, so ``import bert_reduce.hf`` does not load
 ``transformers.Trainer``.
 """

@@ -116,17 +116,10 @@ def _check_trainer_hooks() -> None:
 class ExactMLMTrainer(Trainer):
     """A ``transformers.Trainer`` whose masked-LM loss is exact over each global batch.
 
-    A drop-in replacement: the same arguments, plus the loss options below. For an
-    ``EsmForMaskedLM``, a ``BertForMaskedLM`` (Geneformer) or any masked LM returning
-    ``[b, s, v]`` ``logits``, and batches with ``labels`` (``[b, s]``, ``-100`` where
-    unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights)::
-
-        trainer = ExactMLMTrainer(model=model, args=args, train_dataset=train,
-                                  eval_dataset=val, data_collator=collator)
-        trainer.train()                 # every step: the gradient of the global batch's mean
-        trainer.evaluate()              # eval_loss, eval_perplexity over the whole eval set
-
-    How, through Trainer's public hooks: ``docs/hf_trainer.md`` (tested with
+    A drop-in replacement: the same arguments, plus the loss options below. For any masked LM
+    returning ``[b, s, v]`` ``logits``, and batches with ``labels`` (``[b, s]``, ``-100`` where
+    unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights). Use,
+    and how, through Trainer's public hooks: ``docs/hf_trainer.md`` (tested with
     :data:`TESTED_TRANSFORMERS_VERSIONS`). Data parallelism only. The model is not given
     :data:`LOSS_ONLY_KEYS`.
 

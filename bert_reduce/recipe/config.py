@@ -1,13 +1,9 @@
 """Structured configs of ``train.py``: typed dataclasses registered in Hydra's ConfigStore.
 
-``conf/config.yaml`` starts from ``base_config`` (:class:`TrainConfig`); each group's YAML
-(``conf/model/esm2_tiny.yaml``, ...) starts from its group's schema (``base_model``, ...). So
-every value is type-checked when the config is composed: ``trainer.max_steps=abc`` or an
-unknown key such as ``trainer.max_step=5`` fails with Hydra's error naming the key. Each
-node with a ``_target_`` is built with ``hydra.utils.instantiate``, except the model and the
-data, whose ``_target_`` class takes the node itself as one typed config (:class:`ModelConfig`,
-:class:`HFEsm2ModelConfig`, :class:`DataConfig`): ``ESM2Model()`` is the model
-``python train.py`` trains.
+``conf/config.yaml`` and each group's YAML start from these schemas (:func:`register_configs`),
+so every value is type-checked when the config is composed. Each node with a ``_target_`` is
+built with ``hydra.utils.instantiate``, except the model and the data, whose ``_target_``
+class takes the node itself as one typed config (``ESM2Model()`` is ``python train.py``'s).
 """
 
 from __future__ import annotations
