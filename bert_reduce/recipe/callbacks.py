@@ -43,7 +43,8 @@ class StopOnSignal(Callback):
     inside the handler), and ``SIGINT`` raises ``KeyboardInterrupt`` anywhere. This handler
     only records the signal; the ranks agree at each step end (one all-reduce of a flag), and
     the next step's start raises Lightning's public ``SIGTERMException(128 + stop_signal)``.
-    What a run then does: docs/recipe.md, "Preemption: SIGTERM and Ctrl+C".
+    What a run then does: docs/recipe.md, "Preemption: SIGTERM and Ctrl+C". Lightning puts
+    the previous handlers back when ``fit`` ends.
     """
 
     def __init__(self) -> None:
@@ -120,8 +121,8 @@ class RunCheckpoint(Checkpoint):
     written at ``max_steps`` mid-epoch records that epoch as finished). A step's checkpoints
     are renamed into place at the next step boundary, ``last.ckpt`` last (:meth:`commit`);
     a failure that may have cut the step's rows short drops them (:meth:`on_exception`).
-    Every rank's generator states are put back right before the first resumed step. Why:
-    docs/recipe.md, "Resume" and "Preemptible clusters".
+    Every rank's generator states are put back right before the first resumed step, after
+    whatever ran since the load. Why: docs/recipe.md, "Resume" and "Preemptible clusters".
 
     Args:
         dirpath: Where checkpoints go (``<default_root_dir>/checkpoints`` when ``None``).

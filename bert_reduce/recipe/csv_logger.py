@@ -84,9 +84,8 @@ def keep_metrics_up_to(metrics_csv: Path, step: float) -> int:
 class AppendingCSVLogger(Logger):
     """Logs to ``<save_dir>/metrics.csv``, appending to an existing file (rank 0 only).
 
-    The format is ``CSVLogger``'s: one row per ``log_metrics`` call, ``step`` and the metric
-    names as sorted columns, empty cells for metrics not logged in a row. The file is appended
-    to, rewritten only atomically, and synced at every save.
+    The format is ``CSVLogger``'s (one row per ``log_metrics`` call, sorted columns). The file
+    is appended to, rewritten only atomically, and synced at every save.
 
     Args:
         save_dir: The run directory.

@@ -1,8 +1,7 @@
 """Hugging Face ``EsmForMaskedLM`` as a recipe model: ``python train.py model=hf_esm2``.
 
-Its outputs are those of the recipe's own :class:`~bert_reduce.recipe.model.ESM2Model` (the
-fused head's inputs from :func:`bert_reduce.hf.lm_head_inputs`), so the same exact loss trains
-it. Needs ``transformers`` (the ``hf`` extra), imported when the model is built.
+Its outputs are :class:`~bert_reduce.recipe.model.ESM2Model`'s (docs/pytorch_loop.md, "The
+recipe with a Hugging Face ESM model"). Needs the ``hf`` extra, imported when it is built.
 """
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ def remove_leftovers(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
 class RunDirectoryLock:
     """The run directory's lock, held from ``with`` entry to exit; records who holds it.
 
-    Use: ``with RunDirectoryLock(run_dir) as lock:``, check the directory, then
-    ``lock.record_holder()``: a run refused by the check leaves the lock file as it was.
+    Check the directory inside ``with``, then call :meth:`record_holder`: a run refused by
+    the check leaves the lock file as it was.
 
     Args:
         run_dir: The run directory (created if missing).
