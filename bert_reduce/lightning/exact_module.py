@@ -47,14 +47,11 @@ LRSchedulerFactory = Callable[[Optimizer], LRScheduler]
 
 
 def _split_num_scored(num_scored: Any, batch_size: int, micro_batch_size: int) -> list[Any]:
-    """Each micro-batch's ``num_scored``: per-sample host counts summed into ints.
+    """Each micro-batch's host ``num_scored``: per-sample counts summed into ints.
 
-    A tensor is split like every tensor (the loss sums it); a whole batch's ``int`` cannot be
-    split, so it is only valid for a single micro-batch.
+    A whole batch's ``int`` cannot be split, so it is only valid for a single micro-batch.
     """
     count = batch_size // micro_batch_size
-    if isinstance(num_scored, Tensor):
-        return list(num_scored.split(micro_batch_size))
     if isinstance(num_scored, tuple | list):
         if len(num_scored) != batch_size:
             raise ValueError(
@@ -124,7 +121,7 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
     chunks = {
         key: value.split(micro_batch_size) for key, value in batch.items() if key in batch_sizes
     }
-    if NUM_SCORED_KEY in batch:
+    if NUM_SCORED_KEY in batch and NUM_SCORED_KEY not in chunks:  # a tensor is split already
         chunks[NUM_SCORED_KEY] = _split_num_scored(
             batch[NUM_SCORED_KEY], batch_size, micro_batch_size
         )
