@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -275,11 +276,7 @@ class ExactMLMModule(pl.LightningModule):
         Raises:
             ValueError: See :func:`bert_reduce.sampling.check_sampler_placement`.
         """
-        loaders = self.trainer.train_dataloader
-        if isinstance(loaders, Mapping):
-            loaders = list(loaders.values())
-        elif not isinstance(loaders, list | tuple):
-            loaders = [loaders]
+        loaders = CombinedLoader(self.trainer.train_dataloader).flattened
         check_sampler_placement(loaders, self.trainer.world_size, self.trainer.global_rank)
 
     @override
