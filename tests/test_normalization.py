@@ -6,8 +6,6 @@ import torch
 from bert_reduce import (
     BERTMLMLossWithReduction,
     Normalization,
-    get_batch_on_this_cp_rank,
-    unreduced_token_loss_fn,
 )
 from bert_reduce.normalization import (
     normalization_weights,
@@ -67,32 +65,6 @@ def test_constant_worked_example_and_validation() -> None:
             sequence_weight=torch.ones(2, 1),
             sequence_start=torch.ones(2, 2, dtype=torch.bool),
         )
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_context_parallel_shards_with_sequence_normalizers_are_exact(mode) -> None:
-    # Simulated CP = 2: the shards' summed (numerator, denominator) give the full value, with
-    # the unsliced batch's sequence normalizers; in per_sequence mode, not without them.
-    logits, labels, mask = make_mlm_batch(4, 12, 7, empty_rows=(2,), mask_prob=0.3)
-    loss_mask = float_weights(mask)
-    weight, start = sequence_normalizers(loss_mask)
-    batch = {"labels": labels, "loss_mask": loss_mask, "token_logits": logits.transpose(0, 1)}
-    normalizers = {"sequence_weight": weight, "sequence_start": start}
-
-    def cp2_value(extra: dict) -> torch.Tensor:
-        num = den = 0
-        for cp_rank in range(2):
-            shard = get_batch_on_this_cp_rank({**batch, **extra}, cp_size=2, cp_rank=cp_rank)
-            logits_sbv = shard.pop("token_logits").transpose(0, 1)
-            per_token = unreduced_token_loss_fn(logits_sbv, shard.pop("labels"))
-            n, d = token_loss_sum(per_token, normalization=mode, **shard, **mode_kwargs(mode))
-            num, den = num + n, den + d
-        return num / den
-
-    expected = reference_mode_loss(logits, labels, loss_mask, mode, **mode_kwargs(mode))
-    torch.testing.assert_close(cp2_value(normalizers), expected, rtol=1e-12, atol=0)
-    if mode == "per_sequence":
-        assert not torch.isclose(cp2_value({}), expected)
 
 
 def test_sequence_normalizers_from_cu_seqlens() -> None:
