@@ -71,14 +71,6 @@ def test_same_global_batches_and_masks_for_every_split() -> None:
     assert global_batches(dm, micro=8, ranks=1, epoch=2) != reference
 
 
-def test_global_batch_not_divisible_is_a_clear_error() -> None:
-    dm = datamodule(global_batch_size=12, micro_batch_size=8)
-    with pytest.raises(
-        ValueError, match=r"global_batch_size=12 is not divisible by micro_batch_size"
-    ):
-        dm.train_dataloader()
-
-
 def test_train_loader_resumes_mid_epoch() -> None:
     dm = datamodule(global_batch_size=8, micro_batch_size=4)
     loader = dm.train_dataloader()
