@@ -19,7 +19,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 
 from bert_reduce.engine import LossOptions, mode_terms, scored_weights
 from bert_reduce.hf import ExactMLMTrainer
-from bert_reduce.hf.exact_trainer import sample_loss_terms, split_model_inputs
+from bert_reduce.hf.exact_trainer import sample_loss_terms
 from tests.helpers import hf_trainer as H
 
 EXACT = 1e-9  # relative, fp64
@@ -206,15 +206,6 @@ def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 # --- The model's inputs, and the per-sample terms of evaluation batches -----------------------
-
-
-def test_model_inputs_leave_out_the_loss_keys() -> None:
-    batch = {
-        **H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)),
-        "loss_mask": torch.ones(8, 1),
-        "num_scored": 36,
-    }
-    assert sorted(split_model_inputs(batch)) == ["attention_mask", "input_ids"]
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
