@@ -171,20 +171,11 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
         ({"mask": mask.to("meta")}, "loss_mask is on meta and labels on cpu"),
     ]
     for overrides, match in cases:
-        args = {"hidden": hidden, "weight": weight, "mask": mask, "bias": bias, "labels": labels}
+        args = {"hidden": hidden, "weight": weight, "labels": labels, "mask": mask, "bias": bias}
         args.update(overrides)
-        kwargs = {
-            k: args.pop(k) for k in ("layout", "chunk_rows", "sequence_parallel") if k in args
-        }
+        positional = [args.pop(name) for name in ("hidden", "weight", "labels", "mask")]
         with pytest.raises(ValueError, match=match):
-            linear_cross_entropy_token_losses(
-                args["hidden"],
-                args["weight"],
-                args["labels"],
-                args["mask"],
-                bias=args["bias"],
-                **kwargs,
-            )
+            linear_cross_entropy_token_losses(*positional, **args)
     for bad, error in [(1.5, TypeError), (True, TypeError), (mask.sum(1).double(), TypeError),
                        (-1, ValueError)]:  # fmt: skip
         with pytest.raises(error, match="num_scored"):
