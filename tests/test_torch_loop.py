@@ -8,13 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
-from bert_reduce.engine import scored_weights
+from bert_reduce import GlobalBatchLoss
 from bert_reduce.packing import pack_batch, unpack_sequences
 from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.mode_reference import (
     MODES,
-    checked_reduce,
     float_weights,
     mode_kwargs,
     reference_mode_loss,
@@ -213,13 +211,6 @@ def test_hf_packed_batch_equals_unpacked_in_every_mode(mode, keys, multiple) -> 
         leaf.grad, hf["_cu_seqlens"], SEQ_LEN, cu_seqlens_padded=hf["_cu_seqlens_padded"]
     )
     torch.testing.assert_close(grad.transpose(0, 1), ref_grad, rtol=1e-10, atol=1e-15)
-
-    # The Megatron / NeMo path reads the same keys through the same lookup.
-    megatron_loss = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
-    megatron_mb = {**mb, "loss_mask": scored_weights(mb)}
-    megatron_loss.setup(megatron_mb)
-    _, _, report = megatron_loss({"token_logits": hf["logits"].transpose(0, 1)})
-    torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-12, atol=0)
 
 
 def test_packed_looking_batch_without_boundaries_is_refused() -> None:
