@@ -29,20 +29,13 @@ def step_of(path: Path) -> int:
     return torch.load(path, weights_only=False)["global_step"]
 
 
-def test_periodic_and_last_checkpoints_at_step_ends(tmp_path: Path) -> None:
-    callback = RunCheckpoint(every_n_train_steps=2)
-    trainer = tiny_trainer(tmp_path, [callback], max_steps=5)  # 6 batches per epoch
+def test_last_checkpoint_at_the_end_of_the_last_epoch(tmp_path: Path) -> None:
+    # Periodic checkpoints and last.ckpt at step ends: test_a_checkpoint_is_put_in_place_...
+    trainer = tiny_trainer(tmp_path, [RunCheckpoint(every_n_train_steps=0)], max_epochs=2)
     trainer.fit(TinyModule(), tiny_loader(), tiny_loader())
-    directory = tmp_path / "checkpoints"
-    assert files(directory) == ["last.ckpt", "step000002.ckpt", "step000004.ckpt"]
-    assert [step_of(directory / name) for name in files(directory)] == [5, 2, 4]
-    assert callback.periodic == [(2, "step000002.ckpt"), (4, "step000004.ckpt")]
-    # max_epochs: last.ckpt at the last batch of the last epoch, with that epoch not done.
-    callbacks = [RunCheckpoint(every_n_train_steps=0)]
-    trainer = tiny_trainer(tmp_path / "epochs", callbacks, max_epochs=2)
-    trainer.fit(TinyModule(), tiny_loader(), tiny_loader())
-    last = torch.load(tmp_path / "epochs" / "checkpoints" / "last.ckpt", weights_only=False)
-    assert files(tmp_path / "epochs" / "checkpoints") == ["last.ckpt"]
+    # At the last batch of the last epoch, with that epoch not done.
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert files(tmp_path / "checkpoints") == ["last.ckpt"]
     assert last["global_step"] == 12 and last["epoch"] == 1
 
 
