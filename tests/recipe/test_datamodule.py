@@ -1,4 +1,9 @@
-"""The data module: the same global batches and masks for any split, resumable, no duplicates."""
+"""The data module: resumable mid-epoch, every validation sample once, files and splits.
+
+The same global batches and masks for any split: the sampler's
+(tests/test_sampling.py) and the dataset's (tests/recipe/test_data.py) tests, and end to end
+tests/recipe/test_train_e2e.py.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.lightning import ShardedEvalBatchSampler
 from bert_reduce.recipe.config import DataConfig
-from bert_reduce.recipe.datamodule import EpochKeyedBatchSampler, ESMDataModule
+from bert_reduce.recipe.datamodule import ESMDataModule
 
 
 def datamodule(**kwargs) -> ESMDataModule:
@@ -31,44 +36,6 @@ def unpad(batch: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], ...]]:
             )
         )
     return samples
-
-
-def global_batches(dm: ESMDataModule, micro: int, ranks: int, epoch: int) -> list[list]:
-    """The global batch of every step: ranks' shares concatenated, cut into micro-batches."""
-    per_rank = []
-    for rank in range(ranks):
-        sampler = EpochKeyedBatchSampler(
-            GlobalBatchSampler(
-                len(dm.train_dataset),
-                dm.config.global_batch_size,
-                micro,
-                num_replicas=ranks,
-                rank=rank,
-                seed=dm.config.seed,
-            )
-        )
-        sampler.sampler.set_epoch(epoch)
-        steps = []
-        for keys in sampler:
-            share = dm.collate([dm.train_dataset[key] for key in keys])
-            micro_batches = [
-                dm.collate([dm.train_dataset[key] for key in keys[i : i + micro]])
-                for i in range(0, len(keys), micro)
-            ]
-            assert unpad(share) == [s for mb in micro_batches for s in unpad(mb)]
-            steps.append(unpad(share))
-        per_rank.append(steps)
-    return [[s for steps in per_rank for s in steps[step]] for step in range(len(per_rank[0]))]
-
-
-def test_same_global_batches_and_masks_for_every_split() -> None:
-    dm = datamodule(global_batch_size=8)
-    reference = global_batches(dm, micro=8, ranks=1, epoch=1)
-    assert len(reference) == 48 // 8
-    for micro, ranks in [(4, 1), (1, 1), (2, 2), (4, 2), (1, 4)]:
-        assert global_batches(dm, micro, ranks, epoch=1) == reference, (micro, ranks)
-    # Another epoch: another order and other masks.
-    assert global_batches(dm, micro=8, ranks=1, epoch=2) != reference
 
 
 def test_train_loader_resumes_mid_epoch() -> None:
