@@ -65,13 +65,8 @@ def _is_own(owner: ast.expr) -> bool:
 
 
 def private_uses(path: Path, module: ModuleType | None = None) -> list[tuple[int, str]]:
-    """``(line, name)`` of every private name of another library that ``path`` uses.
-
-    Args:
-        path: A source file.
-        module: That file imported, to look up its classes' bases; without it, subclasses'
-            uses of their bases' private members are not checked.
-    """
+    """``(line, name)`` of every private name of another library that ``path`` uses; its
+    classes' bases are looked up in ``module``, the file imported (if given)."""
     tree = ast.parse(path.read_text())
     found = []
     for node in ast.walk(tree):
