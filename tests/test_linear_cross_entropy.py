@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -16,12 +13,9 @@ from bert_reduce import (
     BERTMLMLossWithReduction,
     get_batch_on_this_cp_rank,
     linear_cross_entropy_token_losses,
-    pack_batch,
 )
 from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
 from tests.helpers.linear_reference import linear_reference, make_head_batch
-from tests.helpers.megatron_cpu import single_process_megatron
-from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
 from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
 CAPACITIES = ["all", "nonzero", 15, 0.5, 1.0]
@@ -177,20 +171,11 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
         ({"mask": mask.to("meta")}, "loss_mask is on meta and labels on cpu"),
     ]
     for overrides, match in cases:
-        args = {"hidden": hidden, "weight": weight, "mask": mask, "bias": bias, "labels": labels}
+        args = {"hidden": hidden, "weight": weight, "labels": labels, "mask": mask, "bias": bias}
         args.update(overrides)
-        kwargs = {
-            k: args.pop(k) for k in ("layout", "chunk_rows", "sequence_parallel") if k in args
-        }
+        positional = [args.pop(name) for name in ("hidden", "weight", "labels", "mask")]
         with pytest.raises(ValueError, match=match):
-            linear_cross_entropy_token_losses(
-                args["hidden"],
-                args["weight"],
-                args["labels"],
-                args["mask"],
-                bias=args["bias"],
-                **kwargs,
-            )
+            linear_cross_entropy_token_losses(*positional, **args)
     for bad, error in [(1.5, TypeError), (True, TypeError), (mask.sum(1).double(), TypeError),
                        (-1, ValueError)]:  # fmt: skip
         with pytest.raises(error, match="num_scored"):
@@ -204,69 +189,15 @@ def test_shape_and_argument_errors_name_what_is_wrong() -> None:
             linear_cross_entropy_weighted_sum(hidden, weight, labels, weights, **kwargs)
 
 
-@pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("count", ["collator", "int", None])
-@pytest.mark.parametrize("weights", [False, True])
-def test_loss_reduction_with_head_inputs_matches_reference_in_every_mode(
-    mode, packed, count, weights
-) -> None:
-    b, s, v = 4, 9, 13
-    hidden, weight, bias, labels, mask = make_head_batch(b, s, v=v, empty_rows=(1,))
-    lengths = [9, 4, 7, 6]
-    for row, length in enumerate(lengths):
-        mask[row, length:] = False
-    labels = torch.where(mask, labels, -100)
-    if weights:
-        mask = mask * (torch.rand(mask.shape, dtype=torch.float64) + 0.5)
-    kwargs = {"constant_per_sequence": s} if mode == "constant" else {}
-    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    batch = {"labels": labels, "loss_mask": mask}
-    if count is not None:
-        counts = (mask != 0).sum(dim=1)
-        batch["num_scored"] = counts if count == "collator" else int(counts.sum())
-    hidden_in = leaves[0]
-    if packed:
-        batch = pack_batch({**batch, "hidden": leaves[0].transpose(0, 1)}, lengths)
-        hidden_in = batch.pop("hidden").transpose(0, 1)  # [T, 1, h]
-    loss_fn = BERTMLMLossWithReduction(normalization=mode, **kwargs)
-    loss_fn.setup(batch)
-    forward_out = {"hidden_states": hidden_in, "output_weight": leaves[1], "output_bias": leaves[2]}
-    # With a count: no host sync; without, the count of the scored rows is read back once.
-    with forbid_host_syncs() if count else contextlib.nullcontext(), count_collectives() as calls:
-        numerator, denominator, report = loss_fn(forward_out)
-    assert sum(calls.values()) == 0
-    (numerator / denominator).backward()
-
-    ref_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    logits = F.linear(*ref_leaves)
-    ref = reference_mode_loss(logits, labels, mask, mode, lengths=lengths, **kwargs)
-    ref.backward()
-    torch.testing.assert_close(numerator / denominator, ref, rtol=1e-10, atol=0)
-    torch.testing.assert_close(checked_reduce([report]), ref, rtol=1e-10, atol=0)
-    for leaf, ref_leaf in zip(leaves, ref_leaves, strict=True):
-        torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("cross_entropy", ["masked", "megatron"])
 @pytest.mark.parametrize("layout", ["sb", "bs"])
-def test_head_inputs_and_logits_give_the_same_loss(cross_entropy, layout) -> None:
-    hidden, weight, bias, labels, mask = make_head_batch(layout=layout)
-    logits = F.linear(hidden, weight, bias)
-    head = {"hidden_states": hidden, "hidden_layout": layout, "output_weight": weight}
-    # Megatron-Core's kernel needs its parallel state (one gloo rank here).
-    with single_process_megatron() if cross_entropy == "megatron" else contextlib.nullcontext():
-        loss_fn = BERTMLMLossWithReduction(cross_entropy=cross_entropy, check_labels=True)
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        from_logits = loss_fn(
-            {"token_logits": logits.transpose(0, 1) if layout == "bs" else logits}
-        )
-        from_head = loss_fn({**head, "output_bias": bias})
-        torch.testing.assert_close(from_head[0], from_logits[0], rtol=1e-12, atol=0)
-        assert torch.equal(from_head[1], from_logits[1])
-        labels[mask.nonzero()[0].unbind()] = 13
-        with pytest.raises(ValueError, match="outside"):
-            loss_fn(head)
+def test_check_labels_on_head_inputs_names_an_out_of_vocab_label(layout) -> None:
+    # The loss on head inputs against the reference in every option: tests/test_engine.py.
+    hidden, weight, _, labels, mask = make_head_batch(layout=layout)
+    labels[mask.nonzero()[0].unbind()] = 13
+    loss_fn = BERTMLMLossWithReduction(check_labels=True)
+    loss_fn.setup({"labels": labels, "loss_mask": mask})
+    with pytest.raises(ValueError, match=r"outside \[0, 13\)"):
+        loss_fn({"hidden_states": hidden, "hidden_layout": layout, "output_weight": weight})
 
 
 def test_context_parallel_shards_with_the_whole_count_sum_to_the_reference() -> None:
@@ -305,7 +236,7 @@ def test_any_integer_label_dtype(dtype) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-class _LogitRows(TorchDispatchMode):
+class LogitRows(TorchDispatchMode):
     """Counts the logits the head computes: the elements of products by ``weight^T``."""
 
     def __init__(self, weight: Tensor) -> None:
@@ -321,20 +252,13 @@ class _LogitRows(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def logit_rows(weight: Tensor) -> Iterator[list[float]]:
-    """Count the logits (rows times vocab) the head computes from ``weight``."""
-    with _LogitRows(weight) as mode:
-        yield mode.rows
-
-
 @pytest.mark.parametrize("entry", ["losses", "weighted sum", "loss class"])
 @pytest.mark.parametrize("capacity", [None, "all"])
 def test_without_a_count_only_the_scored_rows_are_computed(entry, capacity) -> None:
     b, s, v = 4, 30, 13
     hidden, weight, bias, labels, mask = make_head_batch(b, s, v=v, mask_prob=0.15)
     kwargs = {} if capacity is None else {"capacity": capacity}
-    with logit_rows(weight) as rows:
+    with LogitRows(weight) as counter:
         if entry == "losses":
             linear_cross_entropy_token_losses(hidden, weight, labels, mask, bias=bias, **kwargs)
         elif entry == "weighted sum":
@@ -349,7 +273,7 @@ def test_without_a_count_only_the_scored_rows_are_computed(entry, capacity) -> N
             loss_fn({"hidden_states": hidden, "output_weight": weight, "output_bias": bias})
     expected = int(mask.sum()) if capacity is None else b * s
     assert 0 < int(mask.sum()) < b * s // 4
-    assert sum(rows) == expected * v
+    assert sum(counter.rows) == expected * v
 
 
 @pytest.mark.parametrize("capacity", ["nonzero", "all", 4])
@@ -369,12 +293,12 @@ def test_weighted_loss_sum_computes_only_the_gradients_asked_for() -> None:
     expected = reference(SUMS[0], hidden, weight, bias, labels, coef)
     for passes in (ENTRIES[entry] for entry in SUMS):
         # Validation: no gradient at all, only the sum.
-        with torch.no_grad(), logit_rows(weight) as rows:
+        with torch.no_grad(), LogitRows(weight) as counter:
             total = linear_cross_entropy_weighted_sum(
                 hidden, weight, labels, coef, bias=bias, **passes
             )
         torch.testing.assert_close(total, expected[0], rtol=1e-10, atol=0)
-        assert sum(rows) == int(mask.sum()) * 13  # one pass over the rows, not two
+        assert sum(counter.rows) == int(mask.sum()) * 13  # one pass over the rows, not two
         # A frozen weight and bias: the hidden states' gradient alone.
         leaf = hidden.clone().requires_grad_(True)
         linear_cross_entropy_weighted_sum(

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import default_collate
 
-from bert_reduce import BERTMLMLossWithReduction, linear_cross_entropy_token_losses
+from bert_reduce import linear_cross_entropy_token_losses
 from bert_reduce.num_scored import NumScoredCollator, count_scored
-from tests.helpers.sync_guard import forbid_host_syncs
 
 # A device no tensor can be read back from on the host, standing in for an accelerator.
 DEVICE = torch.device("meta")
@@ -74,7 +72,7 @@ def test_bionemo_layout_counts_the_loss_mask_not_the_labels() -> None:
     assert batch["num_scored"] < int((batch["labels"] != -100).sum())
 
 
-def test_counts_survive_every_device_transfer_and_reach_the_loss_exactly() -> None:
+def test_counts_survive_every_device_transfer() -> None:
     batch = NumScoredCollator(default_collate)(bionemo_samples())
     per_sample = NumScoredCollator(default_collate, per_sample=True)(bionemo_samples())
     # Lightning's and NeMo's transfer (move_data_to_device), and a loop moving tensors only.
@@ -85,27 +83,6 @@ def test_counts_survive_every_device_transfer_and_reach_the_loss_exactly() -> No
     ):
         assert moved["loss_mask"].device == DEVICE
         assert moved["num_scored"] in (batch["num_scored"], per_sample["num_scored"])
-
-    # The loss reads an int and per-sample ints alike, without a sync, and stays exact.
-    gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(8, 3, 5, dtype=torch.float64, generator=gen, requires_grad=True)
-    weight = torch.randn(30, 5, dtype=torch.float64, generator=gen)
-    labels = batch["labels"].clamp(min=0)
-    mask = batch["loss_mask"]
-    reference = F.cross_entropy(
-        (hidden.transpose(0, 1) @ weight.t())[mask], labels[mask], reduction="sum"
-    )
-    for count in (batch["num_scored"], per_sample["num_scored"]):
-        with forbid_host_syncs():
-            losses = linear_cross_entropy_token_losses(
-                hidden, weight, labels, mask, num_scored=count
-            )
-        torch.testing.assert_close(losses.sum(), reference, rtol=1e-12, atol=0)
-        loss_fn = BERTMLMLossWithReduction()
-        loss_fn.setup({"labels": labels, "loss_mask": mask, "num_scored": count})
-        with forbid_host_syncs():
-            loss_sum, _, _ = loss_fn({"hidden_states": hidden, "output_weight": weight})
-        torch.testing.assert_close(loss_sum, reference, rtol=1e-12, atol=0)
 
 
 def test_errors_name_the_batch_key() -> None:

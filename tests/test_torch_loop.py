@@ -8,13 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss
-from bert_reduce.engine import scored_weights
+from bert_reduce import GlobalBatchLoss
 from bert_reduce.packing import pack_batch, unpack_sequences
 from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.mode_reference import (
     MODES,
-    checked_reduce,
     float_weights,
     mode_kwargs,
     reference_mode_loss,
@@ -39,11 +37,8 @@ def run_steps(
     layout: str = "bs",
     **kwargs,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Drive GlobalBatchLoss over row micro-batches in one process; the loss, the inputs' grads.
-
-    ``inputs``: ``([s, b, v] logits,)``, or the output layer's ``([s, b, h] hidden states,
-    [v, h] weight, [v] bias)`` for the fused head.
-    """
+    """GlobalBatchLoss over row micro-batches of ``([s, b, v] logits,)`` or, for the fused
+    head, ``([s, b, h] hidden, [v, h] weight, [v] bias)``; the loss and the inputs' grads."""
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     micro_batches, start = [], 0
     for size in sizes:
@@ -128,6 +123,7 @@ def test_no_host_sync_and_no_collective_per_micro_batch(mode, output) -> None:
 
 
 def test_errors_name_what_to_do() -> None:
+    # Bad logits and hidden states: loss_terms' and the fused head's own tests.
     logits, labels, _ = make_mlm_batch(2, 4, 5)
     bsv = logits.transpose(0, 1)
     loss_fn = GlobalBatchLoss(group=None)
@@ -140,8 +136,6 @@ def test_errors_name_what_to_do() -> None:
     loss_fn.begin([{"labels": labels}])
     with pytest.raises(RuntimeError, match="0 of 1 micro-batches"):
         loss_fn.end()
-    with pytest.raises(ValueError, match=r"must be \[b, s, v\]"):
-        loss_fn(logits, {"labels": labels})
     with pytest.raises(ValueError, match="gradient_sync must be"):
         GlobalBatchLoss(group=None, gradient_sync="avg")  # type: ignore[arg-type]
     sequences_unknown = GlobalBatchLoss(
@@ -149,10 +143,6 @@ def test_errors_name_what_to_do() -> None:
     )
     with pytest.raises(ValueError, match="under context parallelism need"):
         sequences_unknown.begin([{"labels": labels}])
-    loss_fn = GlobalBatchLoss(group=None)
-    loss_fn.begin([{"labels": labels}])
-    with pytest.raises(ValueError, match=r"hidden of shape \(4, 2, 5\) must be \[b, s, h\]"):
-        loss_fn({"hidden_states": logits, "output_weight": torch.zeros(3, 5)}, {"labels": labels})
 
 
 # --- Hugging Face packed batches (DataCollatorWithFlattening) --------------------------------
@@ -213,13 +203,6 @@ def test_hf_packed_batch_equals_unpacked_in_every_mode(mode, keys, multiple) -> 
         leaf.grad, hf["_cu_seqlens"], SEQ_LEN, cu_seqlens_padded=hf["_cu_seqlens_padded"]
     )
     torch.testing.assert_close(grad.transpose(0, 1), ref_grad, rtol=1e-10, atol=1e-15)
-
-    # The Megatron / NeMo path reads the same keys through the same lookup.
-    megatron_loss = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
-    megatron_mb = {**mb, "loss_mask": scored_weights(mb)}
-    megatron_loss.setup(megatron_mb)
-    _, _, report = megatron_loss({"token_logits": hf["logits"].transpose(0, 1)})
-    torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-12, atol=0)
 
 
 def test_packed_looking_batch_without_boundaries_is_refused() -> None:

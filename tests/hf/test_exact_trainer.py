@@ -19,9 +19,8 @@ from transformers import DataCollatorWithFlattening, Trainer
 
 from bert_reduce.engine import LossOptions, mode_terms, scored_weights
 from bert_reduce.hf import ExactMLMTrainer
-from bert_reduce.hf.exact_trainer import sample_loss_terms, split_model_inputs
+from bert_reduce.hf.exact_trainer import sample_loss_terms
 from tests.helpers import hf_trainer as H
-from tests.helpers.mode_reference import reference_mode_loss
 
 EXACT = 1e-9  # relative, fp64
 LOGGED = 1e-6  # Trainer accumulates the logged loss in fp32
@@ -70,14 +69,6 @@ def test_plain_trainer_step_is_off(kind: str, accumulation: int, smallest_error:
     assert H.relative_error(plain["grads"], reference["grads"]) > smallest_error
     if accumulation == 4:  # the empty last micro-batch's mean
         assert math.isnan(plain["micro_batch_losses"][-1])
-
-
-def test_random_sampler_steps_are_exact_where_plain_trainer_is_not() -> None:
-    reference = _refs("esm")
-    cases = [H.Case("esm", exact, accumulation=4, sampling="random") for exact in (False, True)]
-    plain, exact = H.run_cases("trainer_step", cases)
-    assert H.relative_error(plain["grads"], reference["grads"]) > 0.01
-    assert H.relative_error(exact["grads"], reference["grads"]) <= EXACT
 
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
@@ -183,22 +174,6 @@ def test_packed_batches_count_each_sequence(flash_attn_kwargs: bool, tmp_path) -
     assert H.relative(H.logged_losses(trainer)[0], loss.item()) <= LOGGED
 
 
-def test_float_loss_mask_column_weights_the_tokens(tmp_path) -> None:
-    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
-    gen = torch.Generator().manual_seed(3)
-    for row in rows:
-        row["loss_mask"] = torch.rand(H.SEQ_LEN, generator=gen, dtype=torch.float64) + 0.5
-    model = H.tiny_model("bert")
-    batch = H.stack(rows)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    weights = torch.where(batch["labels"] != -100, batch["loss_mask"], 0)
-    reference_mode_loss(logits.transpose(0, 1), batch["labels"], weights, "per_token").backward()
-    # The dataset's loss_mask column survives only with remove_unused_columns=False.
-    args = {"remove_unused_columns": False}
-    _, grads = _exact_step(tmp_path, H.tiny_model("bert"), rows, micro_batch=2, args=args)
-    assert H.relative_error(grads, H.grads(model)) <= EXACT
-
-
 def _unlabelled(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "labels"} for row in rows]
 
@@ -231,15 +206,6 @@ def test_bad_arguments_raise_clear_errors(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 # --- The model's inputs, and the per-sample terms of evaluation batches -----------------------
-
-
-def test_model_inputs_leave_out_the_loss_keys() -> None:
-    batch = {
-        **H.stack(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)),
-        "loss_mask": torch.ones(8, 1),
-        "num_scored": 36,
-    }
-    assert sorted(split_model_inputs(batch)) == ["attention_mask", "input_ids"]
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sequence", "constant"])

@@ -79,17 +79,6 @@ def test_per_sample_counts_survive_the_batch_transfer_and_split_into_ints() -> N
     assert one[0]["num_scored"] == 17  # a whole batch's int, for one micro-batch
 
 
-@pytest.mark.parametrize(
-    ("num_scored", "message"),
-    [
-        ((1, 2, 3), r"holds 3 per-sample counts for a batch of 4 samples"),
-    ],
-)
-def test_counts_that_cannot_be_split_are_refused(num_scored, message) -> None:
-    with pytest.raises(ValueError, match=message):
-        split_micro_batches({"labels": torch.zeros(4, 3), "num_scored": num_scored}, 2)
-
-
 def test_split_micro_batches_keeps_order_and_shares_non_tensors() -> None:
     batch = {"input_ids": torch.arange(12).view(6, 2), "mask": torch.ones(6, 2), "tag": "x"}
     parts = split_micro_batches(batch, 2)
@@ -106,6 +95,7 @@ def test_split_micro_batches_keeps_order_and_shares_non_tensors() -> None:
         ({"a": torch.zeros(())}, 1, r"0-dim tensors batch\['a'\]"),
         ({"a": 1}, 1, r"no tensor to split; its keys are \['a'\]"),
         ({"a": torch.zeros(2)}, 0, r"micro_batch_size must be >= 1, got 0"),
+        ({"a": torch.zeros(4), "num_scored": (1, 2, 3)}, 2, r"holds 3 per-sample counts"),
     ],
 )
 def test_split_micro_batches_errors(batch: dict, size: int, message: str) -> None:

@@ -53,30 +53,6 @@ def test_validate_equals_one_pass_reference_and_nemo_mean_of_means_does_not() ->
     assert abs(logged["nemo_val_loss"] - float(ref_loss)) > 1e-3
 
 
-def test_fit_ignores_sanity_check_and_logs_every_epoch() -> None:
-    data, model = MLMSamples(SIZE), TinyMLM(lr=0.0)
-    callback = ValidationPerplexityCallback()
-    record = _Record(callback)
-    fit = trainer(
-        [callback, record],
-        max_epochs=2,
-        limit_train_batches=1,
-        num_sanity_val_steps=2,
-    )
-    fit.fit(model, loader(data, BATCH), loader(data, BATCH))
-    assert record.after_sanity_check == [None]
-    # lr = 0: the weights never change, so each epoch sees the reference; counting the two
-    # sanity-check batches would add their tokens.
-    _, ref_ppl, ref_count = reference(model, data)
-    assert [(epoch, count) for epoch, _, count in record.epochs] == [(0, ref_count), (1, ref_count)]
-    for _, ppl, _ in record.epochs:
-        assert ppl == pytest.approx(float(ref_ppl), rel=1e-12)
-    assert_matches_reference(callback, model, data)
-    assert float(fit.callback_metrics["val_ppl"]) == pytest.approx(
-        float(callback.result.perplexity), rel=1e-12
-    )
-
-
 def test_batches_are_summed_without_host_sync_and_nothing_is_kept() -> None:
     data, model = MLMSamples(SIZE), TinyMLM()
     callback = ValidationPerplexityCallback()
@@ -155,9 +131,11 @@ class _Record(pl.Callback):
         )
 
 
-def test_resumed_run_reports_the_uninterrupted_values(tmp_path: Any) -> None:
+def test_fit_ignores_sanity_checks_and_a_resumed_run_reports_the_uninterrupted_values(
+    tmp_path: Any,
+) -> None:
     data = MLMSamples(SIZE)
-    options = {"max_epochs": 2, "limit_train_batches": 2, "num_sanity_val_steps": 0}
+    options = {"max_epochs": 2, "limit_train_batches": 2, "num_sanity_val_steps": 2}
 
     def run(model: TinyMLM, callback: ValidationPerplexityCallback, **fit: Any) -> _Record:
         record = _Record(callback)
@@ -165,8 +143,16 @@ def test_resumed_run_reports_the_uninterrupted_values(tmp_path: Any) -> None:
         record.trainer.fit(model, loader(data, BATCH), loader(data, BATCH), **fit)
         return record
 
-    uninterrupted = run(TinyMLM(lr=0.1), ValidationPerplexityCallback())
-    assert len(uninterrupted.epochs) == 2
+    model, first = TinyMLM(lr=0.1), ValidationPerplexityCallback()
+    uninterrupted = run(model, first)
+    # Every epoch counts the whole set once, the sanity check's batches never; the last result
+    # is the trained model's one-pass reference, and what is logged.
+    assert uninterrupted.after_sanity_check == [None]
+    ref_count = reference(model, data)[2]
+    assert [(epoch, n) for epoch, _, n in uninterrupted.epochs] == [(0, ref_count), (1, ref_count)]
+    assert_matches_reference(first, model, data)
+    logged = uninterrupted.trainer.callback_metrics["val_ppl"]
+    assert float(logged) == pytest.approx(float(first.result.perplexity), rel=1e-12)
 
     path = os.path.join(tmp_path, "mid_validation.ckpt")
     callback = ValidationPerplexityCallback()

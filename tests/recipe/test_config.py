@@ -63,7 +63,6 @@ def test_defaults_and_the_documented_overrides_compose() -> None:
     [
         ("trainer.max_steps=abc", ConfigCompositionException, "trainer.max_steps=abc"),
         ("trainer.max_step=3", ConfigCompositionException, "Could not override 'trainer.max_step'"),
-        ("loss.normalization=mean", ConfigCompositionException, "loss.normalization=mean"),
         ("model.dropout=high", ConfigCompositionException, "model.dropout=high"),
         ("model=huge", MissingConfigException, "Could not find 'model/huge'"),
     ],
@@ -71,13 +70,9 @@ def test_defaults_and_the_documented_overrides_compose() -> None:
 def test_bad_overrides_fail_at_composition(
     override: str, error: type[Exception], message: str
 ) -> None:
-    with pytest.raises(error, match=message) as info:
+    # The enum's own message: test_normalization_names_are_the_modes.
+    with pytest.raises(error, match=message):
         make(override)
-    if error is ConfigCompositionException and "=" in message and "Could not" not in message:
-        # Hydra chains the type error that names the expected type.
-        assert "could not be converted" in str(info.value.__cause__) or "Invalid value" in str(
-            info.value.__cause__
-        )
 
 
 def test_instantiate_every_part(tmp_path: Path) -> None:

@@ -1,4 +1,9 @@
-"""The data module: the same global batches and masks for any split, resumable, no duplicates."""
+"""The data module: resumable mid-epoch, every validation sample once, files and splits.
+
+The same global batches and masks for any split: the sampler's
+(tests/test_sampling.py) and the dataset's (tests/recipe/test_data.py) tests, and end to end
+tests/recipe/test_train_e2e.py.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_reduce.lightning import GlobalBatchSampler, ShardedEvalBatchSampler
+from bert_reduce.lightning import ShardedEvalBatchSampler
 from bert_reduce.recipe.config import DataConfig
-from bert_reduce.recipe.datamodule import EpochKeyedBatchSampler, ESMDataModule
+from bert_reduce.recipe.datamodule import ESMDataModule
 
 
 def datamodule(**kwargs) -> ESMDataModule:
@@ -31,52 +36,6 @@ def unpad(batch: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], ...]]:
             )
         )
     return samples
-
-
-def global_batches(dm: ESMDataModule, micro: int, ranks: int, epoch: int) -> list[list]:
-    """The global batch of every step: ranks' shares concatenated, cut into micro-batches."""
-    per_rank = []
-    for rank in range(ranks):
-        sampler = EpochKeyedBatchSampler(
-            GlobalBatchSampler(
-                len(dm.train_dataset),
-                dm.config.global_batch_size,
-                micro,
-                num_replicas=ranks,
-                rank=rank,
-                seed=dm.config.seed,
-            )
-        )
-        sampler.sampler.set_epoch(epoch)
-        steps = []
-        for keys in sampler:
-            share = dm.collate([dm.train_dataset[key] for key in keys])
-            micro_batches = [
-                dm.collate([dm.train_dataset[key] for key in keys[i : i + micro]])
-                for i in range(0, len(keys), micro)
-            ]
-            assert unpad(share) == [s for mb in micro_batches for s in unpad(mb)]
-            steps.append(unpad(share))
-        per_rank.append(steps)
-    return [[s for steps in per_rank for s in steps[step]] for step in range(len(per_rank[0]))]
-
-
-def test_same_global_batches_and_masks_for_every_split() -> None:
-    dm = datamodule(global_batch_size=8)
-    reference = global_batches(dm, micro=8, ranks=1, epoch=1)
-    assert len(reference) == 48 // 8
-    for micro, ranks in [(4, 1), (1, 1), (2, 2), (4, 2), (1, 4)]:
-        assert global_batches(dm, micro, ranks, epoch=1) == reference, (micro, ranks)
-    # Another epoch: another order and other masks.
-    assert global_batches(dm, micro=8, ranks=1, epoch=2) != reference
-
-
-def test_global_batch_not_divisible_is_a_clear_error() -> None:
-    dm = datamodule(global_batch_size=12, micro_batch_size=8)
-    with pytest.raises(
-        ValueError, match=r"global_batch_size=12 is not divisible by micro_batch_size"
-    ):
-        dm.train_dataloader()
 
 
 def test_train_loader_resumes_mid_epoch() -> None:
@@ -124,7 +83,3 @@ def test_files_and_held_out_split(tmp_path: Path) -> None:
     assert (len(dm.train_dataset), len(dm.val_dataset)) == (40, 2)
     with pytest.raises(ValueError, match=r"data.val_fraction=0.001 .* leaves 0 for validation"):
         datamodule(train_path=str(fasta), val_fraction=0.001)
-    bad = tmp_path / "bad.fasta"
-    bad.write_text(">a\nMKV\n>b\nMK#\n")
-    with pytest.raises(ValueError, match=r"bad\.fasta, line 4"):
-        datamodule(train_path=str(bad))
