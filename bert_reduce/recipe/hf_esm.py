@@ -70,7 +70,8 @@ class HFEsm2Model(nn.Module):
                 initializer_range=c.init_std,
                 tie_word_embeddings=True,
             )
-            hf_config._attn_implementation = c.attn_implementation
+            # transformers reads the attention kernel from this field (no public setter).
+            hf_config._attn_implementation = c.attn_implementation  # noqa: SLF001
             self.model = EsmForMaskedLM(hf_config)
         # The contact-prediction head is not on the masked-LM path: it never gets a gradient,
         # which DDP would refuse as unused parameters.
