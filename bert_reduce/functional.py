@@ -14,6 +14,7 @@ __all__ = [
     "check_logits_and_labels",
     "check_same_device",
     "check_same_shape",
+    "check_token_tensor",
     "mask_weights",
     "safe_divide",
     "token_denominator",
@@ -58,26 +59,44 @@ def check_same_device(first: Tensor, second: Tensor, names: tuple[str, str]) -> 
         )
 
 
+def check_token_tensor(
+    tensor: Tensor,
+    labels: Tensor,
+    name: str,
+    layout: str,
+    last: str,
+    shards: int = 1,
+    note: str = "",
+) -> None:
+    """``ValueError`` unless labels are ``[b, s]`` integers, matched by ``tensor`` on their device.
+
+    ``tensor`` (named ``name``) must be ``[s / shards, b, last]`` (``layout="sb"``) or
+    ``[b, s, last]`` (``"bs"``); ``note`` ends the shape error's message.
+    """
+    if labels.dim() != 2:
+        raise ValueError(f"labels must be [b, s], got shape {tuple(labels.shape)}.")
+    batch_size, seq_len = labels.shape
+    expected = (seq_len // shards, batch_size) if layout == "sb" else (batch_size, seq_len)
+    if tensor.dim() != 3 or tuple(tensor.shape[:2]) != expected:
+        raise ValueError(
+            f"{name} of shape {tuple(tensor.shape)} must be [{layout[0]}, {layout[1]}, {last}] = "
+            f"[{expected[0]}, {expected[1]}, {last}] for labels of shape {tuple(labels.shape)} "
+            f"([b, s]){note}."
+        )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
+    check_same_device(tensor, labels, (name, "labels"))
+
+
 def check_logits_and_labels(logits: Tensor, labels: Tensor, name: str = "token_logits") -> None:
-    """``ValueError`` unless labels are ``[b, s]`` integers, matched by the logits on their device.
+    """:func:`check_token_tensor` for logits, whose ``forward_out`` key says their layout.
 
     Args:
         logits: ``[s, b, v]`` (``name="token_logits"``) or ``[b, s, v]`` (``name="logits"``).
         labels: ``[b, s]`` integer token ids.
-        name: The logits' ``forward_out`` key, which says their layout.
+        name: The logits' ``forward_out`` key.
     """
-    if labels.dim() != 2:
-        raise ValueError(f"labels must be [b, s], got shape {tuple(labels.shape)}.")
-    dims, expected = ("b, s", labels.shape) if name == "logits" else ("s, b", labels.shape[::-1])
-    if logits.dim() != 3 or logits.shape[:2] != expected:
-        raise ValueError(
-            f"{name} of shape {tuple(logits.shape)} must be [{dims}, v] = "
-            f"[{expected[0]}, {expected[1]}, v] for labels of shape {tuple(labels.shape)} "
-            "([b, s])."
-        )
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
-    check_same_device(logits, labels, (name, "labels"))
+    check_token_tensor(logits, labels, name, "bs" if name == "logits" else "sb", "v")
 
 
 def mask_weights(loss_mask: Tensor) -> Tensor:

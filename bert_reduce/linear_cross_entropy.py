@@ -102,10 +102,7 @@ def linear_cross_entropy_token_losses(
         hidden, weight, labels, loss_mask, bias, capacity, num_scored, layout,
         sequence_parallel, (chunk_rows, chunk_vocab), tp_group, "loss_mask",
     )  # fmt: skip
-    losses = _fused_head.TokenLosses.apply(
-        rows.hidden, weight, bias, rows.targets, rows.per_row != 0, rows.selection, rows.chunks,
-        tp_group,
-    )  # fmt: skip
+    losses = _fused_head.TokenLosses.apply(rows.hidden, weight, bias, rows, tp_group)
     batch_size, seq_len = labels.shape
     if layout == "sb":
         return losses.view(seq_len, batch_size).t().contiguous()
@@ -171,11 +168,7 @@ def linear_cross_entropy_weighted_sum(
         hidden, weight, labels, token_weights, bias, capacity, num_scored, layout,
         sequence_parallel, (chunk_rows, chunk_vocab), tp_group, "token_weights", one_pass=True,
     )  # fmt: skip
-    coef = rows.per_row.to(accumulation_dtype(hidden.dtype))
-    return _fused_head.WeightedSum.apply(
-        rows.hidden, weight, bias, rows.targets, coef, rows.selection, rows.chunks,
-        rows.single_pass, tp_group,
-    )  # fmt: skip
+    return _fused_head.WeightedSum.apply(rows.hidden, weight, bias, rows, tp_group)
 
 
 def linear_cross_entropy_loss_sum(
