@@ -81,13 +81,9 @@ class LossOptions:
             ``"per_sequence"`` or ``"constant"`` (``docs/normalization.md``).
         constant_per_sequence: The ``"constant"`` mode's denominator per sequence (e.g. the
             maximum sequence length); required, and positive, in that mode.
-        weight_resolution: For a float ``loss_mask`` in ``"per_token"`` mode, round weights to
-            multiples of ``1 / weight_resolution`` so the denominator is an exact integer
-            (Megatron-Core's schedule counts in int32); ``None``: the fp64 sum of the weights.
-        capacity: Which rows the kernels compute when the batch has no ``num_scored``:
-            ``"all"``, ``"nonzero"``, a row count or a fraction of ``b * s``; ``None``
-            (default): each kernel's own default, ``"all"`` on logits and ``"nonzero"`` (one
-            host sync on an accelerator) on hidden states (``docs/fast_path.md``).
+        weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        capacity: Which rows the kernels compute when the batch has no ``num_scored``
+            (``docs/fast_path.md``); ``None`` (default): each kernel's own default.
         cross_entropy: The kernel on logits: ``"masked"`` (default; the library's, which
             normalizes only the selected rows, and on hidden states the fused masked-only
             head), ``"megatron"`` (Megatron-Core's vocab-parallel cross-entropy on every
@@ -231,13 +227,12 @@ def token_losses(
 
     Args:
         batch: ``labels`` (``[b, s]``), optionally ``loss_mask`` and ``num_scored``.
-        forward_out: The model output (:mod:`bert_reduce.forward_output`), or a bare logits
-            tensor.
+        forward_out: As in :func:`loss_terms`.
         options: The loss options.
-        layout: The layout of a bare tensor, and of hidden states without ``hidden_layout``.
+        layout: As in :func:`loss_terms`.
         weights: The batch's :func:`scored_weights`, if already computed.
-        key: Which entry of ``forward_out`` to score (``None``: the one present).
-        check_labels: Raise on a scored label outside the vocabulary (a host sync).
+        key: As in :func:`loss_terms`.
+        check_labels: As in :func:`loss_terms`.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 inputs).
@@ -331,9 +326,8 @@ def loss_terms(
     """One micro-batch's ``(numerator, denominator)`` in the options' mode; no collective.
 
     On hidden states with the ``"masked"`` kernel this is the fused head's
-    :func:`bert_reduce.linear_cross_entropy_loss_sum` (the mode's weights known in the
-    forward, the gradients accumulated there); otherwise :func:`token_losses` followed by
-    :func:`bert_reduce.normalization.token_loss_sum`.
+    :func:`bert_reduce.linear_cross_entropy_loss_sum`; otherwise :func:`token_losses`
+    followed by :func:`bert_reduce.normalization.token_loss_sum`.
 
     Args:
         batch: ``labels`` (``[b, s]`` integer token ids), optionally ``loss_mask``
@@ -354,7 +348,8 @@ def loss_terms(
         ``weight_resolution``).
 
     Raises:
-        KeyError: On a missing key (the message names it and lists those present).
+        KeyError: On a missing key (the message names it and lists those present), or
+            several candidate outputs and no ``key``.
         TypeError: On a ``forward_out`` that is neither a tensor nor a mapping.
         ValueError: On mismatched shapes or devices, a bad layout, a Megatron kernel without
             Megatron-Core's parallel state, or (``check_labels``) invalid labels.
