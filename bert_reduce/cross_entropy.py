@@ -233,15 +233,13 @@ def cross_entropy_token_losses(
         labels: ``[b, s]`` integer token ids; unscored positions may hold anything (``-100``).
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
         capacity: ``"all"`` (default), ``"nonzero"``, a row count or a fraction of ``b * s``.
-        num_scored: The data pipeline's count of scored positions
-            (:data:`~bert_reduce.num_scored.NumScored`); overrides ``capacity``.
+        num_scored: As in :func:`bert_reduce.linear_cross_entropy_token_losses`.
         in_place: Write the gradient into the logits' own storage (no gradient memory; under
             TP, this rank's shard): only safe for non-leaf logits that nothing reads after
             this loss (no detached copy kept, no ``retain_graph``).
         chunk_elements: About how many logits one chunk reads (``None``: 1/32 of the logits'
             bytes in fp32, at least 2**20 values).
-        tp_group: The group the vocabulary is sharded over; ``None``: Megatron-Core's
-            tensor-parallel group when its parallel state is initialized, else no sharding.
+        tp_group: As in :func:`bert_reduce.linear_cross_entropy_token_losses`.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
