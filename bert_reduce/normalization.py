@@ -213,47 +213,30 @@ def normalization_weights(
         ValueError: As :func:`token_loss_sum`.
     """
     normalization = checked_normalization(normalization, constant_per_sequence)
-    coefficients, scored, denominator = _coefficients(
-        loss_mask, normalization, dtype, sequence_weight, sequence_start, constant_per_sequence,
-        weight_resolution,
-    )  # fmt: skip
+    scored, coefficients = loss_mask != 0, loss_mask.to(dtype)
+    rounded = loss_mask.dtype.is_floating_point and weight_resolution is not None
+    if normalization is Normalization.PER_TOKEN and rounded:
+        int_weights = torch.round(loss_mask.to(torch.float64) * weight_resolution).long()
+        coefficients, scored = int_weights.to(dtype), int_weights != 0
+        denominator = int_weights.sum()
+    elif normalization is Normalization.PER_TOKEN:
+        denominator = token_denominator(loss_mask)
+    else:
+        if sequence_weight is None or sequence_start is None:
+            sequence_weight, sequence_start = sequence_normalizers(loss_mask)
+        check_same_shape(sequence_weight, loss_mask, ("sequence_weight", "loss_mask"), "[b, s]")
+        check_same_shape(sequence_start, loss_mask, ("sequence_start", "loss_mask"), "[b, s]")
+        sequence_start = sequence_start != 0
+        if normalization is Normalization.CONSTANT:
+            denominator = sequence_start.sum(dtype=torch.int64) * constant_per_sequence
+        else:
+            has_tokens = sequence_weight != 0
+            # A scored token's sequence weight is non-zero; the `where` keeps the division safe
+            # on the others without a host-side check.
+            coefficients = coefficients / torch.where(has_tokens, sequence_weight, 1).to(dtype)
+            scored = scored & has_tokens
+            denominator = (sequence_start & has_tokens).sum(dtype=torch.int64)
     # A weight counts how often a token is scored: a negative one makes the sum NaN, as an
     # out-of-vocabulary label does (checking its sign on the host would be a sync).
     coefficients = torch.where(coefficients < 0, torch.nan, coefficients)
     return torch.where(scored, coefficients, 0), denominator
-
-
-def _coefficients(
-    loss_mask: Tensor,
-    normalization: Normalization,
-    acc: torch.dtype,
-    sequence_weight: Tensor | None,
-    sequence_start: Tensor | None,
-    constant_per_sequence: int | None,
-    weight_resolution: int | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(coefficients, scored, denominator)`` of a mode; coefficients matter on ``scored``."""
-    scored = loss_mask != 0
-
-    if normalization is Normalization.PER_TOKEN:
-        if loss_mask.dtype.is_floating_point and weight_resolution is not None:
-            int_weights = torch.round(loss_mask.to(torch.float64) * weight_resolution).long()
-            return int_weights.to(acc), int_weights != 0, int_weights.sum()
-        return loss_mask.to(acc), scored, token_denominator(loss_mask)
-
-    if sequence_weight is None or sequence_start is None:
-        sequence_weight, sequence_start = sequence_normalizers(loss_mask)
-    check_same_shape(sequence_weight, loss_mask, ("sequence_weight", "loss_mask"), "[b, s]")
-    check_same_shape(sequence_start, loss_mask, ("sequence_start", "loss_mask"), "[b, s]")
-    sequence_start = sequence_start != 0
-
-    if normalization is Normalization.PER_SEQUENCE:
-        has_tokens = sequence_weight != 0
-        # A scored token's sequence weight is non-zero; the `where` keeps the division safe on
-        # the others without a host-side check.
-        per_token_weight = loss_mask.to(acc) / torch.where(has_tokens, sequence_weight, 1).to(acc)
-        num_sequences = (sequence_start & has_tokens).sum(dtype=torch.int64)
-        return per_token_weight, scored & has_tokens, num_sequences
-
-    denominator = sequence_start.sum(dtype=torch.int64) * constant_per_sequence
-    return loss_mask.to(acc), scored, denominator
