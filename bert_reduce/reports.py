@@ -166,8 +166,7 @@ def reduce_reports(
             pipeline stage, say, whose whole group has none), which gives 0.0 on the current
             device without a collective.
         group: The ranks whose sums make up the global batch;
-            :func:`bert_reduce.distributed.loss_reduction_group` (Megatron's data x context
-            parallel group, else the default group, else none) when ``None``.
+            :func:`bert_reduce.distributed.loss_reduction_group` when ``None``.
 
     Returns:
         A 0-dim fp64 tensor (the legacy reports' dtype for those).
