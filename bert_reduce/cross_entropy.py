@@ -1,10 +1,9 @@
 """Cross-entropy on ``[s, b, v]`` logits that computes only what the loss mask needs.
 
-Only the selected rows are read (in fp32 chunks) and written in the gradient; under tensor
-parallelism one all-reduce of a ``[tp, 2, rows]`` buffer of per-shard
-``(log-sum-exp, target logit)`` completes the loss. How and at what price (the row selection,
-``capacity``, and its host syncs): ``docs/fast_path.md``. The row selection and the shard
-statistics are shared with the fused head in :mod:`bert_reduce._vocab_parallel`.
+Which rows are read and written, at what price (``capacity``, host syncs):
+``docs/fast_path.md``; chunks, memory and the one all-reduce under tensor parallelism:
+``docs/performance.md``. The row selection and the shard statistics are shared with the
+fused head in :mod:`bert_reduce._vocab_parallel`.
 """
 
 from __future__ import annotations

@@ -40,14 +40,11 @@ __all__ = [
     "head_logits",
 ]
 
+# The fused head's keys (module docstring).
 HIDDEN_STATES_KEY = "hidden_states"
-"""``forward_out`` key of the hidden states that enter the output layer."""
 OUTPUT_WEIGHT_KEY = "output_weight"
-"""``forward_out`` key of the output layer's ``[v, h]`` weight."""
 OUTPUT_BIAS_KEY = "output_bias"
-"""``forward_out`` key of the output layer's ``[v]`` bias (optional)."""
 HIDDEN_LAYOUT_KEY = "hidden_layout"
-"""``forward_out`` key of the hidden states' :data:`Layout` (optional)."""
 
 Layout = Literal["bs", "sb"]
 """``"bs"``: batch first (``[b, s, v]`` logits, ``[b, s, h]`` hidden states; Hugging Face);

@@ -4,18 +4,12 @@ An MLM loss scores ~15% of the positions, yet ``F.linear(hidden, weight)`` follo
 cross-entropy computes, stores and back-propagates ``[s, b, v]`` logits for all of them.
 These entry points compute the logits of the *selected* rows only, a chunk at a time, and
 never hold more than one chunk (the kernels: :mod:`bert_reduce._fused_head`):
-
-* :func:`linear_cross_entropy_loss_sum`: ``(loss_sum, denominator)`` in a normalization mode,
-  what every integration calls; it runs :func:`linear_cross_entropy_weighted_sum` with the
-  mode's weights (:func:`bert_reduce.normalization.normalization_weights`).
-* :func:`linear_cross_entropy_weighted_sum`: ``sum(w * loss)`` with per-token weights known in
-  the forward, which accumulates the gradients as it goes: three products per row
-  (``6 * rows * v * h`` multiply-adds, ~0.15x of the dense head's at 15% masked).
-* :func:`linear_cross_entropy_token_losses`: the ``[b, s]`` per-token losses, for a caller
-  that weights them later; its backward recomputes the logits (four products per row).
+:func:`linear_cross_entropy_loss_sum`, what every integration calls, runs
+:func:`linear_cross_entropy_weighted_sum` (gradients accumulated in the forward) with the
+mode's weights; :func:`linear_cross_entropy_token_losses` gives per-token losses.
 
 Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``; precision,
-memory, passes and tensor parallelism (ONE all-reduce): ``docs/performance.md``.
+memory, passes, products and tensor parallelism (ONE all-reduce): ``docs/performance.md``.
 """
 
 from __future__ import annotations

@@ -118,11 +118,9 @@ class NumScoredCollator:
 
     Args:
         collate_fn: Turns a list of samples into a mapping with ``loss_mask`` or ``labels``.
-        ignore_index: The unscored label (Hugging Face's ``-100``), read without a
-            ``loss_mask``.
-        per_sample: Add per-sample counts (a tuple of ints) instead of the total: for a loader
-            whose batches are cut into micro-batches after they are moved
-            (:class:`bert_reduce.lightning.ExactMLMModule`).
+        ignore_index: As in :func:`count_scored`.
+        per_sample: As in :func:`count_scored`: for a loader whose batches are cut into
+            micro-batches after they are moved (:class:`bert_reduce.lightning.ExactMLMModule`).
 
     Example:
         >>> import torch
