@@ -233,17 +233,15 @@ def cross_entropy_token_losses(
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
         capacity: ``"all"`` (default), ``"nonzero"``, a row count or a fraction of ``b * s``.
         num_scored: As in :func:`bert_reduce.linear_cross_entropy_token_losses`.
-        in_place: Write the gradient into the logits' own storage (no gradient memory; under
-            TP, this rank's shard): only safe for non-leaf logits that nothing reads after
-            this loss (no detached copy kept, no ``retain_graph``).
+        in_place: Write the gradient into the logits' own storage: only safe for non-leaf
+            logits that nothing reads after this loss (``docs/performance.md``).
         chunk_elements: About how many logits one chunk reads (``None``: 1/32 of the logits'
             bytes in fp32, at least 2**20 values).
         tp_group: As in :func:`bert_reduce.linear_cross_entropy_token_losses`.
 
     Returns:
-        ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
-        the vocabulary, and on every scored position (gradient too) when more positions are
-        scored than ``capacity`` or ``num_scored`` holds.
+        ``[b, s]`` losses in fp32 (fp64 for fp64 logits), NaN as in
+        :func:`bert_reduce.linear_cross_entropy_token_losses`.
 
     Raises:
         ValueError: On mismatched shapes, a bad ``capacity`` or ``chunk_elements``, or

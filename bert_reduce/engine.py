@@ -84,12 +84,10 @@ class LossOptions:
         weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
         capacity: Which rows the kernels compute when the batch has no ``num_scored``
             (``docs/fast_path.md``); ``None`` (default): each kernel's own default.
-        cross_entropy: The kernel on logits: ``"masked"`` (default; the library's, which
-            normalizes only the selected rows, and on hidden states the fused masked-only
-            head), ``"megatron"`` (Megatron-Core's vocab-parallel cross-entropy on every
-            position, on a private fp32 copy of the logits) or ``"megatron_fused"`` (its fused
-            kernel: one all-reduce fewer under TP, gradient in bf16). The Megatron kernels
-            need Megatron-Core's parallel state; given hidden states they compute the logits.
+        cross_entropy: The kernel: ``"masked"`` (default; the library's, on logits or as the
+            fused head on hidden states), ``"megatron"`` (Megatron-Core's vocab-parallel
+            cross-entropy on every position) or ``"megatron_fused"`` (its fused kernel, one
+            all-reduce fewer under TP): ``docs/megatron.md#cross-entropy-kernels``.
         ignore_index: Label of unscored positions (Hugging Face's ``-100``): such a position
             weighs 0 whatever ``loss_mask`` says. ``None``: only ``loss_mask`` decides (a
             scored out-of-vocabulary label then makes the loss NaN).

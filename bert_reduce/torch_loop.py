@@ -48,9 +48,8 @@ class GlobalBatchLoss:
             ``set_gradient_divide_factor(1.0)``, or a hand-written all-reduce).
         gradient_average_size: With ``gradient_sync="mean"``, how many ranks the gradients
             are averaged over; the size of ``group`` by default.
-        context_parallel_size: How many shards each sequence is split into (1: no context
-            parallelism). Above 1, the per-sequence and constant modes need
-            ``sequence_weight`` and ``sequence_start`` in every micro-batch.
+        context_parallel_size: As in :func:`bert_reduce.engine.loss_terms` (1: no context
+            parallelism; above, ``docs/normalization.md``).
         equal_micro_batch_counts: Require every rank of ``group`` to run as many micro-batches
             as the others (FSDP2, whose every forward all-gathers): the all-reduce of
             :meth:`begin` also carries the counts, read on the host (one sync per step). Off
