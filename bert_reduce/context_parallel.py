@@ -131,16 +131,14 @@ def get_batch_on_this_cp_rank(
 ) -> dict[str, Any]:
     """``[b, s, ...]`` batch -> this context-parallel rank's ``[b, s / cp, ...]`` slice of it.
 
-    The slice Megatron expects, in a new dict. Tensors are sliced along dim 1 (a 4-dim
-    ``[b, 1, s, s]`` ``attention_mask``: dim 2, as in Megatron) unless ``seq_dims`` says
-    otherwise; other values, and keys mapped to ``None`` in ``seq_dims``, pass through.
-    ``num_scored`` becomes this shard's count (see the module docstring).
+    The slice Megatron expects, in a new dict, as ``docs/packing.md`` says (``attention_mask``
+    ``[b, 1, s, s]`` along dim 2); ``num_scored`` becomes this shard's count (module docstring).
 
     Args:
         batch: The full micro-batch, e.g. ``labels`` and ``loss_mask`` of shape ``[b, s]``.
         cp_size: Context-parallel size; Megatron's when ``None`` (1 without Megatron).
         cp_rank: Context-parallel rank; Megatron's when ``None`` (0 without Megatron).
-        seq_dims: Per-key sequence dimension overrides.
+        seq_dims: Per-key sequence dimension overrides; ``None`` passes a key through.
 
     Returns:
         The sliced batch; with ``cp_size == 1`` a shallow copy of ``batch``.
@@ -180,16 +178,14 @@ def get_packed_batch_on_this_cp_rank(
 ) -> dict[str, Any]:
     """Slice a packed ``[1, T, ...]`` batch for one context-parallel rank.
 
-    Every ``[1, T, ...]`` tensor is sliced along dim 1 (see
-    :func:`packed_context_parallel_indices`); ``cu_seqlens``, ``cu_seqlens_padded``,
-    ``max_seqlen`` and other values pass through, as Transformer Engine expects.
-    ``num_scored`` becomes this shard's count (see the module docstring).
+    Every ``[1, T, ...]`` tensor is sliced along dim 1, the rest passes through, as
+    ``docs/packing.md`` says; ``num_scored`` becomes this shard's count (module docstring).
 
     Args:
         batch: A batch from :func:`bert_reduce.packing.pack_batch` (``pad_to_multiple_of`` a
             multiple of ``2 * cp_size``).
-        cp_size: Context-parallel size; Megatron's when ``None`` (1 without Megatron).
-        cp_rank: Context-parallel rank; Megatron's when ``None`` (0 without Megatron).
+        cp_size: As in :func:`get_batch_on_this_cp_rank`.
+        cp_rank: As in :func:`get_batch_on_this_cp_rank`.
 
     Returns:
         The sliced batch; with ``cp_size == 1`` a shallow copy of ``batch``.
