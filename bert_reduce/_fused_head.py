@@ -137,11 +137,7 @@ def stats_pass(
     acc: torch.dtype,
     tp_group: dist.ProcessGroup | None,
 ) -> tuple[Tensor, Tensor]:
-    """Every row's global ``(log-sum-exp, loss)``, ``[rows]`` each: ONE all-reduce.
-
-    An online log-sum-exp and the target logit per row over this shard's chunks;
-    :func:`combine_shard_stats` combines the shards'.
-    """
+    """Every row's global ``(log-sum-exp, loss)``, ``[rows]`` each: ONE all-reduce."""
     _, _, tp_rank = tensor_parallel_placement(tp_group)
     stats = shard_stats(rows_hidden.size(0), acc, rows_hidden.device, tp_group)
     lse, target_logit = stats[tp_rank, 0], stats[tp_rank, 1]
@@ -273,8 +269,7 @@ def gradient_pass(
 
     Without ``lse`` (one vocabulary chunk, one shard) each chunk's own softmax gives the loss
     and the gradient; with the rows' global ``lse`` the loss is the caller's (0 is returned).
-    The products as in the module docstring; vocabulary chunks are the outer loop, so the
-    weight's gradient is summed a vocabulary chunk at a time.
+    Vocabulary chunks are the outer loop: the weight's gradient is summed a chunk at a time.
     """
     acc, dtype, device = coef.dtype, rows_hidden.dtype, coef.device
     grad_rows = torch.zeros(rows_hidden.shape, dtype=acc, device=device) if needs[0] else None
@@ -518,12 +513,7 @@ def head_rows(
     mask_name: str,
     one_pass: bool = False,
 ) -> HeadRows:
-    """Check the arguments and choose the rows and chunks: what every entry point shares.
-
-    ``one_pass`` (the weighted sum): one process and ``chunk_vocab`` ``None`` or at least
-    ``v`` take one pass, in chunks of 32 MiB of logits (6 MiB in reduced precision); else
-    ``chunk_vocab = min(v, 4096)`` and about 2**21 logits per chunk.
-    """
+    """Check the arguments and choose the rows and chunks (``one_pass``: the weighted sum's)."""
     group, tp_size, _ = tensor_parallel_placement(tp_group)
     check_layout(layout)
     if sequence_parallel and layout != "sb":

@@ -177,16 +177,6 @@ def _as_mapping(forward_out: Tensor | Mapping[str, Any], layout: Layout) -> Mapp
     return forward_out
 
 
-def _check_kernel(options: LossOptions) -> None:
-    if options.cross_entropy != "masked" and not distributed.megatron_is_initialized():
-        raise ValueError(
-            f"cross_entropy={options.cross_entropy!r} runs Megatron-Core's vocab-parallel "
-            "cross-entropy, which needs Megatron-Core's parallel state "
-            "(megatron.core.parallel_state.initialize_model_parallel); outside Megatron use "
-            "cross_entropy='masked' (the default)."
-        )
-
-
 def _check_labels(labels: Tensor, weights: Tensor, vocab_shard: int) -> None:
     vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
     validate_masked_labels(labels, weights, vocab_size)
@@ -253,7 +243,13 @@ def token_losses(
     if check_labels:
         _check_labels(labels, weights, vocab_shard)
     if options.cross_entropy != "masked":
-        _check_kernel(options)
+        if not distributed.megatron_is_initialized():
+            raise ValueError(
+                f"cross_entropy={options.cross_entropy!r} runs Megatron-Core's vocab-parallel "
+                "cross-entropy, which needs Megatron-Core's parallel state "
+                "(megatron.core.parallel_state.initialize_model_parallel); outside Megatron "
+                "use cross_entropy='masked' (the default)."
+            )
         if name == HIDDEN_STATES_KEY:
             logits = head_logits(out, layout)
         elif name == "logits":
