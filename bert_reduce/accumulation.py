@@ -13,8 +13,6 @@ from typing import Any
 
 from bert_reduce.torch_loop import GlobalBatchLoss
 
-__all__ = ["accumulation_steps"]
-
 
 def accumulation_steps(
     micro_batches: Iterable[Mapping[str, Any]], loss_fn: GlobalBatchLoss, steps: int

@@ -18,14 +18,6 @@ from torch import Tensor
 from bert_reduce import distributed
 from bert_reduce.num_scored import NUM_SCORED_KEY, count_scored
 
-__all__ = [
-    "context_parallel_indices",
-    "get_batch_on_this_cp_rank",
-    "get_packed_batch_on_this_cp_rank",
-    "packed_context_parallel_indices",
-    "slice_for_context_parallel",
-]
-
 _PACKED_BOUNDARY_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 

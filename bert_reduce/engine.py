@@ -57,16 +57,6 @@ from bert_reduce.normalization import Normalization, checked_normalization, toke
 from bert_reduce.num_scored import NUM_SCORED_KEY
 from bert_reduce.packing import batch_sequence_normalizers
 
-__all__ = [
-    "CROSS_ENTROPY",
-    "CrossEntropy",
-    "LossOptions",
-    "loss_terms",
-    "mode_terms",
-    "scored_weights",
-    "token_losses",
-]
-
 CrossEntropy = Literal["masked", "megatron", "megatron_fused"]
 """The kernel on logits; see :attr:`LossOptions.cross_entropy`."""
 CROSS_ENTROPY: tuple[CrossEntropy, ...] = ("masked", "megatron", "megatron_fused")

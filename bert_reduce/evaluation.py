@@ -17,8 +17,6 @@ from bert_reduce import distributed
 from bert_reduce.num_scored import NUM_SCORED_KEY
 from bert_reduce.sampling import check_no_repeated_samples
 
-__all__ = ["eval_batches"]
-
 
 def _scoring_nothing(batch: Mapping[str, Any], ignore_index: int) -> dict[str, Any]:
     """``batch`` with every label ``ignore_index``: a forward that adds 0 to every sum."""

@@ -26,20 +26,6 @@ from typing import Any, Literal
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = [
-    "FORWARD_OUT_LAYOUTS",
-    "HIDDEN_LAYOUT_KEY",
-    "HIDDEN_STATES_KEY",
-    "LAYOUTS",
-    "OUTPUT_BIAS_KEY",
-    "OUTPUT_WEIGHT_KEY",
-    "ForwardOutKey",
-    "Layout",
-    "check_layout",
-    "forward_out_key",
-    "head_logits",
-]
-
 # The fused head's keys (module docstring).
 HIDDEN_STATES_KEY = "hidden_states"
 OUTPUT_WEIGHT_KEY = "output_weight"

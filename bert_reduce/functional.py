@@ -9,18 +9,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = [
-    "accumulation_dtype",
-    "check_logits_and_labels",
-    "check_same_device",
-    "check_same_shape",
-    "check_token_tensor",
-    "mask_weights",
-    "safe_divide",
-    "token_denominator",
-    "validate_masked_labels",
-]
-
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype losses are summed in: fp32, or fp64 when the input already is fp64."""

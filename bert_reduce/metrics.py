@@ -23,8 +23,6 @@ from bert_reduce.forward_output import Layout
 from bert_reduce.functional import check_same_shape, safe_divide
 from bert_reduce.reports import sum_reports
 
-__all__ = ["TokenPerplexity", "perplexity_from_sums"]
-
 
 def perplexity_from_sums(loss_sum: Tensor, denominator: Tensor) -> Tensor:
     """``exp(loss_sum / denominator)`` in fp64, and 1.0 where ``denominator == 0``; no host sync.

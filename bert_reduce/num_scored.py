@@ -18,8 +18,6 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["NUM_SCORED_KEY", "NumScored", "NumScoredCollator", "count_scored", "scored_count"]
-
 NUM_SCORED_KEY = "num_scored"
 """The batch key of the count."""
 

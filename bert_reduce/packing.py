@@ -17,14 +17,6 @@ from torch import Tensor
 from bert_reduce.functional import mask_weights
 from bert_reduce.normalization import sequence_normalizers
 
-__all__ = [
-    "SEQUENCE_BOUNDARY_KEYS",
-    "batch_sequence_normalizers",
-    "pack_batch",
-    "position_sequence_normalizers",
-    "unpack_sequences",
-]
-
 SEQUENCE_BOUNDARY_KEYS = (
     "cu_seqlens_padded",
     "cu_seq_lens_q_padded",

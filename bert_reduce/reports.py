@@ -20,18 +20,6 @@ from torch import Tensor
 from bert_reduce import distributed
 from bert_reduce.functional import safe_divide
 
-__all__ = [
-    "NEMO_REPORT_KEY",
-    "REPORT_KEY",
-    "DataParallelGroupLossAndIO",
-    "LossReport",
-    "PerTokenLossDict",
-    "SameSizeLossDict",
-    "make_report",
-    "reduce_reports",
-    "sum_reports",
-]
-
 REPORT_KEY = "loss_sum_and_microbatch_size"
 """Key of the ``[2]`` fp64 ``(loss_sum, denominator)`` tensor of a report."""
 

@@ -15,13 +15,6 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-__all__ = [
-    "GlobalBatchSampler",
-    "ShardedEvalBatchSampler",
-    "check_no_repeated_samples",
-    "check_sampler_placement",
-]
-
 
 def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     initialized = dist.is_available() and dist.is_initialized()
