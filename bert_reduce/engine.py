@@ -40,6 +40,7 @@ from bert_reduce.forward_output import (
     OUTPUT_BIAS_KEY,
     OUTPUT_WEIGHT_KEY,
     Layout,
+    as_forward_out,
     check_layout,
     forward_out_key,
     head_logits,
@@ -155,18 +156,6 @@ def _tensor(mapping: Mapping[str, Any], key: str, name: str) -> Tensor:
     return value
 
 
-def _as_mapping(forward_out: Tensor | Mapping[str, Any], layout: Layout) -> Mapping[str, Any]:
-    """A bare tensor is the logits, in the integration's ``layout``."""
-    if isinstance(forward_out, Tensor):
-        return {"logits" if layout == "bs" else "token_logits": forward_out}
-    if not isinstance(forward_out, Mapping):
-        raise TypeError(
-            "forward_out must be a logits tensor or a mapping of the keys in "
-            f"bert_reduce.forward_output.FORWARD_OUT_LAYOUTS, got {type(forward_out).__name__}."
-        )
-    return forward_out
-
-
 def _check_labels(labels: Tensor, weights: Tensor, vocab_shard: int) -> None:
     vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
     validate_masked_labels(labels, weights, vocab_size)
@@ -217,7 +206,7 @@ def token_losses(
     """
     weights = scored_weights(batch, options.ignore_index) if weights is None else weights
     labels = batch["labels"]
-    out = _as_mapping(forward_out, check_layout(layout))
+    out = as_forward_out(forward_out, check_layout(layout))
     name = forward_out_key(out, key)
     if name == "lm_loss":
         losses = _tensor(out, name, "forward_out")
@@ -345,7 +334,7 @@ def loss_terms(
         (tensor(2.7726), tensor(2))
     """
     weights = scored_weights(batch, options.ignore_index)
-    out = _as_mapping(forward_out, check_layout(layout))
+    out = as_forward_out(forward_out, check_layout(layout))
     if forward_out_key(out, key) == HIDDEN_STATES_KEY and options.cross_entropy == "masked":
         hidden, weight, bias, hidden_layout = _hidden_inputs(out, layout)
         labels = batch["labels"]

@@ -88,6 +88,22 @@ def forward_out_key(forward_out: Mapping[str, Any], key: str | None = None) -> F
     )
 
 
+def as_forward_out(forward_out: Tensor | Mapping[str, Any], layout: Layout) -> Mapping[str, Any]:
+    """``forward_out`` as a mapping: a bare tensor is the logits, in the integration's ``layout``.
+
+    Raises:
+        TypeError: On a ``forward_out`` that is neither a tensor nor a mapping.
+    """
+    if isinstance(forward_out, Tensor):
+        return {"logits" if layout == "bs" else "token_logits": forward_out}
+    if not isinstance(forward_out, Mapping):
+        raise TypeError(
+            "forward_out must be a logits tensor or a mapping of the keys in "
+            f"bert_reduce.forward_output.FORWARD_OUT_LAYOUTS, got {type(forward_out).__name__}."
+        )
+    return forward_out
+
+
 def head_logits(forward_out: Mapping[str, Any], layout: Layout = "sb") -> Tensor:
     """The ``[s, b, v]`` logits of a ``forward_out`` that carries the output layer's inputs.
 

@@ -162,19 +162,15 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             context_parallel_size=distributed.context_parallel_world_size(),
             check_labels=self.check_labels,
         )
-        report: PerTokenLossDict | DataParallelGroupLossAndIO = {
-            "loss_sum_and_microbatch_size": make_report(loss_sum, num_tokens)
-        }
-        send_output = self.send_val_output if self.validation_step else self.send_train_output
-        if send_output:
-            if not isinstance(forward_out, Mapping):
-                forward_out = {"logits" if self.layout == "bs" else "token_logits": forward_out}
-            report = DataParallelGroupLossAndIO(
-                loss_sum_and_microbatch_size=report["loss_sum_and_microbatch_size"],
-                batch=_detached(batch),
-                forward_out=_detached(forward_out),
-            )
-        return loss_sum, num_tokens, report
+        report = make_report(loss_sum, num_tokens)
+        if not (self.send_val_output if self.validation_step else self.send_train_output):
+            return loss_sum, num_tokens, {"loss_sum_and_microbatch_size": report}
+        with_io = DataParallelGroupLossAndIO(
+            loss_sum_and_microbatch_size=report,
+            batch=_detached(batch),
+            forward_out=_detached(forward_output.as_forward_out(forward_out, self.layout)),
+        )
+        return loss_sum, num_tokens, with_io
 
     def reduce(self, losses_reduced_per_micro_batch: Sequence[LossReport]) -> Tensor:
         """Exact mean loss over every masked token of the global batch, as a float32 scalar.
