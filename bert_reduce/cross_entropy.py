@@ -343,10 +343,8 @@ def unreduced_token_loss_fn(
     BioNeMo's name and signature, for code ported from it (``docs/bionemo.md``). Under
     Megatron-Core's parallel state this is Megatron's vocab-parallel cross-entropy (what
     ``cross_entropy="megatron"`` runs), on a private fp32 copy so that the caller's logits
-    are never modified (Megatron's kernels work in place); without it,
-    :func:`cross_entropy_token_losses` with every position scored. A label outside the full
-    vocabulary (``-100``) gives NaN at its position, which a mask then drops without
-    arithmetic (:func:`bert_reduce.normalization.token_loss_sum`).
+    are never modified; without it, :func:`cross_entropy_token_losses` with every position
+    scored. A label outside the full vocabulary (``-100``) gives NaN at its position.
 
     Args:
         logits: ``[s, b, v]`` logits (this rank's vocab shard under tensor parallelism).

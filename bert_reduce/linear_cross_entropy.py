@@ -54,11 +54,10 @@ def linear_cross_entropy_token_losses(
     Equal (up to rounding) to ``cross_entropy_token_losses(F.linear(hidden, weight, bias), labels,
     loss_mask)`` with the same gradients w.r.t. ``hidden``, ``weight`` and ``bias``; the
     ``[s, b, v]`` logits and their gradient never exist. Unscored positions get loss 0 and no
-    gradient. The backward recomputes each chunk's logits; with ``capacity="all"`` that is 4/3
-    of the dense head's products. Under tensor parallelism (``docs/performance.md``) the
-    gradient w.r.t. a replicated ``hidden`` is this shard's part: sum it over the TP group as
-    ``ColumnParallelLinear`` does (``copy_to_tensor_model_parallel_region``); a
-    sequence-parallel shard's gradient is whole.
+    gradient; the backward recomputes each chunk's logits. Under tensor parallelism
+    (``docs/performance.md``) the gradient w.r.t. a replicated ``hidden`` is this shard's part:
+    sum it over the TP group as ``ColumnParallelLinear`` does
+    (``copy_to_tensor_model_parallel_region``); a sequence-parallel shard's gradient is whole.
 
     Args:
         hidden: ``[s, b, h]`` hidden states (``layout="sb"``, Megatron) or ``[b, s, h]``
@@ -73,9 +72,7 @@ def linear_cross_entropy_token_losses(
         capacity: Which rows are computed: ``"nonzero"`` (default; counted, one host sync),
             ``"all"``, a row count or a fraction of ``b * s`` (``docs/fast_path.md``).
         num_scored: The data pipeline's count of scored positions
-            (:data:`~bert_reduce.num_scored.NumScored`): exactly that many rows, no host sync
-            when it is on the host; overrides ``capacity``. Under ``torch.compile`` pass one
-            ``int`` (``docs/fast_path.md``).
+            (:data:`~bert_reduce.num_scored.NumScored`), which overrides ``capacity``.
         chunk_rows: Rows per chunk (``None``: about 2**21 logits per chunk).
         chunk_vocab: Vocabulary entries per chunk (``None``: ``min(v, 4096)``).
         tp_group: The group the vocabulary is sharded over; ``None``: Megatron-Core's

@@ -89,11 +89,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         send_val_output: In validation, also return the detached batch and model outputs.
             Off by default: NeMo keeps every report of a validation step until ``reduce``,
             so each would hold its micro-batch's logits.
-        forward_out_key: Which entry of ``forward_out`` to score
-            (:data:`bert_reduce.forward_output.FORWARD_OUT_LAYOUTS`); by default the one of
-            ``token_logits``, ``logits``, ``lm_loss`` present, else ``hidden_states``.
-        layout: The layout of a bare logits tensor given as ``forward_out``, and of hidden
-            states without ``hidden_layout``: ``"sb"`` (default, Megatron's) or ``"bs"``.
+        forward_out_key: ``key`` of :func:`bert_reduce.engine.loss_terms`.
+        layout: As in :func:`bert_reduce.engine.loss_terms`: ``"sb"`` (default) or ``"bs"``.
         check_labels: As in :func:`bert_reduce.engine.loss_terms`; for debugging (without it,
             a bad label or weight makes the loss NaN).
         **options: :class:`bert_reduce.LossOptions`' fields. Megatron sums ``forward``'s

@@ -37,10 +37,8 @@ class GlobalBatchLoss:
     ``labels`` and optionally ``loss_mask`` (:func:`bert_reduce.engine.scored_weights`).
 
     Args:
-        group: The ranks whose micro-batches make up the global batch (data x context
-            parallel); ``None`` for none. By default, looked up at every :meth:`begin`:
-            Megatron-Core's data x context group when initialized, else the default process
-            group when initialized, else none (one process).
+        group: The ranks whose micro-batches make up the global batch; ``None`` for none. By
+            default :func:`bert_reduce.distributed.loss_reduction_group`, at every :meth:`begin`.
         layout: The layout of bare logits and of hidden states without ``hidden_layout``:
             ``"bs"`` (default, Hugging Face's ``[b, s, v]``) or ``"sb"`` (Megatron's).
         gradient_sync: How the data-parallel wrapper combines the ranks' gradients:
