@@ -67,27 +67,24 @@ class _Rows:
         rows = torch.arange(start, end, device=device) if index is None else index[start:end]
         return rows.div(self.batch_size, rounding_mode="floor"), rows.remainder(self.batch_size)
 
-    def read(self, tensor: Tensor, start: int, end: int) -> Tensor:
-        """Rows ``[start, end)`` as a ``[c, v]`` tensor: a view when possible, else a copy."""
+    def read(self, tensor: Tensor, start: int, end: int, scratch: Tensor | None = None) -> Tensor:
+        """Rows ``[start, end)``: in ``scratch`` (its dtype) if given, else a view if possible."""
+        out = None if scratch is None else scratch[: end - start]
         if not tensor.is_contiguous():
-            return tensor[self._coordinates(start, end, tensor.device)]
-        flat = tensor.view(-1, self.vocab)
-        if self.index is None:
-            return flat[start:end]
-        return flat.index_select(0, self.index[start:end])
+            rows = tensor[self._coordinates(start, end, tensor.device)]
+        elif self.index is None:
+            rows = tensor.view(-1, self.vocab)[start:end]
+        elif out is not None and tensor.dtype == out.dtype:
+            # Gathered straight into the buffer: one copy, not a gather and then a copy.
+            flat = tensor.view(-1, self.vocab)
+            return torch.index_select(flat, 0, self.index[start:end], out=out)
+        else:
+            rows = tensor.view(-1, self.vocab).index_select(0, self.index[start:end])
+        return rows if out is None else out.copy_(rows)
 
     def scratch(self, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A ``[chunk, v]`` buffer allocated once per call, not once per chunk."""
         return torch.empty(min(self.chunk, self.count), self.vocab, dtype=dtype, device=device)
-
-    def read_into(self, tensor: Tensor, start: int, end: int, scratch: Tensor) -> Tensor:
-        """Rows ``[start, end)`` copied into ``scratch``'s first rows (converted to its dtype)."""
-        out = scratch[: end - start]
-        if self.index is not None and tensor.is_contiguous() and tensor.dtype == out.dtype:
-            # Gathered straight into the buffer: one copy, not a gather and then a copy.
-            flat = tensor.view(-1, self.vocab)
-            return torch.index_select(flat, 0, self.index[start:end], out=out)
-        return out.copy_(self.read(tensor, start, end))
 
     def is_view(self, tensor: Tensor, dtype: torch.dtype) -> bool:
         """Whether rows of ``tensor`` are views of it in ``dtype`` (else they need a copy)."""
@@ -143,18 +140,14 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
             # One shard: loss = -log_softmax(x)[target], with PyTorch's fused kernel.
             loss = torch.empty(rows.count, dtype=acc, device=logits.device)
             for start, end in rows.chunks():
-                if view:
-                    x = rows.read(logits, start, end)
-                    log_probs = torch.log_softmax(x, -1, out=scratch[: end - start])
-                else:
-                    x = rows.read_into(logits, start, end, scratch)
-                    log_probs = torch.log_softmax(x, -1, out=x)
+                x = rows.read(logits, start, end, None if view else scratch)
+                log_probs = torch.log_softmax(x, -1, out=scratch[: end - start])
                 loss[start:end] = log_probs.gather(1, sharded.local[start:end]).squeeze(1).neg_()
             loss = torch.where(sharded.in_vocab, loss, torch.nan)
         else:
             stats = vp.shard_stats(rows.count, acc, logits.device, tp_group)
             for start, end in rows.chunks():
-                x = rows.read_into(logits, start, end, scratch)
+                x = rows.read(logits, start, end, scratch)
                 stats[tp_rank, 1, start:end] = x.gather(1, sharded.local[start:end]).squeeze(1)
                 stats[tp_rank, 0, start:end] = vp.logsumexp_(x)
             shard_lse = stats[tp_rank, 0].clone()
@@ -191,10 +184,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         view = direct and rows.is_view(logits, acc)
         scratch = None if view else rows.scratch(acc, logits.device)
         for start, end in rows.chunks():
-            if view:
-                x = rows.read(logits, start, end)
-            else:
-                x = rows.read_into(logits, start, end, scratch)
+            x = rows.read(logits, start, end, scratch)
             out = rows.read(grad, start, end) if direct else x
             # dL/dx = coef * (softmax - onehot), in place; under TP `scale` also carries the
             # factor exp(lse_shard - lse) from this shard's softmax to the vocabulary's.
