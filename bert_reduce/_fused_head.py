@@ -3,19 +3,11 @@
 Both public families of :mod:`bert_reduce.linear_cross_entropy` compute the logits
 ``x = h_rows @ w^T + b`` of the selected rows only, a ``[rows, vocab]`` chunk at a time, and
 turn each chunk into its logits' gradient ``dL/dx = coef * (softmax - onehot)`` at once, so
-that neither the ``[s, b, v]`` logits nor their gradient ever exist:
-
-* **one pass** (:func:`gradient_pass` without ``lse``; the weighted sum on one process, whole
-  vocabulary per chunk): each chunk's loss and gradient from ONE softmax in one buffer
-  (:func:`_softmax_minus_onehot_`), three products per row (``x``, ``dx @ w``,
-  ``dx^T @ h``), nothing recomputed;
-* **two passes** (:func:`stats_pass`, then :func:`gradient_pass` with the global
-  log-sum-exp): under tensor parallelism, or with vocabulary chunks, a row's softmax needs
-  every chunk's (and shard's) log-sum-exp first, combined in ONE all-reduce; the second pass
-  recomputes the logits (four products per row).
-
-With ``p`` the chunk's softmax up to a per-row factor ``1 / q`` (one pass: the softmax over
-the row and its maximum; two passes: ``exp(x - lse)`` with the global log-sum-exp, ``q = 1``),
+that neither the ``[s, b, v]`` logits nor their gradient ever exist: in **one pass**
+(:func:`gradient_pass` without ``lse``) or **two** (:func:`stats_pass`, then
+:func:`gradient_pass` with the global log-sum-exp), as ``docs/performance.md`` says. With ``p``
+the chunk's softmax up to a per-row factor ``1 / q`` (one pass: the softmax over the row and
+its maximum, :func:`_softmax_minus_onehot_`; two passes: ``exp(x - lse)``, ``q = 1``),
 
     dL/dx = coef * (p / q - onehot) = scale * (p - q * onehot),  scale = coef / q
 
@@ -203,8 +195,7 @@ def _softmax_minus_onehot_(
     ``S = sum_j exp(x_j - m)``, the softmax over ``[x, m]`` is ``p_j = exp(x_j - m) / (S + 1)``
     and ``p_last = 1 / (S + 1)``, so that (``q = 1 - p_last = S / (S + 1)``, in ``[1/2, 1)``)
 
-        log S = log(q) - log(p_last),  softmax(x) = p / q,
-        dL/dx = coef * (softmax(x) - onehot) = (coef / q) * (p - q * onehot).
+        log S = log(q) - log(p_last),  softmax(x) = p / q  (the module docstring's ``q``).
 
     ``work`` is that buffer, ``[c, width]`` with ``width > v_chunk`` (``x`` is its first
     columns, in the accumulation dtype; the columns past the extra one hold ``-inf``, which
