@@ -40,9 +40,8 @@ def eval_batches(
 
     Every rank of ``group`` yields as many batches as the rank with the most: its own, then
     copies of its last one (of ``dataloader.collate_fn([dataset[0]])`` on a rank without any,
-    not moved to any device) whose ``labels`` are all ``ignore_index``, ``loss_mask`` and
-    ``num_scored`` (if any) 0: they keep FSDP2's all-gathers in step and add nothing to a sum
-    (``docs/pytorch_loop.md``). One all-reduce and one host read per evaluation.
+    not moved to any device) with ``labels`` all ``ignore_index``, ``loss_mask`` and
+    ``num_scored`` (if any) 0. One all-reduce and one host read per evaluation.
 
     Args:
         dataloader: This rank's evaluation loader, of mappings with ``labels`` (``[b, s]``);
