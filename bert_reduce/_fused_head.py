@@ -37,7 +37,6 @@ from bert_reduce._vocab_parallel import (
     row_coefficients,
     row_losses,
     scatter_losses,
-    shard_stats,
     shard_targets,
     tensor_parallel_placement,
 )
@@ -130,8 +129,8 @@ def stats_pass(
     tp_group: dist.ProcessGroup | None,
 ) -> tuple[Tensor, Tensor]:
     """Every row's global ``(log-sum-exp, loss)``, ``[rows]`` each: ONE all-reduce."""
-    _, _, tp_rank = tensor_parallel_placement(tp_group)
-    stats = shard_stats(rows_hidden.size(0), acc, rows_hidden.device, tp_group)
+    _, tp_size, tp_rank = tensor_parallel_placement(tp_group)
+    stats = torch.zeros(tp_size, 2, rows_hidden.size(0), dtype=acc, device=rows_hidden.device)
     lse, target_logit = stats[tp_rank, 0], stats[tp_rank, 1]
     lse.fill_(-torch.inf)
     for rows in plan.rows:

@@ -184,23 +184,12 @@ def shard_targets(
     return ShardedTargets(torch.where(in_shard, local, 0).unsqueeze(1), in_shard, in_vocab)
 
 
-def shard_stats(
-    rows: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    tp_group: dist.ProcessGroup | None = None,
-) -> Tensor:
-    """The zeroed ``[tp, 2, rows]`` buffer whose slot ``stats[tp_rank]`` this rank fills."""
-    _, tp_size, _ = tensor_parallel_placement(tp_group)
-    return torch.zeros(tp_size, 2, rows, dtype=dtype, device=device)
-
-
 def combine_shard_stats(
     stats: Tensor, targets: ShardedTargets, tp_group: dist.ProcessGroup | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(lse, target_logit)``, ``[rows]`` each, over the whole vocabulary: ONE collective.
 
-    ``stats`` is :func:`shard_stats`' buffer with this rank's slot filled in: the log-sum-exp
+    ``stats`` is a zeroed ``[tp, 2, rows]`` buffer with this rank's slot filled in: the log-sum-exp
     over the vocabulary is the log-sum-exp of the shards', the target's logit its shard's.
     """
     group, _, tp_rank = tensor_parallel_placement(tp_group)
