@@ -10,12 +10,9 @@ tensor is, so a ``[b, s, v]`` tensor with ``b == s`` is not read as ``[s, b, v]`
   (``[v]``): the output layer's inputs, for the fused masked-only head; ``hidden_layout``
   (``"sb"``: ``[s, b, h]``, ``"bs"``: ``[b, s, h]``) says their layout.
 
-A bare tensor is read as logits. Its layout, and that of hidden states without a
-``hidden_layout``, is the integration's convention: ``"sb"`` for
-:class:`bert_reduce.BERTMLMLossWithReduction` and :class:`bert_reduce.TokenPerplexity`
-(Megatron's), ``"bs"`` for :class:`bert_reduce.GlobalBatchLoss` and
-:class:`bert_reduce.hf.ExactMLMTrainer` (Hugging Face's); each takes ``layout=`` to say
-otherwise.
+A bare tensor is read as logits in the integration's layout (its ``layout`` argument;
+:class:`bert_reduce.hf.ExactMLMTrainer`: ``"bs"``), as are hidden states without a
+``hidden_layout``.
 """
 
 from __future__ import annotations
