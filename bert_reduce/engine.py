@@ -316,9 +316,8 @@ def loss_terms(
             (reads them on the host: a sync).
 
     Returns:
-        The 0-dim numerator in fp32 (fp64 for fp64 inputs) carrying the gradient, and the
-        0-dim denominator (int64; fp64 for a float mask in per-token mode without
-        ``weight_resolution``).
+        The 0-dim numerator (carrying the gradient) and denominator, as
+        :func:`bert_reduce.normalization.token_loss_sum` returns them.
 
     Raises:
         KeyError: On a missing key (the message names it and lists those present), or

@@ -128,20 +128,17 @@ def token_loss_sum(
 ) -> tuple[Tensor, Tensor]:
     """``[b, s]`` per-token losses and mask -> ``(loss_sum, denominator)`` in a mode.
 
-    The pair of one micro-batch (or shard): sums over every micro-batch and rank, divided
-    once, give the global value (``docs/normalization.md``). Per token, ``loss_sum =
-    sum(mask * loss)`` and ``denominator`` is
-    :func:`bert_reduce.functional.token_denominator`. The numerator carries the gradient;
-    unscored positions never reach it, even when their loss is NaN or inf. No host sync, no
-    collective.
+    The pair of one micro-batch (or shard) in a mode of ``docs/normalization.md``: sums over
+    every micro-batch and rank, divided once, give the global value. The numerator carries the
+    gradient; unscored positions never reach it, even when their loss is NaN or inf. No host
+    sync, no collective.
 
     Args:
         per_token_loss: ``[b, s]`` per-token losses (any float dtype).
         loss_mask: ``[b, s]`` bool/integer (0/1) or float weights; non-zero where scored.
         normalization: The mode (a :class:`Normalization` or its string value).
-        sequence_weight: ``[b, s]``, see :func:`sequence_normalizers`; computed from
-            ``loss_mask`` with each row as one sequence when omitted. Must come from the
-            unsliced batch under context parallelism or packing.
+        sequence_weight: ``[b, s]``, :func:`sequence_normalizers`' on the unsliced batch; by
+            default each row of ``loss_mask`` is one sequence.
         sequence_start: ``[b, s]`` bool, see :func:`sequence_normalizers`; same default.
         constant_per_sequence: The ``constant`` mode's denominator per sequence (e.g. the
             maximum sequence length). Required in that mode only.
