@@ -80,9 +80,8 @@ def flat_rows(
 
     Row ``r`` follows the memory order of the logits or hidden states: ``r = i_s * b + i_b``
     when they are sequence first (``[s, b, ...]``), ``r = i_b * s + i_s`` otherwise. A row is
-    scored where ``per_position`` is non-zero. ``num_scored`` overrides ``capacity`` as an
-    exact static capacity (``docs/fast_path.md``): more scored rows make the loss NaN
-    (:attr:`RowSelection.overflow`), fewer only cost unscored rows of work.
+    scored where ``per_position`` is non-zero. ``num_scored`` (:mod:`bert_reduce.num_scored`)
+    overrides ``capacity``.
 
     Returns:
         ``(targets, per_row, selection)``: int64 ``[rows]`` target ids of the selected rows,

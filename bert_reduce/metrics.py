@@ -1,10 +1,8 @@
 """Token perplexity from ``(loss_sum, denominator)``: a pure-torch core and a torchmetrics shell.
 
-Perplexity is ``exp(mean NLL over every scored token)``: exact only when sums and counts are
-added up first and divided once, never averaged per batch. The functions here work on the
-``(loss_sum, denominator)`` the loss reduction produces, so the metric needs neither the
-logits nor a second forward pass (given logits, it runs the loss's own engine,
-:func:`bert_reduce.engine.loss_terms`). An empty set of tokens gives 1.0, never NaN.
+``exp(mean NLL over every scored token)`` from the ``(loss_sum, denominator)`` the loss
+reduction produces, added up first and divided once (``docs/perplexity.md``); given logits,
+the loss's own engine (:func:`bert_reduce.engine.loss_terms`). An empty set gives 1.0.
 """
 
 from __future__ import annotations
