@@ -264,9 +264,10 @@ def gradient_pass(
     acc, dtype, device = coef.dtype, rows_hidden.dtype, coef.device
     grad_rows = torch.zeros(rows_hidden.shape, dtype=acc, device=device) if needs[0] else None
     grad_weight = grad_low = None
-    if needs[1]:
-        grad_weight = torch.empty(weight.shape, dtype=dtype, device=device)
-        grad_low = torch.empty_like(grad_weight) if dtype != acc else None
+    if needs[1]:  # set by each vocabulary chunk's first row chunk: zero without one
+        alloc = torch.empty if plan.rows else torch.zeros
+        grad_weight = alloc(weight.shape, dtype=dtype, device=device)
+        grad_low = alloc(weight.shape, dtype=dtype, device=device) if dtype != acc else None
     grad_bias = None
     if needs[2] and bias is not None:
         grad_bias = torch.zeros(weight.size(0), dtype=acc, device=device)
@@ -288,10 +289,6 @@ def gradient_pass(
         b = None if bias is None else bias[vocab[0] : vocab[1]]
         grad_w = None if grad_weight is None else grad_weight[vocab[0] : vocab[1]]
         low = None if grad_low is None else grad_low[vocab[0] : vocab[1]]
-        if grad_w is not None and not plan.rows:
-            grad_w.zero_()
-            if low is not None:
-                low.zero_()
         for number, rows in enumerate(plan.rows):
             part, c = rows_hidden[rows[0] : rows[1]], coef[rows[0] : rows[1]]
             work = None
