@@ -507,7 +507,7 @@ def head_rows(
         raise ValueError("sequence_parallel=True needs layout='sb' (Megatron's [s/tp, b, h]).")
     shard = ", this rank's sequence shard," if sequence_parallel else ""
     shards = tp_size if sequence_parallel else 1
-    check_token_tensor(hidden, labels, "hidden", layout, "h", shards, f"{shard} and {layout=}")
+    check_token_tensor(hidden, labels, "hidden", f"{layout}h", shards, f"{shard} and {layout=}")
     check_same_shape(per_position, labels, (mask_name, "labels"), "[b, s]")
     if weight.dim() != 2 or weight.size(1) != hidden.size(2):
         raise ValueError(

@@ -48,28 +48,22 @@ def check_same_device(first: Tensor, second: Tensor, names: tuple[str, str]) -> 
 
 
 def check_token_tensor(
-    tensor: Tensor,
-    labels: Tensor,
-    name: str,
-    layout: str,
-    last: str,
-    shards: int = 1,
-    note: str = "",
+    tensor: Tensor, labels: Tensor, name: str, dims: str, shards: int = 1, note: str = ""
 ) -> None:
     """``ValueError`` unless labels are ``[b, s]`` integers, matched by ``tensor`` on their device.
 
-    ``tensor`` (named ``name``) must be ``[s / shards, b, last]`` (``layout="sb"``) or
-    ``[b, s, last]`` (``"bs"``); ``note`` ends the shape error's message.
+    ``tensor`` (named ``name``) must be ``[s / shards, b, x]`` (``dims="sbx"``) or
+    ``[b, s, x]`` (``"bsx"``); ``note`` ends the shape error's message.
     """
     if labels.dim() != 2:
         raise ValueError(f"labels must be [b, s], got shape {tuple(labels.shape)}.")
     batch_size, seq_len = labels.shape
-    expected = (seq_len // shards, batch_size) if layout == "sb" else (batch_size, seq_len)
+    expected = (seq_len // shards, batch_size) if dims[0] == "s" else (batch_size, seq_len)
     if tensor.dim() != 3 or tuple(tensor.shape[:2]) != expected:
         raise ValueError(
-            f"{name} of shape {tuple(tensor.shape)} must be [{layout[0]}, {layout[1]}, {last}] = "
-            f"[{expected[0]}, {expected[1]}, {last}] for labels of shape {tuple(labels.shape)} "
-            f"([b, s]){note}."
+            f"{name} of shape {tuple(tensor.shape)} must be [{', '.join(dims)}] = "
+            f"[{expected[0]}, {expected[1]}, {dims[2]}] for labels of shape "
+            f"{tuple(labels.shape)} ([b, s]){note}."
         )
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
@@ -84,7 +78,7 @@ def check_logits_and_labels(logits: Tensor, labels: Tensor, name: str = "token_l
         labels: ``[b, s]`` integer token ids.
         name: The logits' ``forward_out`` key.
     """
-    check_token_tensor(logits, labels, name, "bs" if name == "logits" else "sb", "v")
+    check_token_tensor(logits, labels, name, "bsv" if name == "logits" else "sbv")
 
 
 def mask_weights(loss_mask: Tensor) -> Tensor:
