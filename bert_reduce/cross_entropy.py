@@ -47,15 +47,16 @@ def _default_chunk_elements(logits: Tensor, acc: torch.dtype) -> int:
 
 
 class _Rows:
-    """Reads and writes rows ``r = i_s * b + i_b`` of ``[s, b, v]`` tensors, by chunk.
+    """Reads and writes the ``selection``'s rows ``r = i_s * b + i_b`` of ``[s, b, v]`` tensors.
 
-    ``index`` is ``None`` for "every row, in order" (chunks are then slices, views when the
-    tensor is contiguous), else an int64 ``[rows]`` tensor of flat row numbers.
+    Without an ``index`` (every row, in order) chunks are slices, views when the tensor is
+    contiguous.
     """
 
-    def __init__(self, shape: torch.Size, index: Tensor | None, chunk_elements: int) -> None:
+    def __init__(self, shape: torch.Size, selection: vp.RowSelection, chunk_elements: int) -> None:
         self.seq_len, self.batch_size, self.vocab = shape
-        self.index = index
+        self.selection = selection
+        self.index = index = selection.index
         self.count = self.seq_len * self.batch_size if index is None else index.numel()
         self.chunk = max(1, chunk_elements // max(1, self.vocab))
 
@@ -117,17 +118,13 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         targets: Tensor,
         scored: Tensor,
         rows: _Rows,
-        unselected: Tensor | None,
-        overflow: Tensor | None,
         in_place: bool,
         tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
         """``[b, s]`` losses of the selected rows, 0 elsewhere (:func:`cross_entropy_token_losses`).
 
         ``targets`` and ``scored`` are ``[rows]``, aligned with ``rows``; a selected row that is
-        not scored gets loss 0 and no gradient. ``unselected`` (int64) lists the flat rows
-        whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
-        true on every scored row when more rows are scored than selected, else all false.
+        not scored gets loss 0 and no gradient.
         """
         _, tp_size, tp_rank = vp.tensor_parallel_placement(tp_group)
         acc = accumulation_dtype(logits.dtype)
@@ -155,19 +152,17 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
             loss = vp.row_losses(lse, target_logit, sharded.in_vocab)
             # softmax over the vocabulary = this shard's softmax * exp(lse_shard - lse).
             shard_share = torch.exp(shard_lse - lse)
-        selection = vp.RowSelection(rows.index, unselected, overflow)
-        losses, scored = vp.scatter_losses(loss, scored, selection, seq_len * batch_size)
+        losses, scored = vp.scatter_losses(loss, scored, rows.selection, seq_len * batch_size)
         ctx.rows, ctx.in_place = rows, in_place
-        ctx.save_for_backward(
-            logits, sharded.local, sharded.in_shard, scored, unselected, overflow, shard_share
-        )
+        ctx.save_for_backward(logits, sharded.local, sharded.in_shard, scored, shard_share)
         return losses.view(seq_len, batch_size).t().contiguous()
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
-        logits, local, in_shard, scored, unselected, overflow, shard_share = ctx.saved_tensors
+        logits, local, in_shard, scored, shard_share = ctx.saved_tensors
         rows: _Rows = ctx.rows
+        _, unselected, overflow = rows.selection
         acc = accumulation_dtype(logits.dtype)
         coef = vp.row_coefficients(grad_losses.t().reshape(-1), acc, rows.index, scored, overflow)
         scale = coef if shard_share is None else coef * shard_share
@@ -194,7 +189,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
                 rows.write(grad, start, end, p)
         if unselected is not None:
             rows.zero(grad, unselected)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def cross_entropy_token_losses(
@@ -260,11 +255,8 @@ def cross_entropy_token_losses(
         )
     # Flat row r = i_s * b + i_b follows the [s, b, v] memory order of the logits.
     targets, scored, selection = vp.flat_rows(labels, loss_mask, True, capacity, num_scored)
-    rows = _Rows(logits.shape, selection.index, chunk_elements)
-    return _CrossEntropyTokenLosses.apply(
-        logits, targets, scored != 0, rows, selection.unselected, selection.overflow,
-        in_place, tp_group,
-    )  # fmt: skip
+    rows = _Rows(logits.shape, selection, chunk_elements)
+    return _CrossEntropyTokenLosses.apply(logits, targets, scored != 0, rows, in_place, tp_group)
 
 
 def cross_entropy_loss_sum(
