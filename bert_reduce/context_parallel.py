@@ -95,18 +95,20 @@ def slice_for_context_parallel(tensor: Tensor, seq_dim: int, cp_size: int, cp_ra
     return tensor.index_select(seq_dim, index)
 
 
-def _shard_num_scored(sliced: dict[str, Any], num_scored: Any) -> Any:
-    """This shard's count from its host ``loss_mask``/``labels``, else ``num_scored`` as given.
+def _recounted(sliced: dict[str, Any]) -> dict[str, Any]:
+    """``sliced``, its ``num_scored`` counted again from its host ``loss_mask``/``labels``.
 
-    Per-sample counts (a tuple or list, or a ``[b]`` tensor) stay per-sample.
+    Per-sample counts (a tuple or list, or a ``[b]`` tensor) stay per-sample; a batch on a
+    device keeps its count as given.
     """
     scored = sliced.get("loss_mask", sliced.get("labels"))
-    if not isinstance(scored, Tensor) or scored.device.type != "cpu":
-        return num_scored
-    per_sample = isinstance(num_scored, tuple | list) or (
-        isinstance(num_scored, Tensor) and num_scored.dim() == 1
-    )
-    return count_scored(sliced, per_sample=per_sample)
+    if NUM_SCORED_KEY in sliced and isinstance(scored, Tensor) and scored.device.type == "cpu":
+        num_scored = sliced[NUM_SCORED_KEY]
+        per_sample = isinstance(num_scored, tuple | list) or (
+            isinstance(num_scored, Tensor) and num_scored.dim() == 1
+        )
+        sliced[NUM_SCORED_KEY] = count_scored(sliced, per_sample=per_sample)
+    return sliced
 
 
 def _resolve(cp_size: int | None, cp_rank: int | None) -> tuple[int, int]:
@@ -160,9 +162,7 @@ def get_batch_on_this_cp_rank(
                 )
             value = slice_for_context_parallel(value, seq_dim, cp_size, cp_rank)
         sliced[key] = value
-    if cp_size > 1 and NUM_SCORED_KEY in batch:
-        sliced[NUM_SCORED_KEY] = _shard_num_scored(sliced, batch[NUM_SCORED_KEY])
-    return sliced
+    return _recounted(sliced) if cp_size > 1 else sliced
 
 
 def get_packed_batch_on_this_cp_rank(
@@ -209,6 +209,4 @@ def get_packed_batch_on_this_cp_rank(
                     index = packed_context_parallel_indices(bounds, total, cp_size, cp_rank)
                 value = value.index_select(1, index.to(value.device))
         sliced[key] = value
-    if NUM_SCORED_KEY in batch:
-        sliced[NUM_SCORED_KEY] = _shard_num_scored(sliced, batch[NUM_SCORED_KEY])
-    return sliced
+    return _recounted(sliced)
