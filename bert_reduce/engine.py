@@ -4,8 +4,7 @@ Every integration calls :func:`loss_terms` (or, for per-token losses, :func:`tok
 :class:`bert_reduce.BERTMLMLossWithReduction` (and :class:`bert_reduce.lightning.ExactMLMModule`,
 through its loss instance), :class:`bert_reduce.GlobalBatchLoss`,
 :class:`bert_reduce.hf.ExactMLMTrainer` and :meth:`bert_reduce.TokenPerplexity.update_from_logits`.
-Each decides only when to reduce the terms, how to scale the gradients and what to log; the
-options they take are the fields of :class:`LossOptions`, under the same names.
+Each decides only when to reduce the terms, how to scale the gradients and what to log.
 
 For one micro-batch:
 

@@ -39,8 +39,7 @@ class GlobalBatchLoss:
     Args:
         group: The ranks whose micro-batches make up the global batch; ``None`` for none. By
             default :func:`bert_reduce.distributed.loss_reduction_group`, at every :meth:`begin`.
-        layout: The layout of bare logits and of hidden states without ``hidden_layout``:
-            ``"bs"`` (default, Hugging Face's ``[b, s, v]``) or ``"sb"`` (Megatron's).
+        layout: As in :func:`bert_reduce.engine.loss_terms`: ``"bs"`` (default) or ``"sb"``.
         gradient_sync: How the data-parallel wrapper combines the ranks' gradients:
             ``"mean"`` (DDP's and FSDP2's default) or ``"sum"`` (e.g. FSDP2 with
             ``set_gradient_divide_factor(1.0)``, or a hand-written all-reduce).
