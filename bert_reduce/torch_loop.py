@@ -1,9 +1,7 @@
 """The exact masked-LM loss for a hand-written PyTorch training step (DDP, FSDP2, CP, packing).
 
-:class:`GlobalBatchLoss` counts first and divides once: ``begin`` all-reduces the step's
-denominators, each micro-batch back-propagates ``loss_sum * world_size / global_denominator``
-and ``end`` all-reduces the reports for logging (``docs/pytorch_loop.md``; the algebra,
-``docs/guarantees.md``).
+:class:`GlobalBatchLoss` counts first and divides once (``docs/pytorch_loop.md``; the
+algebra, ``docs/guarantees.md``).
 """
 
 from __future__ import annotations
