@@ -40,12 +40,6 @@ _MIN_CHUNK_ELEMENTS = 1 << 20
 _CHUNKS_PER_LOGITS = 32
 
 
-def _default_chunk_elements(logits: Tensor, acc: torch.dtype) -> int:
-    """Chunks whose fp32 copy is 1/32 of the logits' bytes, and never tiny."""
-    per_chunk = logits.numel() * logits.element_size() // (_CHUNKS_PER_LOGITS * acc.itemsize)
-    return max(_MIN_CHUNK_ELEMENTS, per_chunk)
-
-
 class _Rows:
     """Reads and writes the ``selection``'s rows ``r = i_s * b + i_b`` of ``[s, b, v]`` tensors.
 
@@ -244,8 +238,10 @@ def cross_entropy_token_losses(
     check_logits_and_labels(logits, labels)
     check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
     check_same_device(loss_mask, labels, ("loss_mask", "labels"))
-    if chunk_elements is None:
-        chunk_elements = _default_chunk_elements(logits, accumulation_dtype(logits.dtype))
+    if chunk_elements is None:  # chunks whose fp32 copy is 1/32 of the logits' bytes, not tiny
+        acc_size = accumulation_dtype(logits.dtype).itemsize
+        per_chunk = logits.numel() * logits.element_size() // (_CHUNKS_PER_LOGITS * acc_size)
+        chunk_elements = max(_MIN_CHUNK_ELEMENTS, per_chunk)
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be positive, got {chunk_elements}.")
     if in_place and logits.requires_grad and logits.is_leaf:
