@@ -91,8 +91,7 @@ def mask_weights(loss_mask: Tensor) -> Tensor:
 def token_denominator(loss_mask: Tensor) -> Tensor:
     """The per-token denominator of a loss mask: the sum of its weights, exactly; no host sync.
 
-    The library's one definition of "how many tokens": the count for a 0/1 mask, the sum of
-    the weights for a weighted one (the weighted mean of ``F.cross_entropy(weight=...)``).
+    The library's one definition of "how many tokens" (``docs/normalization.md``).
 
     Args:
         loss_mask: ``[b, s]`` (or any shape) bool, integer or float weights.
