@@ -16,10 +16,8 @@ The loss functions are named by what they take, then what they return:
   (``(loss_sum, denominator)`` of a normalization mode, per token by default), and
   ``_weighted_sum`` (a 0-dim ``sum(w * loss)`` for caller-given weights).
 
-NeMo's and BioNeMo's names for two of them, ``masked_token_loss`` (:func:`token_loss_sum`) and
-``unreduced_token_loss_fn`` (per-token cross-entropy of every position, Megatron-Core's kernel
-under its parallel state), stay exported for code ported from them (``docs/bionemo.md``); the
-documentation teaches the names above.
+NeMo's and BioNeMo's names ``masked_token_loss`` and ``unreduced_token_loss_fn`` stay exported
+for code ported from them (``docs/bionemo.md``); the documentation teaches the names above.
 """
 
 from __future__ import annotations

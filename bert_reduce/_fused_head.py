@@ -3,19 +3,11 @@
 Both public families of :mod:`bert_reduce.linear_cross_entropy` compute the logits
 ``x = h_rows @ w^T + b`` of the selected rows only, a ``[rows, vocab]`` chunk at a time, and
 turn each chunk into its logits' gradient ``dL/dx = coef * (softmax - onehot)`` at once, so
-that neither the ``[s, b, v]`` logits nor their gradient ever exist:
-
-* **one pass** (:func:`gradient_pass` without ``lse``; the weighted sum on one process, whole
-  vocabulary per chunk): each chunk's loss and gradient from ONE softmax in one buffer
-  (:func:`_softmax_minus_onehot_`), three products per row (``x``, ``dx @ w``,
-  ``dx^T @ h``), nothing recomputed;
-* **two passes** (:func:`stats_pass`, then :func:`gradient_pass` with the global
-  log-sum-exp): under tensor parallelism, or with vocabulary chunks, a row's softmax needs
-  every chunk's (and shard's) log-sum-exp first, combined in ONE all-reduce; the second pass
-  recomputes the logits (four products per row).
-
-With ``p`` the chunk's softmax up to a per-row factor ``1 / q`` (one pass: the softmax over
-the row and its maximum; two passes: ``exp(x - lse)`` with the global log-sum-exp, ``q = 1``),
+that neither the ``[s, b, v]`` logits nor their gradient ever exist: in **one pass**
+(:func:`gradient_pass` without ``lse``) or **two** (:func:`stats_pass`, then
+:func:`gradient_pass` with the global log-sum-exp), as ``docs/performance.md`` says. With ``p``
+the chunk's softmax up to a per-row factor ``1 / q`` (one pass: the softmax over the row and
+its maximum, :func:`_softmax_minus_onehot_`; two passes: ``exp(x - lse)``, ``q = 1``),
 
     dL/dx = coef * (p / q - onehot) = scale * (p - q * onehot),  scale = coef / q
 
@@ -45,12 +37,16 @@ from bert_reduce._vocab_parallel import (
     row_coefficients,
     row_losses,
     scatter_losses,
-    shard_stats,
     shard_targets,
     tensor_parallel_placement,
 )
 from bert_reduce.forward_output import Layout, check_layout
-from bert_reduce.functional import accumulation_dtype, check_same_device
+from bert_reduce.functional import (
+    accumulation_dtype,
+    check_same_device,
+    check_same_shape,
+    check_token_tensor,
+)
 from bert_reduce.num_scored import NumScored
 
 _CHUNK_ELEMENTS = 1 << 21
@@ -113,12 +109,6 @@ class Plan(NamedTuple):
     vocab: list[tuple[int, int]]
 
 
-def _plan(rows: int, vocab: int, chunks: tuple[int, int], positions: int) -> Plan:
-    chunk_rows, chunk_vocab = chunks
-    vocab_chunks = [(a, min(a + chunk_vocab, vocab)) for a in range(0, vocab, chunk_vocab)]
-    return Plan(row_chunks(rows, chunk_rows, positions), vocab_chunks)
-
-
 def _hit_in_chunk(
     local: Tensor, in_shard: Tensor, rows: tuple[int, int], vocab: tuple[int, int]
 ) -> tuple[Tensor, Tensor]:
@@ -138,13 +128,9 @@ def stats_pass(
     acc: torch.dtype,
     tp_group: dist.ProcessGroup | None,
 ) -> tuple[Tensor, Tensor]:
-    """Every row's global ``(log-sum-exp, target logit)``, ``[rows]`` each: ONE all-reduce.
-
-    An online log-sum-exp and the target logit per row over this shard's chunks;
-    :func:`combine_shard_stats` combines the shards'.
-    """
-    _, _, tp_rank = tensor_parallel_placement(tp_group)
-    stats = shard_stats(rows_hidden.size(0), acc, rows_hidden.device, tp_group)
+    """Every row's global ``(log-sum-exp, loss)``, ``[rows]`` each: ONE all-reduce."""
+    _, tp_size, tp_rank = tensor_parallel_placement(tp_group)
+    stats = torch.zeros(tp_size, 2, rows_hidden.size(0), dtype=acc, device=rows_hidden.device)
     lse, target_logit = stats[tp_rank, 0], stats[tp_rank, 1]
     lse.fill_(-torch.inf)
     for rows in plan.rows:
@@ -157,7 +143,8 @@ def stats_pass(
             # Online log-sum-exp over vocabulary chunks: lse = log(exp(lse) + sum(exp(x))).
             running = lse[rows[0] : rows[1]]
             torch.logaddexp(running, logsumexp_(x), out=running)
-    return combine_shard_stats(stats, sharded, tp_group)
+    lse, target_logit = combine_shard_stats(stats, sharded, tp_group)
+    return lse, row_losses(lse, target_logit, sharded.in_vocab)
 
 
 class Gradients(NamedTuple):
@@ -207,8 +194,7 @@ def _softmax_minus_onehot_(
     ``S = sum_j exp(x_j - m)``, the softmax over ``[x, m]`` is ``p_j = exp(x_j - m) / (S + 1)``
     and ``p_last = 1 / (S + 1)``, so that (``q = 1 - p_last = S / (S + 1)``, in ``[1/2, 1)``)
 
-        log S = log(q) - log(p_last),  softmax(x) = p / q,
-        dL/dx = coef * (softmax(x) - onehot) = (coef / q) * (p - q * onehot).
+        log S = log(q) - log(p_last),  softmax(x) = p / q  (the module docstring's ``q``).
 
     ``work`` is that buffer, ``[c, width]`` with ``width > v_chunk`` (``x`` is its first
     columns, in the accumulation dtype; the columns past the extra one hold ``-inf``, which
@@ -273,15 +259,15 @@ def gradient_pass(
 
     Without ``lse`` (one vocabulary chunk, one shard) each chunk's own softmax gives the loss
     and the gradient; with the rows' global ``lse`` the loss is the caller's (0 is returned).
-    The products as in the module docstring; vocabulary chunks are the outer loop, so the
-    weight's gradient is summed a vocabulary chunk at a time.
+    Vocabulary chunks are the outer loop: the weight's gradient is summed a chunk at a time.
     """
     acc, dtype, device = coef.dtype, rows_hidden.dtype, coef.device
     grad_rows = torch.zeros(rows_hidden.shape, dtype=acc, device=device) if needs[0] else None
     grad_weight = grad_low = None
-    if needs[1]:
-        grad_weight = torch.empty(weight.shape, dtype=dtype, device=device)
-        grad_low = torch.empty_like(grad_weight) if dtype != acc else None
+    if needs[1]:  # set by each vocabulary chunk's first row chunk: zero without one
+        alloc = torch.empty if plan.rows else torch.zeros
+        grad_weight = alloc(weight.shape, dtype=dtype, device=device)
+        grad_low = alloc(weight.shape, dtype=dtype, device=device) if dtype != acc else None
     grad_bias = None
     if needs[2] and bias is not None:
         grad_bias = torch.zeros(weight.size(0), dtype=acc, device=device)
@@ -303,10 +289,6 @@ def gradient_pass(
         b = None if bias is None else bias[vocab[0] : vocab[1]]
         grad_w = None if grad_weight is None else grad_weight[vocab[0] : vocab[1]]
         low = None if grad_low is None else grad_low[vocab[0] : vocab[1]]
-        if grad_w is not None and not plan.rows:
-            grad_w.zero_()
-            if low is not None:
-                low.zero_()
         for number, rows in enumerate(plan.rows):
             part, c = rows_hidden[rows[0] : rows[1]], coef[rows[0] : rows[1]]
             work = None
@@ -392,10 +374,6 @@ def _input_gradients(
     return out[0], out[1], out[2]
 
 
-def _selected(hidden: Tensor, index: Tensor | None) -> Tensor:
-    return hidden if index is None else hidden.index_select(0, index)
-
-
 class TokenLosses(torch.autograd.Function):
     """``[positions]`` losses of a flat ``[positions, h]`` ``hidden``; backward recomputes."""
 
@@ -405,20 +383,15 @@ class TokenLosses(torch.autograd.Function):
         hidden: Tensor,
         weight: Tensor,
         bias: Tensor | None,
-        targets: Tensor,
-        scored: Tensor,
-        selection: RowSelection,
-        chunks: tuple[int, int],
+        rows: HeadRows,
         tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
-        rows_hidden = _selected(hidden, selection.index)
-        sharded = shard_targets(targets, weight.size(0), tp_group)
-        plan = _plan(rows_hidden.size(0), weight.size(0), chunks, hidden.size(0))
+        selection, positions = rows.selection, hidden.size(0)
+        rows_hidden, sharded, plan = rows.prepare(hidden, weight, tp_group)
         acc = accumulation_dtype(hidden.dtype)
-        lse, target_logit = stats_pass(rows_hidden, weight, bias, sharded, plan, acc, tp_group)
-        loss = row_losses(lse, target_logit, sharded.in_vocab)
-        losses, scored = scatter_losses(loss, scored, selection, hidden.size(0))
-        ctx.plan, ctx.positions = plan, hidden.size(0)
+        lse, loss = stats_pass(rows_hidden, weight, bias, sharded, plan, acc, tp_group)
+        losses, scored = scatter_losses(loss, rows.per_row != 0, selection, positions)
+        ctx.plan, ctx.positions = plan, positions
         ctx.save_for_backward(
             rows_hidden, weight, bias, lse, *sharded, scored, selection.index, selection.overflow
         )
@@ -435,7 +408,7 @@ class TokenLosses(torch.autograd.Function):
             ctx.needs_input_grad[:3], lse,
         )  # fmt: skip
         grads = _input_gradients(grads, rows_hidden.dtype, index, ctx.positions)
-        return *grads, None, None, None, None, None
+        return *grads, None, None
 
 
 class WeightedSum(torch.autograd.Function):
@@ -447,30 +420,22 @@ class WeightedSum(torch.autograd.Function):
         hidden: Tensor,
         weight: Tensor,
         bias: Tensor | None,
-        targets: Tensor,
-        coef: Tensor,
-        selection: RowSelection,
-        chunks: tuple[int, int],
-        single_pass: bool,
+        rows: HeadRows,
         tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
-        """``coef``: ``[rows]`` in the accumulation dtype, 0 on unweighted rows."""
-        sharded = shard_targets(targets, weight.size(0), tp_group)
+        """``coef``, the rows' weights in the accumulation dtype, 0 on unweighted rows."""
+        coef = rows.per_row.to(accumulation_dtype(hidden.dtype))
+        rows_hidden, sharded, plan = rows.prepare(hidden, weight, tp_group)
         poison = None
-        if selection.overflow is not None:
+        if rows.selection.overflow is not None:
             # More scored rows than selected: the sum and every gradient are NaN.
-            poison = torch.where(selection.overflow.any(), torch.nan, 1.0).to(coef.dtype)
+            poison = torch.where(rows.selection.overflow.any(), torch.nan, 1.0).to(coef.dtype)
             coef = coef * poison
         needs = ctx.needs_input_grad[:3]
-        rows_hidden = _selected(hidden, selection.index)
-        plan = _plan(rows_hidden.size(0), weight.size(0), chunks, hidden.size(0))
-        if single_pass:
+        if rows.single_pass:
             loss_sum, grads = gradient_pass(rows_hidden, weight, bias, sharded, coef, plan, needs)
         else:
-            lse, target_logit = stats_pass(
-                rows_hidden, weight, bias, sharded, plan, coef.dtype, tp_group
-            )
-            loss = row_losses(lse, target_logit, sharded.in_vocab)
+            lse, loss = stats_pass(rows_hidden, weight, bias, sharded, plan, coef.dtype, tp_group)
             loss_sum = torch.where(coef != 0, coef * loss, 0).sum()
             grads = Gradients(None, None, None, None)
             if any(needs):
@@ -478,7 +443,7 @@ class WeightedSum(torch.autograd.Function):
         if poison is not None:
             loss_sum = loss_sum * poison
         ctx.positions, ctx.dtype = hidden.size(0), hidden.dtype
-        ctx.save_for_backward(*grads, selection.index, poison)
+        ctx.save_for_backward(*grads, rows.selection.index, poison)
         return loss_sum
 
     @staticmethod
@@ -490,61 +455,7 @@ class WeightedSum(torch.autograd.Function):
         if poison is not None:
             scale = scale * poison
         grads = _input_gradients(Gradients(*grads), ctx.dtype, index, ctx.positions, scale)
-        return *grads, None, None, None, None, None, None
-
-
-def _check_shapes(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    loss_mask: Tensor,
-    bias: Tensor | None,
-    layout: Layout,
-    sequence_parallel: bool,
-    tp_size: int,
-    mask_name: str,
-) -> None:
-    check_layout(layout)
-    if sequence_parallel and layout != "sb":
-        raise ValueError("sequence_parallel=True needs layout='sb' (Megatron's [s/tp, b, h]).")
-    if labels.dim() != 2 or loss_mask.shape != labels.shape:
-        raise ValueError(
-            f"labels of shape {tuple(labels.shape)} and {mask_name} of shape "
-            f"{tuple(loss_mask.shape)} must both be [b, s]."
-        )
-    batch_size, seq_len = labels.shape
-    if sequence_parallel:
-        seq_len //= tp_size
-    expected = (seq_len, batch_size) if layout == "sb" else (batch_size, seq_len)
-    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != expected:
-        shard = " (this rank's sequence shard)" if sequence_parallel else ""
-        raise ValueError(
-            f"hidden of shape {tuple(hidden.shape)} must be [{layout[0]}, {layout[1]}, h] = "
-            f"[{expected[0]}, {expected[1]}, h]{shard} for labels of shape "
-            f"{tuple(labels.shape)} ([b, s]) and layout={layout!r}."
-        )
-    if weight.dim() != 2 or weight.size(1) != hidden.size(2):
-        raise ValueError(
-            f"weight of shape {tuple(weight.shape)} must be [v, h] with h = {hidden.size(2)} "
-            f"(hidden's last dim)."
-        )
-    if bias is not None and tuple(bias.shape) != (weight.size(0),):
-        raise ValueError(
-            f"bias of shape {tuple(bias.shape)} must be [v] = [{weight.size(0)}] like weight's "
-            "first dim."
-        )
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
-    check_same_device(hidden, weight, ("hidden", "weight"))
-    check_same_device(hidden, labels, ("hidden", "labels"))
-    check_same_device(loss_mask, labels, (mask_name, "labels"))
-    if bias is not None:
-        check_same_device(weight, bias, ("weight", "bias"))
-    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        raise ValueError(
-            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias "
-            f"({None if bias is None else bias.dtype}) must share one dtype, as F.linear needs."
-        )
+        return *grads, None, None
 
 
 class HeadRows(NamedTuple):
@@ -560,6 +471,18 @@ class HeadRows(NamedTuple):
     selection: RowSelection
     chunks: tuple[int, int]
     single_pass: bool
+
+    def prepare(
+        self, hidden: Tensor, weight: Tensor, tp_group: dist.ProcessGroup | None
+    ) -> tuple[Tensor, ShardedTargets, Plan]:
+        """The selected rows of ``hidden``, their targets in this shard, and the chunks."""
+        index = self.selection.index
+        rows_hidden = hidden if index is None else hidden.index_select(0, index)
+        chunk_rows, chunk_vocab = self.chunks
+        vocab = weight.size(0)
+        vocab_chunks = [(a, min(a + chunk_vocab, vocab)) for a in range(0, vocab, chunk_vocab)]
+        plan = Plan(row_chunks(rows_hidden.size(0), chunk_rows, hidden.size(0)), vocab_chunks)
+        return rows_hidden, shard_targets(self.targets, vocab, tp_group), plan
 
 
 def head_rows(
@@ -577,18 +500,36 @@ def head_rows(
     mask_name: str,
     one_pass: bool = False,
 ) -> HeadRows:
-    """Check the arguments and choose the rows and chunks: what every entry point shares.
-
-    ``one_pass`` (the weighted sum): one process and ``chunk_vocab`` ``None`` or at least
-    ``v`` take one pass, in chunks of 32 MiB of logits (6 MiB in reduced precision); else
-    ``chunk_vocab = min(v, 4096)`` and about 2**21 logits per chunk.
-    """
-    _, tp_size, _ = tensor_parallel_placement(tp_group)
-    _check_shapes(
-        hidden, weight, labels, per_position, bias, layout, sequence_parallel, tp_size, mask_name
-    )
+    """Check the arguments and choose the rows and chunks (``one_pass``: the weighted sum's)."""
+    group, tp_size, _ = tensor_parallel_placement(tp_group)
+    check_layout(layout)
+    if sequence_parallel and layout != "sb":
+        raise ValueError("sequence_parallel=True needs layout='sb' (Megatron's [s/tp, b, h]).")
+    shard = ", this rank's sequence shard," if sequence_parallel else ""
+    shards = tp_size if sequence_parallel else 1
+    check_token_tensor(hidden, labels, "hidden", f"{layout}h", shards, f"{shard} and {layout=}")
+    check_same_shape(per_position, labels, (mask_name, "labels"), "[b, s]")
+    if weight.dim() != 2 or weight.size(1) != hidden.size(2):
+        raise ValueError(
+            f"weight of shape {tuple(weight.shape)} must be [v, h] with h = {hidden.size(2)} "
+            f"(hidden's last dim)."
+        )
+    if bias is not None and tuple(bias.shape) != (weight.size(0),):
+        raise ValueError(
+            f"bias of shape {tuple(bias.shape)} must be [v] = [{weight.size(0)}] like weight's "
+            "first dim."
+        )
+    check_same_device(hidden, weight, ("hidden", "weight"))
+    check_same_device(per_position, labels, (mask_name, "labels"))
+    if bias is not None:
+        check_same_device(weight, bias, ("weight", "bias"))
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(
+            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias "
+            f"({None if bias is None else bias.dtype}) must share one dtype, as F.linear needs."
+        )
     if sequence_parallel and tp_size > 1:
-        hidden = gather_sequence_parallel(hidden, tensor_parallel_placement(tp_group)[0])
+        hidden = gather_sequence_parallel(hidden, group)
     chunk_rows, chunk_vocab = chunks
     vocab = weight.size(0)
     single_pass = one_pass and tp_size == 1 and (chunk_vocab is None or chunk_vocab >= vocab)

@@ -30,12 +30,7 @@ fraction of ``b * s``; see :mod:`bert_reduce.cross_entropy`."""
 def resolve_capacity(capacity: Capacity, num_positions: int) -> int | None:
     """The static number of rows a ``capacity`` stands for, or ``None`` for ``"nonzero"``.
 
-    Args:
-        capacity: ``"all"``, ``"nonzero"``, a row count, or a fraction of the positions.
-        num_positions: ``b * s``, the number of positions in the micro-batch.
-
-    Returns:
-        The row count, clipped to ``[0, num_positions]``, or ``None`` for ``"nonzero"``.
+    A count is clipped to ``[0, num_positions]``; a fraction is one of the ``num_positions``.
 
     Raises:
         ValueError: On an unknown string, a negative count or a fraction outside ``(0, 1]``.
@@ -74,32 +69,40 @@ class RowSelection(NamedTuple):
     overflow: Tensor | None
 
 
-def select_rows(
-    scored: Tensor, capacity: Capacity = "all", num_scored: NumScored | None = None
-) -> RowSelection:
-    """Choose the rows to compute from the flat ``[positions]`` bool ``scored``, without a sync.
+def flat_rows(
+    labels: Tensor,
+    per_position: Tensor,
+    sequence_first: bool,
+    capacity: Capacity,
+    num_scored: NumScored | None,
+) -> tuple[Tensor, Tensor, RowSelection]:
+    """Flatten ``[b, s]`` labels and mask (or weights) into the selected rows' values; no sync.
 
-    Args:
-        scored: ``[positions]`` bool, true where the loss mask is non-zero.
-        capacity: See :func:`resolve_capacity`; ignored when ``num_scored`` is given.
-        num_scored: The number of scored positions as the data pipeline counted them
-            (:data:`~bert_reduce.num_scored.NumScored`; on the host it costs no device sync).
-            Used as an exact static capacity: more scored rows than it says make the loss
-            NaN (checked on the device), fewer only cost unscored rows of work.
+    Row ``r`` follows the memory order of the logits or hidden states: ``r = i_s * b + i_b``
+    when they are sequence first (``[s, b, ...]``), ``r = i_b * s + i_s`` otherwise. A row is
+    scored where ``per_position`` is non-zero. ``num_scored`` (:mod:`bert_reduce.num_scored`)
+    overrides ``capacity``.
 
     Returns:
-        The selection; ``index`` is ``None`` when every row is computed.
+        ``(targets, per_row, selection)``: int64 ``[rows]`` target ids of the selected rows,
+        their ``[rows]`` values of ``per_position``, and the :class:`RowSelection`.
 
     Raises:
         TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
         ValueError: On a bad ``capacity``, or a ``num_scored`` that sums to a negative count.
     """
+    targets = labels
+    if sequence_first:
+        per_position, targets = per_position.transpose(0, 1), targets.transpose(0, 1)
+    # Any integer label dtype; gather takes int64.
+    per_position, targets = per_position.reshape(-1), targets.reshape(-1).to(torch.int64)
+    scored = per_position != 0
     if num_scored is not None:
         limit: int | None = min(scored_count(num_scored), scored.numel())
     else:
         limit = resolve_capacity(capacity, scored.numel())
     if limit is not None and limit == scored.numel():
-        return RowSelection(None, None, None)
+        return targets, per_position, RowSelection(None, None, None)
     # A stable sort puts the scored rows first, each group in memory order. Static shapes
     # and no host sync, unless the split point is read back ("nonzero").
     order = torch.sort(scored.to(torch.uint8), descending=True, stable=True).indices
@@ -109,35 +112,8 @@ def select_rows(
         limit = int(count)
     else:
         overflow = scored & (count > limit)
-    return RowSelection(order[:limit], order[limit:], overflow)
-
-
-def flat_rows(
-    labels: Tensor,
-    per_position: Tensor,
-    sequence_first: bool,
-    capacity: Capacity,
-    num_scored: NumScored | None,
-) -> tuple[Tensor, Tensor, RowSelection]:
-    """Flatten ``[b, s]`` labels and mask (or weights) into the selected rows' values.
-
-    Row ``r`` follows the memory order of the logits or hidden states: ``r = i_s * b + i_b``
-    when they are sequence first (``[s, b, ...]``), ``r = i_b * s + i_s`` otherwise. A row is
-    scored where ``per_position`` is non-zero.
-
-    Returns:
-        ``(targets, per_row, selection)``: int64 ``[rows]`` target ids of the selected rows,
-        their ``[rows]`` values of ``per_position``, and the :class:`RowSelection`.
-    """
-    targets = labels
-    if sequence_first:
-        per_position, targets = per_position.transpose(0, 1), targets.transpose(0, 1)
-    # Any integer label dtype; gather takes int64.
-    per_position, targets = per_position.reshape(-1), targets.reshape(-1).to(torch.int64)
-    selection = select_rows(per_position != 0, capacity, num_scored)
-    if selection.index is not None:
-        targets, per_position = targets[selection.index], per_position[selection.index]
-    return targets, per_position, selection
+    index = order[:limit]
+    return targets[index], per_position[index], RowSelection(index, order[limit:], overflow)
 
 
 def tensor_parallel_placement(
@@ -207,30 +183,13 @@ def shard_targets(
     return ShardedTargets(torch.where(in_shard, local, 0).unsqueeze(1), in_shard, in_vocab)
 
 
-def shard_stats(
-    rows: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    tp_group: dist.ProcessGroup | None = None,
-) -> Tensor:
-    """The zeroed ``[tp, 2, rows]`` buffer whose slot ``stats[tp_rank]`` this rank fills."""
-    _, tp_size, _ = tensor_parallel_placement(tp_group)
-    return torch.zeros(tp_size, 2, rows, dtype=dtype, device=device)
-
-
 def combine_shard_stats(
     stats: Tensor, targets: ShardedTargets, tp_group: dist.ProcessGroup | None = None
 ) -> tuple[Tensor, Tensor]:
-    """The global per-row log-sum-exp and target logit, in ONE collective under TP.
+    """``(lse, target_logit)``, ``[rows]`` each, over the whole vocabulary: ONE collective.
 
-    Args:
-        stats: ``[tp, 2, rows]`` from :func:`shard_stats`, this rank's slot filled in.
-        targets: This rank's :func:`shard_targets`.
-        tp_group: The vocab-sharding group (``None``: Megatron-Core's, when initialized).
-
-    Returns:
-        ``(lse, target_logit)``, each ``[rows]``: the log-sum-exp over the whole vocabulary
-        (the log-sum-exp of the shards') and the target's logit (from the shard holding it).
+    ``stats`` is a zeroed ``[tp, 2, rows]`` buffer with this rank's slot filled in: the log-sum-exp
+    over the vocabulary is the log-sum-exp of the shards', the target's logit its shard's.
     """
     group, _, tp_rank = tensor_parallel_placement(tp_group)
     # Only the shard holding the target contributes its logit; every other slot stays 0 so
@@ -249,18 +208,11 @@ def row_losses(lse: Tensor, target_logit: Tensor, in_vocab: Tensor) -> Tensor:
 def scatter_losses(
     loss: Tensor, scored: Tensor, selection: RowSelection, positions: int
 ) -> tuple[Tensor, Tensor]:
-    """Per-position losses from the selected rows' losses.
+    """``[positions]`` losses from the ``[rows]`` ``loss`` of ``selection``'s rows.
 
-    Args:
-        loss: ``[rows]`` losses of the selected rows (NaN where a target is out of the vocab).
-        scored: ``[rows]`` bool, whether each selected row is scored.
-        selection: The :class:`RowSelection` the rows come from.
-        positions: Number of flat positions (``b * s``).
-
-    Returns:
-        ``(losses, scored)``: ``[positions]`` losses (``loss`` on scored rows, 0 elsewhere,
-        NaN on every scored row after a capacity overflow), and the ``[rows]`` rows whose
-        gradient is not zero (none after an overflow, whose gradient is NaN instead).
+    Returns ``(losses, scored)``: ``loss`` where the ``[rows]`` bool ``scored`` holds, 0
+    elsewhere, NaN on every scored row after a capacity overflow; and the rows whose gradient
+    is not zero (none after an overflow, whose gradient is NaN instead).
     """
     # `where`, not a product: whatever an unscored row holds must not reach the output.
     loss = torch.where(scored, loss, 0)

@@ -13,18 +13,14 @@ from typing import Any
 
 from bert_reduce.torch_loop import GlobalBatchLoss
 
-__all__ = ["accumulation_steps"]
-
 
 def accumulation_steps(
     micro_batches: Iterable[Mapping[str, Any]], loss_fn: GlobalBatchLoss, steps: int
 ) -> Iterator[list[Mapping[str, Any]]]:
     """Each optimizer step's ``steps`` micro-batches, after ``loss_fn.begin()`` on them.
 
-    Reads one micro-batch ahead, so that a loader has ended before its last group runs (once
-    its loader has handed over its last batch, ``accelerator.accumulate()`` steps at every
-    micro-batch). With Accelerate, build the loss with
-    ``GlobalBatchLoss(gradient_average_size=num_processes * steps)`` (docs/pytorch_loop.md).
+    Reads one micro-batch ahead; why, and the ``gradient_average_size`` Accelerate needs:
+    ``docs/pytorch_loop.md``.
 
     Args:
         micro_batches: This rank's micro-batches, in order (a loader).

@@ -18,14 +18,6 @@ from torch import Tensor
 from bert_reduce import distributed
 from bert_reduce.num_scored import NUM_SCORED_KEY, count_scored
 
-__all__ = [
-    "context_parallel_indices",
-    "get_batch_on_this_cp_rank",
-    "get_packed_batch_on_this_cp_rank",
-    "packed_context_parallel_indices",
-    "slice_for_context_parallel",
-]
-
 _PACKED_BOUNDARY_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 
@@ -103,18 +95,20 @@ def slice_for_context_parallel(tensor: Tensor, seq_dim: int, cp_size: int, cp_ra
     return tensor.index_select(seq_dim, index)
 
 
-def _shard_num_scored(sliced: dict[str, Any], num_scored: Any) -> Any:
-    """This shard's count from its host ``loss_mask``/``labels``, else ``num_scored`` as given.
+def _recounted(sliced: dict[str, Any]) -> dict[str, Any]:
+    """``sliced``, its ``num_scored`` counted again from its host ``loss_mask``/``labels``.
 
-    Per-sample counts (a tuple or list, or a ``[b]`` tensor) stay per-sample.
+    Per-sample counts (a tuple or list, or a ``[b]`` tensor) stay per-sample; a batch on a
+    device keeps its count as given.
     """
     scored = sliced.get("loss_mask", sliced.get("labels"))
-    if not isinstance(scored, Tensor) or scored.device.type != "cpu":
-        return num_scored
-    per_sample = isinstance(num_scored, tuple | list) or (
-        isinstance(num_scored, Tensor) and num_scored.dim() == 1
-    )
-    return count_scored(sliced, per_sample=per_sample)
+    if NUM_SCORED_KEY in sliced and isinstance(scored, Tensor) and scored.device.type == "cpu":
+        num_scored = sliced[NUM_SCORED_KEY]
+        per_sample = isinstance(num_scored, tuple | list) or (
+            isinstance(num_scored, Tensor) and num_scored.dim() == 1
+        )
+        sliced[NUM_SCORED_KEY] = count_scored(sliced, per_sample=per_sample)
+    return sliced
 
 
 def _resolve(cp_size: int | None, cp_rank: int | None) -> tuple[int, int]:
@@ -131,16 +125,14 @@ def get_batch_on_this_cp_rank(
 ) -> dict[str, Any]:
     """``[b, s, ...]`` batch -> this context-parallel rank's ``[b, s / cp, ...]`` slice of it.
 
-    The slice Megatron expects, in a new dict. Tensors are sliced along dim 1 (a 4-dim
-    ``[b, 1, s, s]`` ``attention_mask``: dim 2, as in Megatron) unless ``seq_dims`` says
-    otherwise; other values, and keys mapped to ``None`` in ``seq_dims``, pass through.
-    ``num_scored`` becomes this shard's count (see the module docstring).
+    The slice Megatron expects, in a new dict, as ``docs/packing.md`` says (``attention_mask``
+    ``[b, 1, s, s]`` along dim 2); ``num_scored`` becomes this shard's count (module docstring).
 
     Args:
         batch: The full micro-batch, e.g. ``labels`` and ``loss_mask`` of shape ``[b, s]``.
         cp_size: Context-parallel size; Megatron's when ``None`` (1 without Megatron).
         cp_rank: Context-parallel rank; Megatron's when ``None`` (0 without Megatron).
-        seq_dims: Per-key sequence dimension overrides.
+        seq_dims: Per-key sequence dimension overrides; ``None`` passes a key through.
 
     Returns:
         The sliced batch; with ``cp_size == 1`` a shallow copy of ``batch``.
@@ -170,9 +162,7 @@ def get_batch_on_this_cp_rank(
                 )
             value = slice_for_context_parallel(value, seq_dim, cp_size, cp_rank)
         sliced[key] = value
-    if cp_size > 1 and NUM_SCORED_KEY in batch:
-        sliced[NUM_SCORED_KEY] = _shard_num_scored(sliced, batch[NUM_SCORED_KEY])
-    return sliced
+    return _recounted(sliced) if cp_size > 1 else sliced
 
 
 def get_packed_batch_on_this_cp_rank(
@@ -180,16 +170,14 @@ def get_packed_batch_on_this_cp_rank(
 ) -> dict[str, Any]:
     """Slice a packed ``[1, T, ...]`` batch for one context-parallel rank.
 
-    Every ``[1, T, ...]`` tensor is sliced along dim 1 (see
-    :func:`packed_context_parallel_indices`); ``cu_seqlens``, ``cu_seqlens_padded``,
-    ``max_seqlen`` and other values pass through, as Transformer Engine expects.
-    ``num_scored`` becomes this shard's count (see the module docstring).
+    Every ``[1, T, ...]`` tensor is sliced along dim 1, the rest passes through, as
+    ``docs/packing.md`` says; ``num_scored`` becomes this shard's count (module docstring).
 
     Args:
         batch: A batch from :func:`bert_reduce.packing.pack_batch` (``pad_to_multiple_of`` a
             multiple of ``2 * cp_size``).
-        cp_size: Context-parallel size; Megatron's when ``None`` (1 without Megatron).
-        cp_rank: Context-parallel rank; Megatron's when ``None`` (0 without Megatron).
+        cp_size: As in :func:`get_batch_on_this_cp_rank`.
+        cp_rank: As in :func:`get_batch_on_this_cp_rank`.
 
     Returns:
         The sliced batch; with ``cp_size == 1`` a shallow copy of ``batch``.
@@ -221,6 +209,4 @@ def get_packed_batch_on_this_cp_rank(
                     index = packed_context_parallel_indices(bounds, total, cp_size, cp_rank)
                 value = value.index_select(1, index.to(value.device))
         sliced[key] = value
-    if NUM_SCORED_KEY in batch:
-        sliced[NUM_SCORED_KEY] = _shard_num_scored(sliced, batch[NUM_SCORED_KEY])
-    return sliced
+    return _recounted(sliced)

@@ -1,10 +1,9 @@
 """Cross-entropy on ``[s, b, v]`` logits that computes only what the loss mask needs.
 
-Only the selected rows are read (in fp32 chunks) and written in the gradient; under tensor
-parallelism one all-reduce of a ``[tp, 2, rows]`` buffer of per-shard
-``(log-sum-exp, target logit)`` completes the loss. How and at what price (the row selection,
-``capacity``, and its host syncs): ``docs/fast_path.md``. The row selection and the shard
-statistics are shared with the fused head in :mod:`bert_reduce._vocab_parallel`.
+Which rows are read and written, at what price (``capacity``, host syncs):
+``docs/fast_path.md``; chunks, memory and the one all-reduce under tensor parallelism:
+``docs/performance.md``. The row selection and the shard statistics are shared with the
+fused head in :mod:`bert_reduce._vocab_parallel`.
 """
 
 from __future__ import annotations
@@ -41,22 +40,17 @@ _MIN_CHUNK_ELEMENTS = 1 << 20
 _CHUNKS_PER_LOGITS = 32
 
 
-def _default_chunk_elements(logits: Tensor, acc: torch.dtype) -> int:
-    """Chunks whose fp32 copy is 1/32 of the logits' bytes, and never tiny."""
-    per_chunk = logits.numel() * logits.element_size() // (_CHUNKS_PER_LOGITS * acc.itemsize)
-    return max(_MIN_CHUNK_ELEMENTS, per_chunk)
-
-
 class _Rows:
-    """Reads and writes rows ``r = i_s * b + i_b`` of ``[s, b, v]`` tensors, by chunk.
+    """Reads and writes the ``selection``'s rows ``r = i_s * b + i_b`` of ``[s, b, v]`` tensors.
 
-    ``index`` is ``None`` for "every row, in order" (chunks are then slices, views when the
-    tensor is contiguous), else an int64 ``[rows]`` tensor of flat row numbers.
+    Without an ``index`` (every row, in order) chunks are slices, views when the tensor is
+    contiguous.
     """
 
-    def __init__(self, shape: torch.Size, index: Tensor | None, chunk_elements: int) -> None:
+    def __init__(self, shape: torch.Size, selection: vp.RowSelection, chunk_elements: int) -> None:
         self.seq_len, self.batch_size, self.vocab = shape
-        self.index = index
+        self.selection = selection
+        self.index = index = selection.index
         self.count = self.seq_len * self.batch_size if index is None else index.numel()
         self.chunk = max(1, chunk_elements // max(1, self.vocab))
 
@@ -68,27 +62,24 @@ class _Rows:
         rows = torch.arange(start, end, device=device) if index is None else index[start:end]
         return rows.div(self.batch_size, rounding_mode="floor"), rows.remainder(self.batch_size)
 
-    def read(self, tensor: Tensor, start: int, end: int) -> Tensor:
-        """Rows ``[start, end)`` as a ``[c, v]`` tensor: a view when possible, else a copy."""
+    def read(self, tensor: Tensor, start: int, end: int, scratch: Tensor | None = None) -> Tensor:
+        """Rows ``[start, end)``: in ``scratch`` (its dtype) if given, else a view if possible."""
+        out = None if scratch is None else scratch[: end - start]
         if not tensor.is_contiguous():
-            return tensor[self._coordinates(start, end, tensor.device)]
-        flat = tensor.view(-1, self.vocab)
-        if self.index is None:
-            return flat[start:end]
-        return flat.index_select(0, self.index[start:end])
+            rows = tensor[self._coordinates(start, end, tensor.device)]
+        elif self.index is None:
+            rows = tensor.view(-1, self.vocab)[start:end]
+        elif out is not None and tensor.dtype == out.dtype:
+            # Gathered straight into the buffer: one copy, not a gather and then a copy.
+            flat = tensor.view(-1, self.vocab)
+            return torch.index_select(flat, 0, self.index[start:end], out=out)
+        else:
+            rows = tensor.view(-1, self.vocab).index_select(0, self.index[start:end])
+        return rows if out is None else out.copy_(rows)
 
     def scratch(self, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A ``[chunk, v]`` buffer allocated once per call, not once per chunk."""
         return torch.empty(min(self.chunk, self.count), self.vocab, dtype=dtype, device=device)
-
-    def read_into(self, tensor: Tensor, start: int, end: int, scratch: Tensor) -> Tensor:
-        """Rows ``[start, end)`` copied into ``scratch``'s first rows (converted to its dtype)."""
-        out = scratch[: end - start]
-        if self.index is not None and tensor.is_contiguous() and tensor.dtype == out.dtype:
-            # Gathered straight into the buffer: one copy, not a gather and then a copy.
-            flat = tensor.view(-1, self.vocab)
-            return torch.index_select(flat, 0, self.index[start:end], out=out)
-        return out.copy_(self.read(tensor, start, end))
 
     def is_view(self, tensor: Tensor, dtype: torch.dtype) -> bool:
         """Whether rows of ``tensor`` are views of it in ``dtype`` (else they need a copy)."""
@@ -121,17 +112,13 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         targets: Tensor,
         scored: Tensor,
         rows: _Rows,
-        unselected: Tensor | None,
-        overflow: Tensor | None,
         in_place: bool,
         tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
         """``[b, s]`` losses of the selected rows, 0 elsewhere (:func:`cross_entropy_token_losses`).
 
         ``targets`` and ``scored`` are ``[rows]``, aligned with ``rows``; a selected row that is
-        not scored gets loss 0 and no gradient. ``unselected`` (int64) lists the flat rows
-        whose gradient is zero without being computed. ``overflow`` (``[s * b]`` bool) is
-        true on every scored row when more rows are scored than selected, else all false.
+        not scored gets loss 0 and no gradient.
         """
         _, tp_size, tp_rank = vp.tensor_parallel_placement(tp_group)
         acc = accumulation_dtype(logits.dtype)
@@ -144,18 +131,14 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
             # One shard: loss = -log_softmax(x)[target], with PyTorch's fused kernel.
             loss = torch.empty(rows.count, dtype=acc, device=logits.device)
             for start, end in rows.chunks():
-                if view:
-                    x = rows.read(logits, start, end)
-                    log_probs = torch.log_softmax(x, -1, out=scratch[: end - start])
-                else:
-                    x = rows.read_into(logits, start, end, scratch)
-                    log_probs = torch.log_softmax(x, -1, out=x)
+                x = rows.read(logits, start, end, None if view else scratch)
+                log_probs = torch.log_softmax(x, -1, out=scratch[: end - start])
                 loss[start:end] = log_probs.gather(1, sharded.local[start:end]).squeeze(1).neg_()
             loss = torch.where(sharded.in_vocab, loss, torch.nan)
         else:
-            stats = vp.shard_stats(rows.count, acc, logits.device, tp_group)
+            stats = torch.zeros(tp_size, 2, rows.count, dtype=acc, device=logits.device)
             for start, end in rows.chunks():
-                x = rows.read_into(logits, start, end, scratch)
+                x = rows.read(logits, start, end, scratch)
                 stats[tp_rank, 1, start:end] = x.gather(1, sharded.local[start:end]).squeeze(1)
                 stats[tp_rank, 0, start:end] = vp.logsumexp_(x)
             shard_lse = stats[tp_rank, 0].clone()
@@ -163,19 +146,17 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
             loss = vp.row_losses(lse, target_logit, sharded.in_vocab)
             # softmax over the vocabulary = this shard's softmax * exp(lse_shard - lse).
             shard_share = torch.exp(shard_lse - lse)
-        selection = vp.RowSelection(rows.index, unselected, overflow)
-        losses, scored = vp.scatter_losses(loss, scored, selection, seq_len * batch_size)
+        losses, scored = vp.scatter_losses(loss, scored, rows.selection, seq_len * batch_size)
         ctx.rows, ctx.in_place = rows, in_place
-        ctx.save_for_backward(
-            logits, sharded.local, sharded.in_shard, scored, unselected, overflow, shard_share
-        )
+        ctx.save_for_backward(logits, sharded.local, sharded.in_shard, scored, shard_share)
         return losses.view(seq_len, batch_size).t().contiguous()
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
-        logits, local, in_shard, scored, unselected, overflow, shard_share = ctx.saved_tensors
+        logits, local, in_shard, scored, shard_share = ctx.saved_tensors
         rows: _Rows = ctx.rows
+        _, unselected, overflow = rows.selection
         acc = accumulation_dtype(logits.dtype)
         coef = vp.row_coefficients(grad_losses.t().reshape(-1), acc, rows.index, scored, overflow)
         scale = coef if shard_share is None else coef * shard_share
@@ -192,10 +173,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         view = direct and rows.is_view(logits, acc)
         scratch = None if view else rows.scratch(acc, logits.device)
         for start, end in rows.chunks():
-            if view:
-                x = rows.read(logits, start, end)
-            else:
-                x = rows.read_into(logits, start, end, scratch)
+            x = rows.read(logits, start, end, scratch)
             out = rows.read(grad, start, end) if direct else x
             # dL/dx = coef * (softmax - onehot), in place; under TP `scale` also carries the
             # factor exp(lse_shard - lse) from this shard's softmax to the vocabulary's.
@@ -205,7 +183,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
                 rows.write(grad, start, end, p)
         if unselected is not None:
             rows.zero(grad, unselected)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def cross_entropy_token_losses(
@@ -233,20 +211,16 @@ def cross_entropy_token_losses(
         labels: ``[b, s]`` integer token ids; unscored positions may hold anything (``-100``).
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
         capacity: ``"all"`` (default), ``"nonzero"``, a row count or a fraction of ``b * s``.
-        num_scored: The data pipeline's count of scored positions
-            (:data:`~bert_reduce.num_scored.NumScored`); overrides ``capacity``.
-        in_place: Write the gradient into the logits' own storage (no gradient memory; under
-            TP, this rank's shard): only safe for non-leaf logits that nothing reads after
-            this loss (no detached copy kept, no ``retain_graph``).
+        num_scored: As in :func:`bert_reduce.linear_cross_entropy_token_losses`.
+        in_place: Write the gradient into the logits' own storage: only safe for non-leaf
+            logits that nothing reads after this loss (``docs/performance.md``).
         chunk_elements: About how many logits one chunk reads (``None``: 1/32 of the logits'
             bytes in fp32, at least 2**20 values).
-        tp_group: The group the vocabulary is sharded over; ``None``: Megatron-Core's
-            tensor-parallel group when its parallel state is initialized, else no sharding.
+        tp_group: As in :func:`bert_reduce.linear_cross_entropy_token_losses`.
 
     Returns:
-        ``[b, s]`` losses in fp32 (fp64 for fp64 logits): NaN where a scored label is outside
-        the vocabulary, and on every scored position (gradient too) when more positions are
-        scored than ``capacity`` or ``num_scored`` holds.
+        ``[b, s]`` losses in fp32 (fp64 for fp64 logits), NaN as in
+        :func:`bert_reduce.linear_cross_entropy_token_losses`.
 
     Raises:
         ValueError: On mismatched shapes, a bad ``capacity`` or ``chunk_elements``, or
@@ -264,8 +238,10 @@ def cross_entropy_token_losses(
     check_logits_and_labels(logits, labels)
     check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
     check_same_device(loss_mask, labels, ("loss_mask", "labels"))
-    if chunk_elements is None:
-        chunk_elements = _default_chunk_elements(logits, accumulation_dtype(logits.dtype))
+    if chunk_elements is None:  # chunks whose fp32 copy is 1/32 of the logits' bytes, not tiny
+        acc_size = accumulation_dtype(logits.dtype).itemsize
+        per_chunk = logits.numel() * logits.element_size() // (_CHUNKS_PER_LOGITS * acc_size)
+        chunk_elements = max(_MIN_CHUNK_ELEMENTS, per_chunk)
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be positive, got {chunk_elements}.")
     if in_place and logits.requires_grad and logits.is_leaf:
@@ -275,11 +251,8 @@ def cross_entropy_token_losses(
         )
     # Flat row r = i_s * b + i_b follows the [s, b, v] memory order of the logits.
     targets, scored, selection = vp.flat_rows(labels, loss_mask, True, capacity, num_scored)
-    rows = _Rows(logits.shape, selection.index, chunk_elements)
-    return _CrossEntropyTokenLosses.apply(
-        logits, targets, scored != 0, rows, selection.unselected, selection.overflow,
-        in_place, tp_group,
-    )  # fmt: skip
+    rows = _Rows(logits.shape, selection, chunk_elements)
+    return _CrossEntropyTokenLosses.apply(logits, targets, scored != 0, rows, in_place, tp_group)
 
 
 def cross_entropy_loss_sum(
@@ -348,10 +321,8 @@ def unreduced_token_loss_fn(
     BioNeMo's name and signature, for code ported from it (``docs/bionemo.md``). Under
     Megatron-Core's parallel state this is Megatron's vocab-parallel cross-entropy (what
     ``cross_entropy="megatron"`` runs), on a private fp32 copy so that the caller's logits
-    are never modified (Megatron's kernels work in place); without it,
-    :func:`cross_entropy_token_losses` with every position scored. A label outside the full
-    vocabulary (``-100``) gives NaN at its position, which a mask then drops without
-    arithmetic (:func:`bert_reduce.normalization.token_loss_sum`).
+    are never modified; without it, :func:`cross_entropy_token_losses` with every position
+    scored. A label outside the full vocabulary (``-100``) gives NaN at its position.
 
     Args:
         logits: ``[s, b, v]`` logits (this rank's vocab shard under tensor parallelism).

@@ -18,17 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = [
-    "all_reduce_sum_",
-    "context_parallel_rank",
-    "context_parallel_world_size",
-    "default_device",
-    "loss_reduction_group",
-    "megatron_is_initialized",
-    "tensor_parallel_group",
-    "tensor_parallel_world_size",
-]
-
 _PARALLEL_STATE = "megatron.core.parallel_state"
 
 

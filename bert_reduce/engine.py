@@ -4,8 +4,7 @@ Every integration calls :func:`loss_terms` (or, for per-token losses, :func:`tok
 :class:`bert_reduce.BERTMLMLossWithReduction` (and :class:`bert_reduce.lightning.ExactMLMModule`,
 through its loss instance), :class:`bert_reduce.GlobalBatchLoss`,
 :class:`bert_reduce.hf.ExactMLMTrainer` and :meth:`bert_reduce.TokenPerplexity.update_from_logits`.
-Each decides only when to reduce the terms, how to scale the gradients and what to log; the
-options they take are the fields of :class:`LossOptions`, under the same names.
+Each decides only when to reduce the terms, how to scale the gradients and what to log.
 
 For one micro-batch:
 
@@ -40,6 +39,7 @@ from bert_reduce.forward_output import (
     OUTPUT_BIAS_KEY,
     OUTPUT_WEIGHT_KEY,
     Layout,
+    as_forward_out,
     check_layout,
     forward_out_key,
     head_logits,
@@ -57,16 +57,6 @@ from bert_reduce.normalization import Normalization, checked_normalization, toke
 from bert_reduce.num_scored import NUM_SCORED_KEY
 from bert_reduce.packing import batch_sequence_normalizers
 
-__all__ = [
-    "CROSS_ENTROPY",
-    "CrossEntropy",
-    "LossOptions",
-    "loss_terms",
-    "mode_terms",
-    "scored_weights",
-    "token_losses",
-]
-
 CrossEntropy = Literal["masked", "megatron", "megatron_fused"]
 """The kernel on logits; see :attr:`LossOptions.cross_entropy`."""
 CROSS_ENTROPY: tuple[CrossEntropy, ...] = ("masked", "megatron", "megatron_fused")
@@ -81,19 +71,13 @@ class LossOptions:
             ``"per_sequence"`` or ``"constant"`` (``docs/normalization.md``).
         constant_per_sequence: The ``"constant"`` mode's denominator per sequence (e.g. the
             maximum sequence length); required, and positive, in that mode.
-        weight_resolution: For a float ``loss_mask`` in ``"per_token"`` mode, round weights to
-            multiples of ``1 / weight_resolution`` so the denominator is an exact integer
-            (Megatron-Core's schedule counts in int32); ``None``: the fp64 sum of the weights.
-        capacity: Which rows the kernels compute when the batch has no ``num_scored``:
-            ``"all"``, ``"nonzero"``, a row count or a fraction of ``b * s``; ``None``
-            (default): each kernel's own default, ``"all"`` on logits and ``"nonzero"`` (one
-            host sync on an accelerator) on hidden states (``docs/fast_path.md``).
-        cross_entropy: The kernel on logits: ``"masked"`` (default; the library's, which
-            normalizes only the selected rows, and on hidden states the fused masked-only
-            head), ``"megatron"`` (Megatron-Core's vocab-parallel cross-entropy on every
-            position, on a private fp32 copy of the logits) or ``"megatron_fused"`` (its fused
-            kernel: one all-reduce fewer under TP, gradient in bf16). The Megatron kernels
-            need Megatron-Core's parallel state; given hidden states they compute the logits.
+        weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        capacity: Which rows the kernels compute when the batch has no ``num_scored``
+            (``docs/fast_path.md``); ``None`` (default): each kernel's own default.
+        cross_entropy: The kernel: ``"masked"`` (default; the library's, on logits or as the
+            fused head on hidden states), ``"megatron"`` (Megatron-Core's vocab-parallel
+            cross-entropy on every position) or ``"megatron_fused"`` (its fused kernel, one
+            all-reduce fewer under TP): ``docs/megatron.md#cross-entropy-kernels``.
         ignore_index: Label of unscored positions (Hugging Face's ``-100``): such a position
             weighs 0 whatever ``loss_mask`` says. ``None``: only ``loss_mask`` decides (a
             scored out-of-vocabulary label then makes the loss NaN).
@@ -171,28 +155,6 @@ def _tensor(mapping: Mapping[str, Any], key: str, name: str) -> Tensor:
     return value
 
 
-def _as_mapping(forward_out: Tensor | Mapping[str, Any], layout: Layout) -> Mapping[str, Any]:
-    """A bare tensor is the logits, in the integration's ``layout``."""
-    if isinstance(forward_out, Tensor):
-        return {"logits" if layout == "bs" else "token_logits": forward_out}
-    if not isinstance(forward_out, Mapping):
-        raise TypeError(
-            "forward_out must be a logits tensor or a mapping of the keys in "
-            f"bert_reduce.forward_output.FORWARD_OUT_LAYOUTS, got {type(forward_out).__name__}."
-        )
-    return forward_out
-
-
-def _check_kernel(options: LossOptions) -> None:
-    if options.cross_entropy != "masked" and not distributed.megatron_is_initialized():
-        raise ValueError(
-            f"cross_entropy={options.cross_entropy!r} runs Megatron-Core's vocab-parallel "
-            "cross-entropy, which needs Megatron-Core's parallel state "
-            "(megatron.core.parallel_state.initialize_model_parallel); outside Megatron use "
-            "cross_entropy='masked' (the default)."
-        )
-
-
 def _check_labels(labels: Tensor, weights: Tensor, vocab_shard: int) -> None:
     vocab_size = vocab_shard * distributed.tensor_parallel_world_size()
     validate_masked_labels(labels, weights, vocab_size)
@@ -231,20 +193,19 @@ def token_losses(
 
     Args:
         batch: ``labels`` (``[b, s]``), optionally ``loss_mask`` and ``num_scored``.
-        forward_out: The model output (:mod:`bert_reduce.forward_output`), or a bare logits
-            tensor.
+        forward_out: As in :func:`loss_terms`.
         options: The loss options.
-        layout: The layout of a bare tensor, and of hidden states without ``hidden_layout``.
+        layout: As in :func:`loss_terms`.
         weights: The batch's :func:`scored_weights`, if already computed.
-        key: Which entry of ``forward_out`` to score (``None``: the one present).
-        check_labels: Raise on a scored label outside the vocabulary (a host sync).
+        key: As in :func:`loss_terms`.
+        check_labels: As in :func:`loss_terms`.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 inputs).
     """
     weights = scored_weights(batch, options.ignore_index) if weights is None else weights
     labels = batch["labels"]
-    out = _as_mapping(forward_out, check_layout(layout))
+    out = as_forward_out(forward_out, check_layout(layout))
     name = forward_out_key(out, key)
     if name == "lm_loss":
         losses = _tensor(out, name, "forward_out")
@@ -260,7 +221,13 @@ def token_losses(
     if check_labels:
         _check_labels(labels, weights, vocab_shard)
     if options.cross_entropy != "masked":
-        _check_kernel(options)
+        if not distributed.megatron_is_initialized():
+            raise ValueError(
+                f"cross_entropy={options.cross_entropy!r} runs Megatron-Core's vocab-parallel "
+                "cross-entropy, which needs Megatron-Core's parallel state "
+                "(megatron.core.parallel_state.initialize_model_parallel); outside Megatron "
+                "use cross_entropy='masked' (the default)."
+            )
         if name == HIDDEN_STATES_KEY:
             logits = head_logits(out, layout)
         elif name == "logits":
@@ -331,9 +298,8 @@ def loss_terms(
     """One micro-batch's ``(numerator, denominator)`` in the options' mode; no collective.
 
     On hidden states with the ``"masked"`` kernel this is the fused head's
-    :func:`bert_reduce.linear_cross_entropy_loss_sum` (the mode's weights known in the
-    forward, the gradients accumulated there); otherwise :func:`token_losses` followed by
-    :func:`bert_reduce.normalization.token_loss_sum`.
+    :func:`bert_reduce.linear_cross_entropy_loss_sum`; otherwise :func:`token_losses`
+    followed by :func:`bert_reduce.normalization.token_loss_sum`.
 
     Args:
         batch: ``labels`` (``[b, s]`` integer token ids), optionally ``loss_mask``
@@ -349,12 +315,12 @@ def loss_terms(
             (reads them on the host: a sync).
 
     Returns:
-        The 0-dim numerator in fp32 (fp64 for fp64 inputs) carrying the gradient, and the
-        0-dim denominator (int64; fp64 for a float mask in per-token mode without
-        ``weight_resolution``).
+        The 0-dim numerator (carrying the gradient) and denominator, as
+        :func:`bert_reduce.normalization.token_loss_sum` returns them.
 
     Raises:
-        KeyError: On a missing key (the message names it and lists those present).
+        KeyError: On a missing key (the message names it and lists those present), or
+            several candidate outputs and no ``key``.
         TypeError: On a ``forward_out`` that is neither a tensor nor a mapping.
         ValueError: On mismatched shapes or devices, a bad layout, a Megatron kernel without
             Megatron-Core's parallel state, or (``check_labels``) invalid labels.
@@ -366,7 +332,7 @@ def loss_terms(
         (tensor(2.7726), tensor(2))
     """
     weights = scored_weights(batch, options.ignore_index)
-    out = _as_mapping(forward_out, check_layout(layout))
+    out = as_forward_out(forward_out, check_layout(layout))
     if forward_out_key(out, key) == HIDDEN_STATES_KEY and options.cross_entropy == "masked":
         hidden, weight, bias, hidden_layout = _hidden_inputs(out, layout)
         labels = batch["labels"]

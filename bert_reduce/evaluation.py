@@ -17,8 +17,6 @@ from bert_reduce import distributed
 from bert_reduce.num_scored import NUM_SCORED_KEY
 from bert_reduce.sampling import check_no_repeated_samples
 
-__all__ = ["eval_batches"]
-
 
 def _scoring_nothing(batch: Mapping[str, Any], ignore_index: int) -> dict[str, Any]:
     """``batch`` with every label ``ignore_index``: a forward that adds 0 to every sum."""
@@ -42,9 +40,8 @@ def eval_batches(
 
     Every rank of ``group`` yields as many batches as the rank with the most: its own, then
     copies of its last one (of ``dataloader.collate_fn([dataset[0]])`` on a rank without any,
-    not moved to any device) whose ``labels`` are all ``ignore_index``, ``loss_mask`` and
-    ``num_scored`` (if any) 0: they keep FSDP2's all-gathers in step and add nothing to a sum
-    (``docs/pytorch_loop.md``). One all-reduce and one host read per evaluation.
+    not moved to any device) with ``labels`` all ``ignore_index``, ``loss_mask`` and
+    ``num_scored`` (if any) 0. One all-reduce and one host read per evaluation.
 
     Args:
         dataloader: This rank's evaluation loader, of mappings with ``labels`` (``[b, s]``);

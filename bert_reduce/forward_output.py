@@ -10,12 +10,9 @@ tensor is, so a ``[b, s, v]`` tensor with ``b == s`` is not read as ``[s, b, v]`
   (``[v]``): the output layer's inputs, for the fused masked-only head; ``hidden_layout``
   (``"sb"``: ``[s, b, h]``, ``"bs"``: ``[b, s, h]``) says their layout.
 
-A bare tensor is read as logits. Its layout, and that of hidden states without a
-``hidden_layout``, is the integration's convention: ``"sb"`` for
-:class:`bert_reduce.BERTMLMLossWithReduction` and :class:`bert_reduce.TokenPerplexity`
-(Megatron's), ``"bs"`` for :class:`bert_reduce.GlobalBatchLoss` and
-:class:`bert_reduce.hf.ExactMLMTrainer` (Hugging Face's); each takes ``layout=`` to say
-otherwise.
+A bare tensor is read as logits in the integration's layout (its ``layout`` argument;
+:class:`bert_reduce.hf.ExactMLMTrainer`: ``"bs"``), as are hidden states without a
+``hidden_layout``.
 """
 
 from __future__ import annotations
@@ -26,28 +23,11 @@ from typing import Any, Literal
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = [
-    "FORWARD_OUT_LAYOUTS",
-    "HIDDEN_LAYOUT_KEY",
-    "HIDDEN_STATES_KEY",
-    "LAYOUTS",
-    "OUTPUT_BIAS_KEY",
-    "OUTPUT_WEIGHT_KEY",
-    "ForwardOutKey",
-    "Layout",
-    "check_layout",
-    "forward_out_key",
-    "head_logits",
-]
-
+# The fused head's keys (module docstring).
 HIDDEN_STATES_KEY = "hidden_states"
-"""``forward_out`` key of the hidden states that enter the output layer."""
 OUTPUT_WEIGHT_KEY = "output_weight"
-"""``forward_out`` key of the output layer's ``[v, h]`` weight."""
 OUTPUT_BIAS_KEY = "output_bias"
-"""``forward_out`` key of the output layer's ``[v]`` bias (optional)."""
 HIDDEN_LAYOUT_KEY = "hidden_layout"
-"""``forward_out`` key of the hidden states' :data:`Layout` (optional)."""
 
 Layout = Literal["bs", "sb"]
 """``"bs"``: batch first (``[b, s, v]`` logits, ``[b, s, h]`` hidden states; Hugging Face);
@@ -103,6 +83,22 @@ def forward_out_key(forward_out: Mapping[str, Any], key: str | None = None) -> F
         f"{HIDDEN_STATES_KEY!r} with {OUTPUT_WEIGHT_KEY!r}; it has {sorted(forward_out)}. "
         "Pass forward_out_key= to say which one to use."
     )
+
+
+def as_forward_out(forward_out: Tensor | Mapping[str, Any], layout: Layout) -> Mapping[str, Any]:
+    """``forward_out`` as a mapping: a bare tensor is the logits, in the integration's ``layout``.
+
+    Raises:
+        TypeError: On a ``forward_out`` that is neither a tensor nor a mapping.
+    """
+    if isinstance(forward_out, Tensor):
+        return {"logits" if layout == "bs" else "token_logits": forward_out}
+    if not isinstance(forward_out, Mapping):
+        raise TypeError(
+            "forward_out must be a logits tensor or a mapping of the keys in "
+            f"bert_reduce.forward_output.FORWARD_OUT_LAYOUTS, got {type(forward_out).__name__}."
+        )
+    return forward_out
 
 
 def head_logits(forward_out: Mapping[str, Any], layout: Layout = "sb") -> Tensor:

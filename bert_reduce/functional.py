@@ -9,17 +9,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = [
-    "accumulation_dtype",
-    "check_logits_and_labels",
-    "check_same_device",
-    "check_same_shape",
-    "mask_weights",
-    "safe_divide",
-    "token_denominator",
-    "validate_masked_labels",
-]
-
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype losses are summed in: fp32, or fp64 when the input already is fp64."""
@@ -58,26 +47,38 @@ def check_same_device(first: Tensor, second: Tensor, names: tuple[str, str]) -> 
         )
 
 
+def check_token_tensor(
+    tensor: Tensor, labels: Tensor, name: str, dims: str, shards: int = 1, note: str = ""
+) -> None:
+    """``ValueError`` unless labels are ``[b, s]`` integers, matched by ``tensor`` on their device.
+
+    ``tensor`` (named ``name``) must be ``[s / shards, b, x]`` (``dims="sbx"``) or
+    ``[b, s, x]`` (``"bsx"``); ``note`` ends the shape error's message.
+    """
+    if labels.dim() != 2:
+        raise ValueError(f"labels must be [b, s], got shape {tuple(labels.shape)}.")
+    batch_size, seq_len = labels.shape
+    expected = (seq_len // shards, batch_size) if dims[0] == "s" else (batch_size, seq_len)
+    if tensor.dim() != 3 or tuple(tensor.shape[:2]) != expected:
+        raise ValueError(
+            f"{name} of shape {tuple(tensor.shape)} must be [{', '.join(dims)}] = "
+            f"[{expected[0]}, {expected[1]}, {dims[2]}] for labels of shape "
+            f"{tuple(labels.shape)} ([b, s]){note}."
+        )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
+    check_same_device(tensor, labels, (name, "labels"))
+
+
 def check_logits_and_labels(logits: Tensor, labels: Tensor, name: str = "token_logits") -> None:
-    """``ValueError`` unless labels are ``[b, s]`` integers, matched by the logits on their device.
+    """:func:`check_token_tensor` for logits, whose ``forward_out`` key says their layout.
 
     Args:
         logits: ``[s, b, v]`` (``name="token_logits"``) or ``[b, s, v]`` (``name="logits"``).
         labels: ``[b, s]`` integer token ids.
-        name: The logits' ``forward_out`` key, which says their layout.
+        name: The logits' ``forward_out`` key.
     """
-    if labels.dim() != 2:
-        raise ValueError(f"labels must be [b, s], got shape {tuple(labels.shape)}.")
-    dims, expected = ("b, s", labels.shape) if name == "logits" else ("s, b", labels.shape[::-1])
-    if logits.dim() != 3 or logits.shape[:2] != expected:
-        raise ValueError(
-            f"{name} of shape {tuple(logits.shape)} must be [{dims}, v] = "
-            f"[{expected[0]}, {expected[1]}, v] for labels of shape {tuple(labels.shape)} "
-            "([b, s])."
-        )
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}.")
-    check_same_device(logits, labels, (name, "labels"))
+    check_token_tensor(logits, labels, name, "bsv" if name == "logits" else "sbv")
 
 
 def mask_weights(loss_mask: Tensor) -> Tensor:
@@ -90,8 +91,7 @@ def mask_weights(loss_mask: Tensor) -> Tensor:
 def token_denominator(loss_mask: Tensor) -> Tensor:
     """The per-token denominator of a loss mask: the sum of its weights, exactly; no host sync.
 
-    The library's one definition of "how many tokens": the count for a 0/1 mask, the sum of
-    the weights for a weighted one (the weighted mean of ``F.cross_entropy(weight=...)``).
+    The library's one definition of "how many tokens" (``docs/normalization.md``).
 
     Args:
         loss_mask: ``[b, s]`` (or any shape) bool, integer or float weights.

@@ -4,18 +4,12 @@ An MLM loss scores ~15% of the positions, yet ``F.linear(hidden, weight)`` follo
 cross-entropy computes, stores and back-propagates ``[s, b, v]`` logits for all of them.
 These entry points compute the logits of the *selected* rows only, a chunk at a time, and
 never hold more than one chunk (the kernels: :mod:`bert_reduce._fused_head`):
-
-* :func:`linear_cross_entropy_loss_sum`: ``(loss_sum, denominator)`` in a normalization mode,
-  what every integration calls; it runs :func:`linear_cross_entropy_weighted_sum` with the
-  mode's weights (:func:`bert_reduce.normalization.normalization_weights`).
-* :func:`linear_cross_entropy_weighted_sum`: ``sum(w * loss)`` with per-token weights known in
-  the forward, which accumulates the gradients as it goes: three products per row
-  (``6 * rows * v * h`` multiply-adds, ~0.15x of the dense head's at 15% masked).
-* :func:`linear_cross_entropy_token_losses`: the ``[b, s]`` per-token losses, for a caller
-  that weights them later; its backward recomputes the logits (four products per row).
+:func:`linear_cross_entropy_loss_sum`, what every integration calls, runs
+:func:`linear_cross_entropy_weighted_sum` (gradients accumulated in the forward) with the
+mode's weights; :func:`linear_cross_entropy_token_losses` gives per-token losses.
 
 Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``; precision,
-memory, passes and tensor parallelism (ONE all-reduce): ``docs/performance.md``.
+memory, passes, products and tensor parallelism (ONE all-reduce): ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -60,18 +54,16 @@ def linear_cross_entropy_token_losses(
     Equal (up to rounding) to ``cross_entropy_token_losses(F.linear(hidden, weight, bias), labels,
     loss_mask)`` with the same gradients w.r.t. ``hidden``, ``weight`` and ``bias``; the
     ``[s, b, v]`` logits and their gradient never exist. Unscored positions get loss 0 and no
-    gradient. The backward recomputes each chunk's logits (module docstring); with
-    ``capacity="all"`` that is 4/3 of the dense head's products.
-
-    Under tensor parallelism (``docs/performance.md``) ``weight`` and ``bias`` are this rank's
-    contiguous vocab shard (ids ``[r * v, (r + 1) * v)``), and the gradient w.r.t. a replicated
-    ``hidden`` is this shard's part: sum it over the TP group as ``ColumnParallelLinear`` does
-    (``copy_to_tensor_model_parallel_region``). A sequence-parallel shard's gradient is whole.
+    gradient; the backward recomputes each chunk's logits. Under tensor parallelism
+    (``docs/performance.md``) the gradient w.r.t. a replicated ``hidden`` is this shard's part:
+    sum it over the TP group as ``ColumnParallelLinear`` does
+    (``copy_to_tensor_model_parallel_region``); a sequence-parallel shard's gradient is whole.
 
     Args:
         hidden: ``[s, b, h]`` hidden states (``layout="sb"``, Megatron) or ``[b, s, h]``
             (``layout="bs"``, Hugging Face), any float dtype.
-        weight: ``[v, h]`` output-layer weight (this rank's vocab shard under TP).
+        weight: ``[v, h]`` output-layer weight; under TP this rank's contiguous vocab shard
+            (ids ``[r * v, (r + 1) * v)``), as ``bias`` is.
         labels: ``[b, s]`` integer token ids; unscored positions may hold anything.
         loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored.
         bias: ``[v]`` output-layer bias, or ``None``.
@@ -80,9 +72,7 @@ def linear_cross_entropy_token_losses(
         capacity: Which rows are computed: ``"nonzero"`` (default; counted, one host sync),
             ``"all"``, a row count or a fraction of ``b * s`` (``docs/fast_path.md``).
         num_scored: The data pipeline's count of scored positions
-            (:data:`~bert_reduce.num_scored.NumScored`): exactly that many rows, no host sync
-            when it is on the host; overrides ``capacity``. Under ``torch.compile`` pass one
-            ``int`` (``docs/fast_path.md``).
+            (:data:`~bert_reduce.num_scored.NumScored`), which overrides ``capacity``.
         chunk_rows: Rows per chunk (``None``: about 2**21 logits per chunk).
         chunk_vocab: Vocabulary entries per chunk (``None``: ``min(v, 4096)``).
         tp_group: The group the vocabulary is sharded over; ``None``: Megatron-Core's
@@ -103,10 +93,7 @@ def linear_cross_entropy_token_losses(
         hidden, weight, labels, loss_mask, bias, capacity, num_scored, layout,
         sequence_parallel, (chunk_rows, chunk_vocab), tp_group, "loss_mask",
     )  # fmt: skip
-    losses = _fused_head.TokenLosses.apply(
-        rows.hidden, weight, bias, rows.targets, rows.per_row != 0, rows.selection, rows.chunks,
-        tp_group,
-    )  # fmt: skip
+    losses = _fused_head.TokenLosses.apply(rows.hidden, weight, bias, rows, tp_group)
     batch_size, seq_len = labels.shape
     if layout == "sb":
         return losses.view(seq_len, batch_size).t().contiguous()
@@ -130,34 +117,23 @@ def linear_cross_entropy_weighted_sum(
 ) -> Tensor:
     """Hidden states, output weight, labels and ``[b, s]`` weights -> 0-dim weighted loss sum.
 
-    ``sum(token_weights * cross_entropy(F.linear(hidden, weight, bias), labels))``, fused.
-
-    Equal (up to rounding) to ``(token_weights * linear_cross_entropy_token_losses(hidden, weight,
-    labels, token_weights != 0, ...)).sum()``, gradients included, but faster: the gradients
-    w.r.t. ``hidden``, ``weight`` and ``bias`` are accumulated during the forward, chunk by
-    chunk, and the backward only scales them by the upstream gradient (Liger's fused linear
-    cross-entropy does the same for a scalar loss). With ``capacity="all"`` this does the
-    dense head's three products for every row, without its logits.
-
-    One pass on one process with ``chunk_vocab=None``, else two (statistics, ONE all-reduce,
-    gradients); the gradients are held from the forward to the backward, which in fp32/fp64
-    scales them in place (a second backward through the graph raises); under
-    ``torch.no_grad()`` only the sum is computed (``docs/performance.md``). Tensor and
-    sequence parallelism as in :func:`linear_cross_entropy_token_losses`.
+    ``sum(token_weights * cross_entropy(F.linear(hidden, weight, bias), labels))``: equal (up to
+    rounding, gradients included) to ``(token_weights * linear_cross_entropy_token_losses(hidden,
+    weight, labels, token_weights != 0, ...)).sum()``, but the gradients are accumulated in the
+    forward and the backward only scales them (Liger's fused linear cross-entropy does the same
+    for a scalar loss); passes, memory, ``torch.no_grad()``: ``docs/performance.md``.
 
     Args:
-        hidden: ``[s, b, h]`` hidden states (``layout="sb"``) or ``[b, s, h]`` (``"bs"``).
-        weight: ``[v, h]`` output-layer weight (this rank's vocab shard under TP).
+        hidden: As in :func:`linear_cross_entropy_token_losses`.
+        weight: As in :func:`linear_cross_entropy_token_losses`.
         labels: ``[b, s]`` integer token ids; positions of weight 0 may hold anything.
         token_weights: ``[b, s]`` float coefficient of each token's loss; 0 where unscored.
             A NaN weight makes the sum and the gradients NaN.
-        bias: ``[v]`` output-layer bias, or ``None``.
-        layout: ``"sb"`` or ``"bs"``, the layout of ``hidden``.
-        sequence_parallel: ``hidden`` is Megatron's sequence-parallel shard (``"sb"`` only).
-        capacity: Which rows are computed, as in :func:`linear_cross_entropy_token_losses`; scored
-            means a non-zero weight.
-        num_scored: The data pipeline's count of scored positions (at least the number of
-            non-zero weights), as in :func:`linear_cross_entropy_token_losses`.
+        bias: As in :func:`linear_cross_entropy_token_losses`.
+        layout: As in :func:`linear_cross_entropy_token_losses`.
+        sequence_parallel: As in :func:`linear_cross_entropy_token_losses`.
+        capacity: As in :func:`linear_cross_entropy_token_losses`; scored: a non-zero weight.
+        num_scored: As in :func:`linear_cross_entropy_token_losses`.
         chunk_rows: Rows per chunk (``None``: 32 MiB of logits per chunk in one pass, about
             2**21 logits in two).
         chunk_vocab: ``None`` (default): the whole vocabulary (shard) per chunk on one process
@@ -165,9 +141,8 @@ def linear_cross_entropy_weighted_sum(
         tp_group: As in :func:`linear_cross_entropy_token_losses`.
 
     Returns:
-        The 0-dim weighted sum in fp32 (fp64 for fp64 inputs), carrying the gradients: NaN
-        when a weighted label is outside the vocabulary, and (with the gradients) when more
-        positions are scored than the capacity (or ``num_scored``) allows.
+        The 0-dim weighted sum in fp32 (fp64 for fp64 inputs), carrying the gradients; NaN as
+        :func:`linear_cross_entropy_token_losses`' losses are.
 
     Raises:
         ValueError: As :func:`linear_cross_entropy_token_losses`, or on ``token_weights`` that are
@@ -184,11 +159,7 @@ def linear_cross_entropy_weighted_sum(
         hidden, weight, labels, token_weights, bias, capacity, num_scored, layout,
         sequence_parallel, (chunk_rows, chunk_vocab), tp_group, "token_weights", one_pass=True,
     )  # fmt: skip
-    coef = rows.per_row.to(accumulation_dtype(hidden.dtype))
-    return _fused_head.WeightedSum.apply(
-        rows.hidden, weight, bias, rows.targets, coef, rows.selection, rows.chunks,
-        rows.single_pass, tp_group,
-    )  # fmt: skip
+    return _fused_head.WeightedSum.apply(rows.hidden, weight, bias, rows, tp_group)
 
 
 def linear_cross_entropy_loss_sum(
@@ -217,19 +188,15 @@ def linear_cross_entropy_loss_sum(
     :func:`linear_cross_entropy_weighted_sum` with the mode's weights (module docstring).
 
     Args:
-        hidden: ``[s, b, h]`` hidden states (``layout="sb"``) or ``[b, s, h]`` (``"bs"``).
-        weight: ``[v, h]`` output-layer weight (this rank's vocab shard under TP).
-        labels: ``[b, s]`` integer token ids; unscored positions may hold anything.
-        loss_mask: ``[b, s]`` bool, integer or float; non-zero entries are scored, float
-            entries weight them.
-        normalization: ``"per_token"`` (default), ``"per_sequence"`` or ``"constant"``; see
-            :func:`bert_reduce.normalization.token_loss_sum`.
-        bias: ``[v]`` output-layer bias, or ``None``.
-        layout: ``"sb"`` or ``"bs"``, the layout of ``hidden``.
-        capacity: Which rows are computed (default ``"nonzero"``: the scored rows, counted with
-            one host sync on an accelerator); see :func:`linear_cross_entropy_token_losses`.
-        num_scored: The data pipeline's count of scored positions: exactly that many rows, no
-            sync; see :func:`linear_cross_entropy_token_losses`.
+        hidden: As in :func:`linear_cross_entropy_token_losses`.
+        weight: As in :func:`linear_cross_entropy_token_losses`.
+        labels: As in :func:`linear_cross_entropy_token_losses`.
+        loss_mask: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        normalization: As in :func:`bert_reduce.normalization.token_loss_sum`.
+        bias: As in :func:`linear_cross_entropy_token_losses`.
+        layout: As in :func:`linear_cross_entropy_token_losses`.
+        capacity: As in :func:`linear_cross_entropy_token_losses`.
+        num_scored: As in :func:`linear_cross_entropy_token_losses`.
         sequence_weight: As in :func:`bert_reduce.normalization.token_loss_sum`.
         sequence_start: As in :func:`bert_reduce.normalization.token_loss_sum`.
         constant_per_sequence: As in :func:`bert_reduce.normalization.token_loss_sum`.
@@ -239,10 +206,9 @@ def linear_cross_entropy_loss_sum(
         tp_group: As in :func:`linear_cross_entropy_token_losses`.
 
     Returns:
-        ``(loss_sum, denominator)``: the mode's 0-dim numerator in fp32 (fp64 for fp64
-        inputs) carrying the gradients (NaN on an out-of-vocabulary scored label or a capacity
-        overflow), and its 0-dim denominator, as :func:`bert_reduce.normalization.token_loss_sum`
-        returns it.
+        ``(loss_sum, denominator)``: the 0-dim weighted sum of
+        :func:`linear_cross_entropy_weighted_sum` and the mode's 0-dim denominator, as
+        :func:`bert_reduce.normalization.token_loss_sum` returns them.
 
     Raises:
         ValueError: As :func:`linear_cross_entropy_weighted_sum` and

@@ -1,10 +1,8 @@
 """Token perplexity from ``(loss_sum, denominator)``: a pure-torch core and a torchmetrics shell.
 
-Perplexity is ``exp(mean NLL over every scored token)``: exact only when sums and counts are
-added up first and divided once, never averaged per batch. The functions here work on the
-``(loss_sum, denominator)`` the loss reduction produces, so the metric needs neither the
-logits nor a second forward pass (given logits, it runs the loss's own engine,
-:func:`bert_reduce.engine.loss_terms`). An empty set of tokens gives 1.0, never NaN.
+``exp(mean NLL over every scored token)`` from the ``(loss_sum, denominator)`` the loss
+reduction produces, added up first and divided once (``docs/perplexity.md``); given logits,
+the loss's own engine (:func:`bert_reduce.engine.loss_terms`). An empty set gives 1.0.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from bert_reduce.engine import LossOptions, loss_terms
 from bert_reduce.forward_output import Layout
 from bert_reduce.functional import check_same_shape, safe_divide
 from bert_reduce.reports import sum_reports
-
-__all__ = ["TokenPerplexity", "perplexity_from_sums"]
 
 
 def perplexity_from_sums(loss_sum: Tensor, denominator: Tensor) -> Tensor:
@@ -47,10 +43,9 @@ def perplexity_from_sums(loss_sum: Tensor, denominator: Tensor) -> Tensor:
 class TokenPerplexity(Metric):
     """Perplexity over every scored token seen, from summed ``(loss_sum, denominator)``.
 
-    Two fp64 states (loss sum, denominator) summed across processes, so the result is exactly
-    ``exp(total NLL / total denominator)`` however the tokens were split; ``update`` reads
-    nothing on the host and runs no collective, ``compute`` syncs once (torchmetrics') and
-    gives 1.0, not NaN, with no token counted (``docs/perplexity.md``).
+    Two fp64 states summed across processes: ``exp(total NLL / total denominator)`` however the
+    tokens were split; the ``update`` methods read nothing on the host and run no collective,
+    ``compute`` syncs once (``docs/perplexity.md``).
 
     Example:
         >>> metric = TokenPerplexity()
@@ -92,9 +87,8 @@ class TokenPerplexity(Metric):
         """Add token-loss sums and their denominators.
 
         Args:
-            loss_sum: Sum of per-token NLLs (natural log); any shape, all elements are added.
-            denominator: Their :func:`bert_reduce.functional.token_denominator` (token counts
-                or weight sums), same shape; integer or float, taken as it is.
+            loss_sum: As in :func:`perplexity_from_sums`; all elements are added.
+            denominator: As in :func:`perplexity_from_sums`, integer or float, taken as it is.
 
         Raises:
             ValueError: When the two shapes differ.
@@ -115,19 +109,15 @@ class TokenPerplexity(Metric):
         """Add one micro-batch from its logits, without keeping them; works under TP.
 
         The sums are the loss's (:func:`bert_reduce.engine.loss_terms`), without a graph; its
-        memory (a few percent of the logits' bytes) and tensor parallelism (the full
-        vocabulary's sums, one all-reduce): ``docs/perplexity.md``. No host sync.
+        memory and tensor parallelism: ``docs/perplexity.md``. No host sync.
 
         Args:
-            logits: ``[s, b, v]`` logits (``layout="sb"``, default: Megatron's) or
-                ``[b, s, v]`` (``layout="bs"``: Hugging Face's); ``v`` this rank's vocab
-                shard under TP.
+            logits: ``[s, b, v]`` logits (``layout="sb"``, default) or ``[b, s, v]``
+                (``"bs"``); ``v`` this rank's vocab shard under TP.
             labels: ``[b, s]`` integer token ids; ``ignore_index`` (``-100``) where unscored.
-            loss_mask: ``[b, s]``; non-zero where the token is scored, float entries weight
-                it. ``None``: every label other than ``ignore_index`` is scored.
+            loss_mask: ``[b, s]`` or ``None``, as in :func:`bert_reduce.engine.scored_weights`.
             layout: The layout of ``logits``.
-            **options: Loss options (:class:`bert_reduce.LossOptions`' fields), e.g.
-                ``capacity`` or ``ignore_index``; perplexity is per token by default.
+            **options: :class:`bert_reduce.LossOptions`' fields; per token by default.
 
         Raises:
             ValueError: On mismatched shapes (the message names them) or a bad option.
@@ -150,9 +140,7 @@ class TokenPerplexity(Metric):
         """Add loss-reduction reports; see :func:`bert_reduce.reports.sum_reports`.
 
         Raises:
-            KeyError: When a report has no ``(loss_sum, denominator)`` key.
-            TypeError: When ``reports`` is neither a report nor a sequence of reports.
-            ValueError: When a report's value is not ``[2]`` or ``[..., 2]``.
+            KeyError, TypeError, ValueError: As :func:`bert_reduce.reports.sum_reports`.
         """
         self.update(*sum_reports(reports))
 

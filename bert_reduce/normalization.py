@@ -128,20 +128,17 @@ def token_loss_sum(
 ) -> tuple[Tensor, Tensor]:
     """``[b, s]`` per-token losses and mask -> ``(loss_sum, denominator)`` in a mode.
 
-    The pair of one micro-batch (or shard): sums over every micro-batch and rank, divided
-    once, give the global value (``docs/normalization.md``). Per token, ``loss_sum =
-    sum(mask * loss)`` and ``denominator`` is
-    :func:`bert_reduce.functional.token_denominator`. The numerator carries the gradient;
-    unscored positions never reach it, even when their loss is NaN or inf. No host sync, no
-    collective.
+    The pair of one micro-batch (or shard) in a mode of ``docs/normalization.md``: sums over
+    every micro-batch and rank, divided once, give the global value. The numerator carries the
+    gradient; unscored positions never reach it, even when their loss is NaN or inf. No host
+    sync, no collective.
 
     Args:
         per_token_loss: ``[b, s]`` per-token losses (any float dtype).
         loss_mask: ``[b, s]`` bool/integer (0/1) or float weights; non-zero where scored.
         normalization: The mode (a :class:`Normalization` or its string value).
-        sequence_weight: ``[b, s]``, see :func:`sequence_normalizers`; computed from
-            ``loss_mask`` with each row as one sequence when omitted. Must come from the
-            unsliced batch under context parallelism or packing.
+        sequence_weight: ``[b, s]``, :func:`sequence_normalizers`' on the unsliced batch; by
+            default each row of ``loss_mask`` is one sequence.
         sequence_start: ``[b, s]`` bool, see :func:`sequence_normalizers`; same default.
         constant_per_sequence: The ``constant`` mode's denominator per sequence (e.g. the
             maximum sequence length). Required in that mode only.
@@ -213,47 +210,30 @@ def normalization_weights(
         ValueError: As :func:`token_loss_sum`.
     """
     normalization = checked_normalization(normalization, constant_per_sequence)
-    coefficients, scored, denominator = _coefficients(
-        loss_mask, normalization, dtype, sequence_weight, sequence_start, constant_per_sequence,
-        weight_resolution,
-    )  # fmt: skip
+    scored, coefficients = loss_mask != 0, loss_mask.to(dtype)
+    rounded = loss_mask.dtype.is_floating_point and weight_resolution is not None
+    if normalization is Normalization.PER_TOKEN and rounded:
+        int_weights = torch.round(loss_mask.to(torch.float64) * weight_resolution).long()
+        coefficients, scored = int_weights.to(dtype), int_weights != 0
+        denominator = int_weights.sum()
+    elif normalization is Normalization.PER_TOKEN:
+        denominator = token_denominator(loss_mask)
+    else:
+        if sequence_weight is None or sequence_start is None:
+            sequence_weight, sequence_start = sequence_normalizers(loss_mask)
+        check_same_shape(sequence_weight, loss_mask, ("sequence_weight", "loss_mask"), "[b, s]")
+        check_same_shape(sequence_start, loss_mask, ("sequence_start", "loss_mask"), "[b, s]")
+        sequence_start = sequence_start != 0
+        if normalization is Normalization.CONSTANT:
+            denominator = sequence_start.sum(dtype=torch.int64) * constant_per_sequence
+        else:
+            has_tokens = sequence_weight != 0
+            # A scored token's sequence weight is non-zero; the `where` keeps the division safe
+            # on the others without a host-side check.
+            coefficients = coefficients / torch.where(has_tokens, sequence_weight, 1).to(dtype)
+            scored = scored & has_tokens
+            denominator = (sequence_start & has_tokens).sum(dtype=torch.int64)
     # A weight counts how often a token is scored: a negative one makes the sum NaN, as an
     # out-of-vocabulary label does (checking its sign on the host would be a sync).
     coefficients = torch.where(coefficients < 0, torch.nan, coefficients)
     return torch.where(scored, coefficients, 0), denominator
-
-
-def _coefficients(
-    loss_mask: Tensor,
-    normalization: Normalization,
-    acc: torch.dtype,
-    sequence_weight: Tensor | None,
-    sequence_start: Tensor | None,
-    constant_per_sequence: int | None,
-    weight_resolution: int | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(coefficients, scored, denominator)`` of a mode; coefficients matter on ``scored``."""
-    scored = loss_mask != 0
-
-    if normalization is Normalization.PER_TOKEN:
-        if loss_mask.dtype.is_floating_point and weight_resolution is not None:
-            int_weights = torch.round(loss_mask.to(torch.float64) * weight_resolution).long()
-            return int_weights.to(acc), int_weights != 0, int_weights.sum()
-        return loss_mask.to(acc), scored, token_denominator(loss_mask)
-
-    if sequence_weight is None or sequence_start is None:
-        sequence_weight, sequence_start = sequence_normalizers(loss_mask)
-    check_same_shape(sequence_weight, loss_mask, ("sequence_weight", "loss_mask"), "[b, s]")
-    check_same_shape(sequence_start, loss_mask, ("sequence_start", "loss_mask"), "[b, s]")
-    sequence_start = sequence_start != 0
-
-    if normalization is Normalization.PER_SEQUENCE:
-        has_tokens = sequence_weight != 0
-        # A scored token's sequence weight is non-zero; the `where` keeps the division safe on
-        # the others without a host-side check.
-        per_token_weight = loss_mask.to(acc) / torch.where(has_tokens, sequence_weight, 1).to(acc)
-        num_sequences = (sequence_start & has_tokens).sum(dtype=torch.int64)
-        return per_token_weight, scored & has_tokens, num_sequences
-
-    denominator = sequence_start.sum(dtype=torch.int64) * constant_per_sequence
-    return loss_mask.to(acc), scored, denominator

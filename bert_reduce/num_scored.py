@@ -4,11 +4,10 @@ Given ``num_scored``, the masked-only kernels compute exactly that many rows wit
 sync (``docs/fast_path.md``), so the count is made while the mask is still on the host (the
 collator, or a data step before the batch moves) and carried as host data that no device
 transfer touches (Lightning's and NeMo's ``move_data_to_device``, Hugging Face's
-``_prepare_inputs`` and ``.to(device)`` loops leave it alone): a Python ``int`` (what
-``torch.compile`` handles best), or a tuple of per-sample ``int`` counts for a batch cut into
-micro-batches after it moved. Scored is the loss's own rule: ``loss_mask != 0``, else
-``labels != ignore_index``. A count above the true one costs unscored rows of work; one
-below makes the loss NaN (checked on the device), never silently wrong.
+``_prepare_inputs`` and ``.to(device)`` loops leave it alone; its forms: :data:`NumScored`).
+Scored is the loss's own rule: ``loss_mask != 0``, else ``labels != ignore_index``. A count
+above the true one costs unscored rows of work; one below makes the loss NaN (checked on the
+device), never silently wrong.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from torch import Tensor
-
-__all__ = ["NUM_SCORED_KEY", "NumScored", "NumScoredCollator", "count_scored", "scored_count"]
 
 NUM_SCORED_KEY = "num_scored"
 """The batch key of the count."""
@@ -118,11 +115,9 @@ class NumScoredCollator:
 
     Args:
         collate_fn: Turns a list of samples into a mapping with ``loss_mask`` or ``labels``.
-        ignore_index: The unscored label (Hugging Face's ``-100``), read without a
-            ``loss_mask``.
-        per_sample: Add per-sample counts (a tuple of ints) instead of the total: for a loader
-            whose batches are cut into micro-batches after they are moved
-            (:class:`bert_reduce.lightning.ExactMLMModule`).
+        ignore_index: As in :func:`count_scored`.
+        per_sample: As in :func:`count_scored`: for a loader whose batches are cut into
+            micro-batches after they are moved (:class:`bert_reduce.lightning.ExactMLMModule`).
 
     Example:
         >>> import torch

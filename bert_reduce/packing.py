@@ -17,14 +17,6 @@ from torch import Tensor
 from bert_reduce.functional import mask_weights
 from bert_reduce.normalization import sequence_normalizers
 
-__all__ = [
-    "SEQUENCE_BOUNDARY_KEYS",
-    "batch_sequence_normalizers",
-    "pack_batch",
-    "position_sequence_normalizers",
-    "unpack_sequences",
-]
-
 SEQUENCE_BOUNDARY_KEYS = (
     "cu_seqlens_padded",
     "cu_seq_lens_q_padded",
@@ -273,6 +265,7 @@ def batch_sequence_normalizers(
             looks packed (``cu_seq_lens_k``, ``max_length_q``, ...) but holds no boundary key,
             whose sequences would otherwise silently count as one.
     """
+    boundaries = next((key for key in SEQUENCE_BOUNDARY_KEYS if key in batch), None)
     if "sequence_weight" in batch or "sequence_start" in batch:
         if "sequence_weight" not in batch or "sequence_start" not in batch:
             raise KeyError(
@@ -280,29 +273,26 @@ def batch_sequence_normalizers(
                 "normalization.sequence_normalizers on the unsliced batch), or neither; it has "
                 f"{sorted(batch)}."
             )
-        return {
-            "sequence_weight": batch["sequence_weight"],
-            "sequence_start": batch["sequence_start"],
-        }
-    if context_parallel_size > 1:
+        pair = batch["sequence_weight"], batch["sequence_start"]
+    elif context_parallel_size > 1:
         raise ValueError(
             "The per-sequence and constant normalizations under context parallelism need "
             "batch['sequence_weight'] and batch['sequence_start'], computed on the unsliced "
             "batch (bert_reduce.normalization.sequence_normalizers) and sliced with it; the "
             f"batch has {sorted(batch)}."
         )
-    for key in SEQUENCE_BOUNDARY_KEYS:
-        if key in batch:
-            weight, start = sequence_normalizers(loss_mask, batch[key])
-            return {"sequence_weight": weight, "sequence_start": start}
-    if loss_mask.size(0) == 1 and "position_ids" in batch:
-        weight, start = position_sequence_normalizers(loss_mask, batch["position_ids"])
-        return {"sequence_weight": weight, "sequence_start": start}
-    hints = sorted(k for k in batch if k.startswith(_PACKING_HINT_PREFIXES))
-    if loss_mask.size(0) == 1 and hints:
-        raise ValueError(
-            f"This [1, T] batch looks packed (it has {hints}) but says nowhere where its "
-            f"sequences start: add one of {list(SEQUENCE_BOUNDARY_KEYS)} or 'position_ids' "
-            "(restarting at 0 with every sequence), or 'sequence_weight' and 'sequence_start'."
-        )
-    return {}
+    elif boundaries is not None:
+        pair = sequence_normalizers(loss_mask, batch[boundaries])
+    elif loss_mask.size(0) == 1 and "position_ids" in batch:
+        pair = position_sequence_normalizers(loss_mask, batch["position_ids"])
+    else:
+        hints = sorted(k for k in batch if k.startswith(_PACKING_HINT_PREFIXES))
+        if loss_mask.size(0) == 1 and hints:
+            raise ValueError(
+                f"This [1, T] batch looks packed (it has {hints}) but says nowhere where its "
+                f"sequences start: add one of {list(SEQUENCE_BOUNDARY_KEYS)} or 'position_ids' "
+                "(restarting at 0 with every sequence), or 'sequence_weight' and "
+                "'sequence_start'."
+            )
+        return {}
+    return dict(zip(("sequence_weight", "sequence_start"), pair, strict=True))

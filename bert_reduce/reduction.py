@@ -76,13 +76,10 @@ def _detached(mapping: Mapping[str, Any]) -> dict[str, Any]:
 class BERTMLMLossWithReduction(MegatronLossReduction):
     """Masked-language-model loss over the masked tokens, exact under any split of the batch.
 
-    ``forward(batch, forward_out)`` returns ``(loss_sum, num_tokens, report)``, the three-tuple
-    Megatron-Core's ``forward_step_calc_loss`` understands; with
-    ``calculate_per_token_loss=True`` (recommended) the schedule divides the summed gradients
-    once by the global ``num_tokens``: the gradient of the exact global mean
-    (``docs/megatron.md``). ``forward`` runs no collective but the vocab-parallel kernel's and
-    syncs only where ``docs/fast_path.md`` says; ``reduce`` returns the exact global mean with
-    one all-reduce (0.0 when nothing is scored). No state is kept between calls.
+    ``forward`` returns a micro-batch's ``(loss_sum, num_tokens, report)`` and ``reduce`` the
+    exact global mean, with the Megatron-Core settings of ``docs/megatron.md``; ``forward``
+    runs no collective but the vocab-parallel kernel's and syncs only where
+    ``docs/fast_path.md`` says. No state is kept between calls.
 
     Args:
         validation_step: Whether this instance serves validation (selects which
@@ -92,23 +89,12 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         send_val_output: In validation, also return the detached batch and model outputs.
             Off by default: NeMo keeps every report of a validation step until ``reduce``,
             so each would hold its micro-batch's logits.
-        forward_out_key: Which entry of ``forward_out`` to score
-            (:data:`bert_reduce.forward_output.FORWARD_OUT_LAYOUTS`); by default the one of
-            ``token_logits``, ``logits``, ``lm_loss`` present, else ``hidden_states``.
-        layout: The layout of a bare logits tensor given as ``forward_out``, and of hidden
-            states without ``hidden_layout``: ``"sb"`` (default, Megatron's) or ``"bs"``.
-        check_labels: Raise ``ValueError`` if a masked label is outside the vocabulary or a
-            ``loss_mask`` weight is negative. This reads them on the host (a device sync):
-            meant for debugging. Without it, either makes the loss NaN.
-        **options: The loss options, :class:`bert_reduce.LossOptions`' fields
-            (``normalization``, ``constant_per_sequence``, ``weight_resolution``,
-            ``capacity``, ``cross_entropy``, ``ignore_index``). The second output of
-            ``forward`` is the mode's denominator, which Megatron sums like a token count
-            (an int32 counter: a float mask in per-token mode needs ``weight_resolution``).
-
-    Per-sequence and constant modes find sequences with
-    :func:`bert_reduce.packing.batch_sequence_normalizers`; under context parallelism the
-    batch must carry ``sequence_weight`` and ``sequence_start`` (``docs/normalization.md``).
+        forward_out_key: ``key`` of :func:`bert_reduce.engine.loss_terms`.
+        layout: As in :func:`bert_reduce.engine.loss_terms`: ``"sb"`` (default) or ``"bs"``.
+        check_labels: As in :func:`bert_reduce.engine.loss_terms`; for debugging (without it,
+            a bad label or weight makes the loss NaN).
+        **options: :class:`bert_reduce.LossOptions`' fields. Megatron sums ``forward``'s
+            denominators in int32: a float mask in per-token mode needs ``weight_resolution``.
 
     Raises:
         ValueError: On a bad option (:class:`bert_reduce.LossOptions`), ``forward_out_key``
@@ -152,13 +138,9 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
         """Loss sum and masked-token count of one micro-batch on this rank.
 
         Args:
-            batch: The micro-batch (under context parallelism, this rank's shard), as
-                :func:`bert_reduce.engine.loss_terms` reads it: ``labels`` ``[b, s]``,
-                optionally ``loss_mask``, ``num_scored`` and the mode's sequence keys.
-            forward_out: The model output by key (:mod:`bert_reduce.forward_output`:
-                ``token_logits`` ``[s, b, v]``, ``logits`` ``[b, s, v]``, ``lm_loss``
-                ``[b, s]``, or the fused head's ``hidden_states`` + ``output_weight``), or a
-                bare logits tensor in ``layout``.
+            batch: The micro-batch (under context parallelism, this rank's shard), as in
+                :func:`bert_reduce.engine.loss_terms`.
+            forward_out: As in :func:`bert_reduce.engine.loss_terms`.
 
         Returns:
             ``(loss_sum, num_tokens, report)``: :func:`bert_reduce.engine.loss_terms`'
@@ -166,10 +148,7 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             ``[numerator, denominator]`` for :meth:`reduce`.
 
         Raises:
-            KeyError, TypeError, ValueError: As :func:`bert_reduce.engine.loss_terms`: a
-                missing key (named), several candidate outputs without ``forward_out_key``,
-                mismatched shapes, a Megatron kernel without Megatron-Core's parallel state,
-                or (``check_labels``) invalid labels.
+            KeyError, TypeError, ValueError: As :func:`bert_reduce.engine.loss_terms`.
         """
         loss_sum, num_tokens = loss_terms(
             batch,
@@ -180,19 +159,15 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
             context_parallel_size=distributed.context_parallel_world_size(),
             check_labels=self.check_labels,
         )
-        report: PerTokenLossDict | DataParallelGroupLossAndIO = {
-            "loss_sum_and_microbatch_size": make_report(loss_sum, num_tokens)
-        }
-        send_output = self.send_val_output if self.validation_step else self.send_train_output
-        if send_output:
-            if not isinstance(forward_out, Mapping):
-                forward_out = {"logits" if self.layout == "bs" else "token_logits": forward_out}
-            report = DataParallelGroupLossAndIO(
-                loss_sum_and_microbatch_size=report["loss_sum_and_microbatch_size"],
-                batch=_detached(batch),
-                forward_out=_detached(forward_out),
-            )
-        return loss_sum, num_tokens, report
+        report = make_report(loss_sum, num_tokens)
+        if not (self.send_val_output if self.validation_step else self.send_train_output):
+            return loss_sum, num_tokens, {"loss_sum_and_microbatch_size": report}
+        with_io = DataParallelGroupLossAndIO(
+            loss_sum_and_microbatch_size=report,
+            batch=_detached(batch),
+            forward_out=_detached(forward_output.as_forward_out(forward_out, self.layout)),
+        )
+        return loss_sum, num_tokens, with_io
 
     def reduce(self, losses_reduced_per_micro_batch: Sequence[LossReport]) -> Tensor:
         """Exact mean loss over every masked token of the global batch, as a float32 scalar.

@@ -20,18 +20,6 @@ from torch import Tensor
 from bert_reduce import distributed
 from bert_reduce.functional import safe_divide
 
-__all__ = [
-    "NEMO_REPORT_KEY",
-    "REPORT_KEY",
-    "DataParallelGroupLossAndIO",
-    "LossReport",
-    "PerTokenLossDict",
-    "SameSizeLossDict",
-    "make_report",
-    "reduce_reports",
-    "sum_reports",
-]
-
 REPORT_KEY = "loss_sum_and_microbatch_size"
 """Key of the ``[2]`` fp64 ``(loss_sum, denominator)`` tensor of a report."""
 
@@ -166,8 +154,7 @@ def reduce_reports(
             pipeline stage, say, whose whole group has none), which gives 0.0 on the current
             device without a collective.
         group: The ranks whose sums make up the global batch;
-            :func:`bert_reduce.distributed.loss_reduction_group` (Megatron's data x context
-            parallel group, else the default group, else none) when ``None``.
+            :func:`bert_reduce.distributed.loss_reduction_group` when ``None``.
 
     Returns:
         A 0-dim fp64 tensor (the legacy reports' dtype for those).

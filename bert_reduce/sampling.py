@@ -1,11 +1,9 @@
 """Batch samplers that hand every step the same global batch, whatever the number of ranks.
 
-:class:`GlobalBatchSampler` for training (each rank's contiguous share of every global batch),
-:class:`ShardedEvalBatchSampler` for validation (every sample on exactly one rank, so that
-summing ``(loss_sum, denominator)`` over ranks gives the exact loss of the set), and checks
-that a loader's sampler does either. A loop of one's own passes them as
-``DataLoader(dataset, batch_sampler=...)``; with Lightning, also
-``Trainer(use_distributed_sampler=False)``, so that Lightning does not replace them.
+:class:`GlobalBatchSampler` for training, :class:`ShardedEvalBatchSampler` for validation, and
+checks that a loader's sampler does either. Pass them as ``DataLoader(dataset,
+batch_sampler=...)``; with Lightning, with ``Trainer(use_distributed_sampler=False)``
+(``docs/lightning.md``).
 """
 
 from __future__ import annotations
@@ -14,13 +12,6 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
-
-__all__ = [
-    "GlobalBatchSampler",
-    "ShardedEvalBatchSampler",
-    "check_no_repeated_samples",
-    "check_sampler_placement",
-]
 
 
 def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:

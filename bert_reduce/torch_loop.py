@@ -1,9 +1,7 @@
 """The exact masked-LM loss for a hand-written PyTorch training step (DDP, FSDP2, CP, packing).
 
-:class:`GlobalBatchLoss` counts first and divides once: ``begin`` all-reduces the step's
-denominators, each micro-batch back-propagates ``loss_sum * world_size / global_denominator``
-and ``end`` all-reduces the reports for logging (``docs/pytorch_loop.md``; the algebra,
-``docs/guarantees.md``).
+:class:`GlobalBatchLoss` counts first and divides once (``docs/pytorch_loop.md``; the
+algebra, ``docs/guarantees.md``).
 """
 
 from __future__ import annotations
@@ -32,37 +30,26 @@ class GlobalBatchLoss:
     """Exact masked-LM loss of a global batch, fed micro-batch by micro-batch in your own loop.
 
     In a step, ``begin(micro_batches)`` with this rank's share of one global batch, then
-    ``loss_fn(output, mb).backward()`` for each micro-batch (under DDP all but the last in
-    ``model.no_sync()``, under FSDP2 ``model.set_requires_gradient_sync(last)``), then
-    ``end()`` and the optimizer step (``docs/pytorch_loop.md``). The output is logits or any
-    model output of :mod:`bert_reduce.forward_output` (:meth:`__call__`).
-
-    A micro-batch is a mapping with ``labels`` (``[b, s]`` token ids, ``ignore_index`` where
-    unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights;
-    :func:`bert_reduce.engine.scored_weights`).
+    ``loss_fn(output, mb).backward()`` for each micro-batch, then ``end()`` and the optimizer
+    step (``docs/pytorch_loop.md``, with DDP's and FSDP2's gradient sync). A micro-batch holds
+    ``labels`` and optionally ``loss_mask`` (:func:`bert_reduce.engine.scored_weights`).
 
     Args:
-        group: The ranks whose micro-batches make up the global batch (data x context
-            parallel); ``None`` for none. By default, looked up at every :meth:`begin`:
-            Megatron-Core's data x context group when initialized, else the default process
-            group when initialized, else none (one process).
-        layout: The layout of bare logits and of hidden states without ``hidden_layout``:
-            ``"bs"`` (default, Hugging Face's ``[b, s, v]``) or ``"sb"`` (Megatron's).
+        group: The ranks whose micro-batches make up the global batch; ``None`` for none. By
+            default :func:`bert_reduce.distributed.loss_reduction_group`, at every :meth:`begin`.
+        layout: As in :func:`bert_reduce.engine.loss_terms`: ``"bs"`` (default) or ``"sb"``.
         gradient_sync: How the data-parallel wrapper combines the ranks' gradients:
             ``"mean"`` (DDP's and FSDP2's default) or ``"sum"`` (e.g. FSDP2 with
             ``set_gradient_divide_factor(1.0)``, or a hand-written all-reduce).
         gradient_average_size: With ``gradient_sync="mean"``, how many ranks the gradients
             are averaged over; the size of ``group`` by default.
-        context_parallel_size: How many shards each sequence is split into (1: no context
-            parallelism). Above 1, the per-sequence and constant modes need
-            ``sequence_weight`` and ``sequence_start`` in every micro-batch.
+        context_parallel_size: As in :func:`bert_reduce.engine.loss_terms` (1: no context
+            parallelism; above, ``docs/normalization.md``).
         equal_micro_batch_counts: Require every rank of ``group`` to run as many micro-batches
             as the others (FSDP2, whose every forward all-gathers): the all-reduce of
             :meth:`begin` also carries the counts, read on the host (one sync per step). Off
             by default: DDP runs any number per rank.
-        **options: The loss options, :class:`bert_reduce.LossOptions`' fields
-            (``normalization``, ``constant_per_sequence``, ``weight_resolution``,
-            ``capacity``, ``cross_entropy``, ``ignore_index``).
+        **options: :class:`bert_reduce.LossOptions`' fields.
 
     Raises:
         ValueError: On a bad option (:class:`bert_reduce.LossOptions`), layout or gradient
@@ -190,12 +177,9 @@ class GlobalBatchLoss:
         """This micro-batch's share of the global loss, to back-propagate; no collective.
 
         Args:
-            output: The model's logits in ``layout`` (any float dtype), or a model output of
-                :mod:`bert_reduce.forward_output`, e.g. the output layer's inputs for the
-                masked-only fused head (:func:`bert_reduce.hf.lm_head_inputs`'s).
-            micro_batch: One of the micro-batches given to :meth:`begin`; its
-                ``num_scored`` (:mod:`bert_reduce.num_scored`), if any, sets how many rows
-                are computed.
+            output: ``forward_out`` of :func:`bert_reduce.engine.loss_terms`, e.g. logits in
+                ``layout`` or :func:`bert_reduce.hf.lm_head_inputs`' (the fused head).
+            micro_batch: One of the micro-batches given to :meth:`begin`.
 
         Returns:
             The 0-dim ``loss_sum * world_size / global_denominator`` (fp32, fp64 for fp64
@@ -205,8 +189,7 @@ class GlobalBatchLoss:
         Raises:
             RuntimeError: Before :meth:`begin`, or when called more often than it had
                 micro-batches.
-            KeyError: If ``output`` is a mapping without the keys it needs (named).
-            ValueError: If the logits' or hidden states' shape does not match the labels'.
+            KeyError, TypeError, ValueError: As :func:`bert_reduce.engine.loss_terms`.
         """
         if self._scale is None or self._calls >= self._expected:
             raise RuntimeError(
