@@ -160,6 +160,15 @@ def run_launched(body: Callable[..., None], world_size: int, *args: Any) -> None
     )
 
 
+def join_existing_group() -> None:
+    """Set what torchrun sets, from the group ``run_distributed`` made: Lightning and accelerate
+    then take the processes for launched ones and keep the group."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(
+        RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world, NODE_RANK="0"
+    )
+
+
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """Every parameter's whole gradient by name: FSDP2's shards gathered, DDP's wrapper dropped."""
     module = getattr(model, "module", model)  # DistributedDataParallel's wrapped model

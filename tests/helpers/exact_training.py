@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy
@@ -27,6 +25,7 @@ from bert_reduce.functional import safe_divide
 from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, ShardedEvalBatchSampler
 from bert_reduce.num_scored import NumScoredCollator
 from bert_reduce.reduction import BERTMLMLossWithReduction
+from tests.helpers.dist_utils import join_existing_group
 from tests.helpers.mode_reference import reference_mode_loss
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 from tests.helpers.tiny_lightning import quiet_trainer
@@ -282,8 +281,7 @@ def lightning_train(
 
 def existing_group_ddp(**kwargs: object) -> DDPStrategy:
     """DDP over the process group ``tests.dist_utils.run_distributed`` already initialized."""
-    os.environ["LOCAL_RANK"] = str(dist.get_rank())
-    os.environ["NODE_RANK"] = "0"
+    join_existing_group()
     return DDPStrategy(
         cluster_environment=LightningEnvironment(), process_group_backend="gloo", **kwargs
     )

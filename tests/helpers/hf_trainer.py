@@ -299,20 +299,12 @@ def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> l
 
 
 def _distributed_body(jobs: Sequence[Job], output_dir: str, path: str) -> None:
-    """:func:`_run_all` on a gloo process, with what ``accelerate`` reads set from the group.
+    """:func:`_run_all` on a gloo process; OMP_NUM_THREADS stops accelerate resizing torch's
+    thread pool."""
+    from tests.helpers.dist_utils import join_existing_group
 
-    ``accelerate``'s ``PartialState(cpu=True)`` takes a run with ``WORLD_SIZE > 1`` for a
-    multi-CPU one and keeps a process group that is already initialized; OMP_NUM_THREADS set
-    stops it from resizing torch's thread pool.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
+    join_existing_group()
+    os.environ["OMP_NUM_THREADS"] = "1"
     _run_all(jobs, output_dir, path)
 
 

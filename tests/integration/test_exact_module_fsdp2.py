@@ -7,8 +7,6 @@ normalization mode, with micro-batches holding no masked token and a rank holdin
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,15 +15,14 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from tests.helpers import exact_training as et
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import join_existing_group, run_distributed
 
 pytestmark = pytest.mark.slow
 
 
 def existing_group_fsdp2() -> ModelParallelStrategy:
     """FSDP2 over the process group ``run_distributed`` already initialized."""
-    os.environ["LOCAL_RANK"] = str(dist.get_rank())
-    os.environ["NODE_RANK"] = "0"
+    join_existing_group()
     strategy = ModelParallelStrategy(
         data_parallel_size=dist.get_world_size(),
         tensor_parallel_size=1,
