@@ -169,13 +169,15 @@ def join_existing_group() -> None:
     )
 
 
+def full(tensor: Any) -> Any:
+    """``tensor`` whole: an FSDP2 shard (``DTensor``) gathered."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """Every parameter's whole gradient by name: FSDP2's shards gathered, DDP's wrapper dropped."""
     module = getattr(model, "module", model)  # DistributedDataParallel's wrapped model
-    return {
-        name: grad.full_tensor() if isinstance(grad := param.grad, DTensor) else grad
-        for name, param in module.named_parameters()
-    }
+    return {name: full(param.grad) for name, param in module.named_parameters()}
 
 
 def free_port() -> int:
