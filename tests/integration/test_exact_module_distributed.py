@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.helpers import exact_training as et
@@ -105,7 +104,6 @@ def _fsdp2_checks(world_size: int) -> None:
         assert any(isinstance(p, DTensor) for p in run.module.parameters())
         et.assert_params_close(run.params, expected)
         torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
-    dist.barrier()
 
 
 def _body(world_size: int) -> None:
