@@ -337,11 +337,6 @@ class StepMeanRecorder(pl.Callback):
             self.step_means.append(float(outputs))
 
 
-def optimizer_module() -> MegatronOptimizerModule:
-    """Megatron's SGD with momentum and clipping, as :func:`reference_training` runs it."""
-    return MegatronOptimizerModule(OptimizerConfig(**SGD_OPTIONS, use_distributed_optimizer=False))
-
-
 def nemo_trainer(world_size: int, steps: int, pp: int = 1, tp: int = 1, **kwargs: Any):
     """A NeMo 2 trainer with the Megatron flags the exact per-token reduction needs."""
     strategy = nl.MegatronStrategy(
@@ -380,7 +375,8 @@ def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, vali
     trainer = nemo_trainer(world_size, STEPS, pp, tp, callbacks=callbacks, **options)
     config = tiny_bert_config(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp)
     model = TinyBertMLM(config, output=output)
-    optimizer_module().connect(model)
+    sgd = OptimizerConfig(**SGD_OPTIONS, use_distributed_optimizer=False)  # as the reference
+    MegatronOptimizerModule(sgd).connect(model)
     extra: dict[str, Any] = {}
     try:
         with megatron_on_cpu():
