@@ -169,6 +169,14 @@ def join_existing_group() -> None:
     )
 
 
+def sync_on_last(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Gradients synced on the last micro-batch only: DDP's ``no_sync``, FSDP2's flag."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if last else model.no_sync()
+    model.set_requires_gradient_sync(last)  # type: ignore[operator]
+    return contextlib.nullcontext()
+
+
 def full(tensor: Any) -> Any:
     """``tensor`` whole: an FSDP2 shard (``DTensor``) gathered."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -11,7 +11,6 @@ clear error from ``begin()`` instead of a silent hang. All in one spawn of 2 pro
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 
 import pytest
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce import GlobalBatchLoss
 from bert_reduce.num_scored import count_scored
-from tests.helpers.dist_utils import full_grads, run_distributed
+from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
 
 pytest.importorskip("transformers")
@@ -64,14 +63,8 @@ def _step(model, micro_batches, head: str, **loss_kwargs) -> torch.Tensor:
     # outputs.loss goes around the loss: begin() then has no micro-batch of its own.
     loss_fn.begin([] if head == "outputs.loss" else micro_batches)
     for index, mb in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        if isinstance(model, DistributedDataParallel):
-            sync = model.no_sync() if not last else contextlib.nullcontext()
-        else:
-            model.set_requires_gradient_sync(last)
-            sync = contextlib.nullcontext()
         inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
-        with sync:
+        with sync_on_last(model, index == len(micro_batches) - 1):
             if head == "outputs.loss":  # what a Hugging Face loop does: the mean, over steps
                 (model(**inputs, labels=mb["labels"]).loss / len(micro_batches)).backward()
                 continue

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce import GlobalBatchLoss
-from tests.helpers.dist_utils import full_grads, run_distributed
+from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
 from tests.helpers.mode_reference import mode_kwargs, reference_mode_loss
 from tests.helpers.sync_guard import count_collectives
 
@@ -117,13 +117,7 @@ def _train_step_body(wrapper: str) -> None:
         with count_collectives() as begin_calls:
             loss_fn.begin(micro_batches)
         for index, mb in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            if wrapper == "ddp":
-                context = model.no_sync() if not last else torch.enable_grad()
-                with context:
-                    loss_fn(model(mb["input_ids"]), mb).backward()
-            else:
-                model.set_requires_gradient_sync(last)
+            with sync_on_last(model, index == len(micro_batches) - 1):
                 loss_fn(model(mb["input_ids"]), mb).backward()
         with count_collectives() as end_calls:
             step_loss = loss_fn.end()
