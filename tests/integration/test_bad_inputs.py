@@ -45,6 +45,7 @@ from tests.helpers.recipe_runs import (
     recipe_checkpoint,
     training_steps,
 )
+from tests.helpers.reference import make_mlm_batch
 
 # Its probes run train.py's training in this process: the module runs in CI, outside the fast set.
 pytestmark = pytest.mark.slow
@@ -179,16 +180,9 @@ def latin1_fasta(tmp: Path) -> str:
     return str(load_sequences(path))
 
 
-def logits_labels(batch: int = 2, seq: int = 5, vocab: int = 33) -> tuple[torch.Tensor, ...]:
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(seq, batch, vocab, dtype=torch.float64, generator=generator)
-    labels = torch.randint(0, vocab, (batch, seq), generator=generator)
-    return logits, labels
-
-
 def narrow_labels(dtype: torch.dtype) -> Callable[[Path], str]:
     def probe(tmp: Path) -> str:
-        logits, labels = logits_labels()
+        logits, labels = LOGITS, LABELS
         mask = torch.ones_like(labels, dtype=torch.bool)
         loss = BERTMLMLossWithReduction()
         got, count, _ = loss.forward(
@@ -204,7 +198,7 @@ def narrow_labels(dtype: torch.dtype) -> Callable[[Path], str]:
 
 def negative_weight(check_labels: bool) -> Callable[[Path], str]:
     def probe(tmp: Path) -> str:
-        logits, labels = logits_labels()
+        logits, labels = LOGITS, LABELS
         weights = torch.ones(labels.shape, dtype=torch.float64)
         weights[0, 1] = -1.0
         loss_sum, _, _ = BERTMLMLossWithReduction(check_labels=check_labels).forward(
@@ -245,7 +239,7 @@ def head_without_weight() -> None:
 
 
 def bare_logits(tmp: Path) -> str:
-    logits, labels = logits_labels()
+    logits, labels = LOGITS, LABELS
     mask = labels % 2 == 0
     loss_fn = BERTMLMLossWithReduction()
     loss_fn.setup({"labels": labels, "loss_mask": mask})
@@ -260,7 +254,7 @@ def reports(*values: object) -> list[object]:
     return [{REPORT_KEY: v} if isinstance(v, torch.Tensor) else v for v in values]
 
 
-LOGITS, LABELS = logits_labels()
+LOGITS, LABELS, _ = make_mlm_batch(2, 5, 33, mask_prob=1.0)  # every position scored
 IDS = torch.ones(2, 8, dtype=torch.long)
 ON_META = {"labels": LABELS.to("meta"), "loss_mask": torch.ones(LABELS.shape, device="meta")}
 TRAIN, LIBRARY = "`train.py`", "library"
