@@ -281,7 +281,7 @@ def lightning_train(
 
 
 def existing_group_ddp(**kwargs: object) -> DDPStrategy:
-    """DDP over the process group ``tests.dist_utils.run_distributed`` already initialized."""
+    """DDP over the process group ``dist_utils.run_distributed`` already initialized."""
     join_existing_group()
     return DDPStrategy(
         cluster_environment=LightningEnvironment(), process_group_backend="gloo", **kwargs
@@ -289,7 +289,7 @@ def existing_group_ddp(**kwargs: object) -> DDPStrategy:
 
 
 def existing_group_fsdp2() -> ModelParallelStrategy:
-    """FSDP2 over the process group ``tests.dist_utils.run_distributed`` already initialized."""
+    """FSDP2 over the process group ``dist_utils.run_distributed`` already initialized."""
     join_existing_group()
     strategy = ModelParallelStrategy(
         data_parallel_size=dist.get_world_size(),
