@@ -2,7 +2,7 @@
 
 Without Megatron-Core's parallel state the groups fall back to the default process group (or
 none); with it, they are Megatron's. A real one-rank gloo group stands for "initialized"; the
-multi-rank sums are in tests/integration/test_distributed_groups.py.
+multi-rank sums are in tests/integration/test_reduction_distributed.py.
 """
 
 from __future__ import annotations

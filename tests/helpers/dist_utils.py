@@ -160,13 +160,32 @@ def run_launched(body: Callable[..., None], world_size: int, *args: Any) -> None
     )
 
 
+def join_existing_group() -> None:
+    """Set what torchrun sets, from the group ``run_distributed`` made: Lightning and accelerate
+    then take the processes for launched ones and keep the group."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(
+        RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world, NODE_RANK="0"
+    )
+
+
+def sync_on_last(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Gradients synced on the last micro-batch only: DDP's ``no_sync``, FSDP2's flag."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if last else model.no_sync()
+    model.set_requires_gradient_sync(last)  # type: ignore[operator]
+    return contextlib.nullcontext()
+
+
+def full(tensor: Any) -> Any:
+    """``tensor`` whole: an FSDP2 shard (``DTensor``) gathered."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """Every parameter's whole gradient by name: FSDP2's shards gathered, DDP's wrapper dropped."""
     module = getattr(model, "module", model)  # DistributedDataParallel's wrapped model
-    return {
-        name: grad.full_tensor() if isinstance(grad := param.grad, DTensor) else grad
-        for name, param in module.named_parameters()
-    }
+    return {name: full(param.grad) for name, param in module.named_parameters()}
 
 
 def free_port() -> int:

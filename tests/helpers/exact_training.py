@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.plugins.environments import LightningEnvironment
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -27,6 +26,7 @@ from bert_reduce.functional import safe_divide
 from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, ShardedEvalBatchSampler
 from bert_reduce.num_scored import NumScoredCollator
 from bert_reduce.reduction import BERTMLMLossWithReduction
+from tests.helpers.dist_utils import full, join_existing_group
 from tests.helpers.mode_reference import reference_mode_loss
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 from tests.helpers.tiny_lightning import quiet_trainer
@@ -276,17 +276,28 @@ def lightning_train(
         trainer = quiet_trainer([recorder], **common)
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
     assert (trainer.global_step, trainer.world_size) == (steps, devices)
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
     return Run(params, recorder.losses, recorder.val_totals, module)
 
 
 def existing_group_ddp(**kwargs: object) -> DDPStrategy:
-    """DDP over the process group ``tests.dist_utils.run_distributed`` already initialized."""
-    os.environ["LOCAL_RANK"] = str(dist.get_rank())
-    os.environ["NODE_RANK"] = "0"
+    """DDP over the process group ``dist_utils.run_distributed`` already initialized."""
+    join_existing_group()
     return DDPStrategy(
         cluster_environment=LightningEnvironment(), process_group_backend="gloo", **kwargs
     )
+
+
+def existing_group_fsdp2() -> ModelParallelStrategy:
+    """FSDP2 over the process group ``dist_utils.run_distributed`` already initialized."""
+    join_existing_group()
+    strategy = ModelParallelStrategy(
+        data_parallel_size=dist.get_world_size(),
+        tensor_parallel_size=1,
+        process_group_backend="gloo",
+    )
+    strategy.cluster_environment = LightningEnvironment()
+    return strategy
 
 
 def reference_val_totals(params: ParamDict, val_size: int) -> Tensor:

@@ -174,38 +174,22 @@ def training_arguments(output_dir: str, **overrides: Any):
     return TrainingArguments(**values)
 
 
-def recording(trainer_class: type) -> type:
-    """``trainer_class`` keeping what ``training_step`` returns for each micro-batch."""
-
-    class Recording(trainer_class):
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            self.micro_batch_losses = [*getattr(self, "micro_batch_losses", []), loss.item()]
-            return loss
-
-    return Recording
-
-
 def _trainer(case: Case, output_dir: str, **kwargs: Any):
+    """The case's trainer, keeping what ``training_step`` returns for each micro-batch."""
     from transformers import Trainer
 
     from bert_reduce.hf import ExactMLMTrainer
 
     if case.exact:
-        return recording(ExactMLMTrainer)(
-            model=tiny_model(case.kind), fused_head=case.fused_head, **kwargs
-        )
-    return recording(Trainer)(model=tiny_model(case.kind), **kwargs)
+        kwargs["fused_head"] = case.fused_head
 
+    class Recording(ExactMLMTrainer if case.exact else Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.micro_batch_losses = [*getattr(self, "micro_batch_losses", []), loss.item()]
+            return loss
 
-class GradientAtStep(TrainerCallback):
-    """Copies every parameter's gradient at ``on_pre_optimizer_step`` (after DDP's all-reduce)."""
-
-    def __init__(self) -> None:
-        self.grads: dict[str, Tensor] | None = None
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = grads(model)
+    return Recording(model=tiny_model(case.kind), **kwargs)
 
 
 def logged_losses(trainer) -> list[float]:
@@ -214,10 +198,15 @@ def logged_losses(trainer) -> list[float]:
 
 def step_gradient(trainer) -> dict[str, Tensor]:
     """``trainer.train()``; the gradient of its (one) optimizer step, after DDP's all-reduce."""
-    capture = GradientAtStep()
-    trainer.add_callback(capture)
+    captured: dict[str, dict[str, Tensor]] = {}
+
+    class GradientAtStep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            captured["grads"] = grads(model)
+
+    trainer.add_callback(GradientAtStep())
     trainer.train()
-    return capture.grads
+    return captured["grads"]
 
 
 def trainer_step(case: Case, output_dir: str) -> dict[str, Any]:
@@ -299,20 +288,12 @@ def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> l
 
 
 def _distributed_body(jobs: Sequence[Job], output_dir: str, path: str) -> None:
-    """:func:`_run_all` on a gloo process, with what ``accelerate`` reads set from the group.
+    """:func:`_run_all` on a gloo process; OMP_NUM_THREADS stops accelerate resizing torch's
+    thread pool."""
+    from tests.helpers.dist_utils import join_existing_group
 
-    ``accelerate``'s ``PartialState(cpu=True)`` takes a run with ``WORLD_SIZE > 1`` for a
-    multi-CPU one and keeps a process group that is already initialized; OMP_NUM_THREADS set
-    stops it from resizing torch's thread pool.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
+    join_existing_group()
+    os.environ["OMP_NUM_THREADS"] = "1"
     _run_all(jobs, output_dir, path)
 
 

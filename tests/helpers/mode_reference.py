@@ -15,6 +15,7 @@ from torch import Tensor
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.reports import reduce_reports
+from tests.helpers.reference import loss_and_grad
 
 MODES = ("per_token", "per_sequence", "constant")
 
@@ -89,12 +90,7 @@ def reference_mode_loss(
 def reference_mode_loss_and_grad(
     logits_sbv: Tensor, labels: Tensor, mask: Tensor, mode: str, **kwargs
 ) -> tuple[Tensor, Tensor]:
-    logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
-    loss = reference_mode_loss(logits, labels, mask, mode, **kwargs)
-    if loss.requires_grad:
-        loss.backward()
-    grad = logits.grad if logits.grad is not None else torch.zeros_like(logits)
-    return loss.detach(), grad
+    return loss_and_grad(reference_mode_loss, logits_sbv, labels, mask, mode, **kwargs)
 
 
 def run_mode_microbatches(

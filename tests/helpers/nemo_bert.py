@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 import tempfile
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.core.optimizer import OptimizerConfig
@@ -30,7 +28,7 @@ from nemo import lightning as nl
 from nemo.lightning import io
 from nemo.lightning.data import WrappedDataLoader
 from nemo.lightning.pytorch.optim import MegatronOptimizerModule
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
@@ -44,10 +42,11 @@ from bert_reduce.nemo import (
 )
 from examples.nemo2_recipe import mlm_pretrain_recipe
 from tests.helpers.dist_utils import load_rank_results, run_launched
+from tests.helpers.megatron_bert import CONFIG, build_bert, global_named_parameters, mlm_batch
 from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
 from tests.helpers.tiny_lightning import RecordingLogger
 
-VOCAB, SEQ_LEN, MASK_ID = 32, 12, 3
+SEQ_LEN = 12
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
 # In every global batch, samples 2 and 3 have no masked token: with micro-batches of 2, one
 # micro-batch of each step scores nothing (on rank 1 at DP=2, on rank 0 at DP=1).
@@ -74,96 +73,28 @@ VAL_SAMPLES = 13
 
 
 def tiny_bert_config(**overrides: Any) -> TransformerConfig:
-    """Two layers, no dropout, fp32, and the flag the exact per-token reduction needs."""
-    fields: dict[str, Any] = {
-        "num_layers": 2,
-        "hidden_size": 16,
-        "num_attention_heads": 2,
-        "ffn_hidden_size": 32,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-        "calculate_per_token_loss": True,
-        "use_cpu_initialization": True,
-        "pipeline_dtype": torch.float32,
-    }
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
-def build_bert(config: TransformerConfig) -> BertModel:
-    """This pipeline stage's part of the BERT, with weights that do not depend on the split.
-
-    Every parameter is drawn from a generator seeded by its *global* name (layer numbers
-    counted over all stages), so PP=1 and PP=2 models hold the same weights; the last stage's
-    copy of the tied output weight is the first stage's word embedding.
-    """
-    model = BertModel(
-        config=config,
-        num_tokentypes=0,
-        transformer_layer_spec=bert_layer_local_spec,
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ_LEN,
-        add_binary_head=False,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=True,
+    """``tests.helpers.megatron_bert.CONFIG`` in fp32, with the flag the exact reduction needs."""
+    return TransformerConfig(
+        **{**CONFIG, "calculate_per_token_loss": True, "pipeline_dtype": torch.float32, **overrides}
     )
-    with torch.no_grad():
-        for name, param in global_named_parameters(model).items():
-            tied = name == "output_layer.weight"
-            seed_name = "embedding.word_embeddings.weight" if tied else name
-            gen = torch.Generator().manual_seed(zlib.crc32(seed_name.encode()))
-            param.copy_(0.3 * torch.randn(param.shape, generator=gen))
-    return model
-
-
-def global_named_parameters(model: BertModel) -> dict[str, nn.Parameter]:
-    """Parameters by name, with ``encoder.layers.<i>`` numbered over all pipeline stages."""
-    offset = 0
-    if model.encoder.layers:
-        offset = model.encoder.layers[0].layer_number - 1
-    named = {}
-    for name, param in model.named_parameters():
-        parts = name.split(".")
-        if parts[:2] == ["encoder", "layers"]:
-            parts[2] = str(int(parts[2]) + offset)
-        named[".".join(parts)] = param
-    return named
 
 
 class MLMDataset(Dataset):
-    """Deterministic ``[s]`` samples: masked ``text``, ``labels``, ``loss_mask``, attention.
-
-    Args:
-        num_samples: Number of samples.
-        seed: Generator seed.
-        empty: Sample indices modulo ``GLOBAL_BATCH`` whose loss mask is all False.
-    """
+    """``mlm_batch`` samples; those at ``empty`` modulo ``GLOBAL_BATCH`` score nothing."""
 
     def __init__(self, num_samples: int, seed: int, empty: tuple[int, ...] = ()) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(MASK_ID + 1, VOCAB, (num_samples, SEQ_LEN), generator=gen)
-        self.loss_mask = torch.rand(num_samples, SEQ_LEN, generator=gen) < 0.3
-        for index in range(num_samples):
-            if index % GLOBAL_BATCH in empty:
-                self.loss_mask[index] = False
+        empty_rows = [i for i in range(num_samples) if i % GLOBAL_BATCH in empty]
+        self.data = mlm_batch(num_samples, seed, SEQ_LEN, 0.3, empty_rows)
+        self.loss_mask = self.data["loss_mask"]
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.loss_mask)
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        mask = self.loss_mask[index]
-        return {
-            "text": torch.where(mask, MASK_ID, self.tokens[index]),
-            "labels": self.tokens[index],
-            "loss_mask": mask,
-            "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long),
-        }
+        return {key: value[index] for key, value in self.data.items()}
 
     def batch(self, start: int, stop: int) -> dict[str, Tensor]:
-        """Samples ``start`` to ``stop`` stacked into one ``[b, s]`` batch."""
-        samples = [self[index] for index in range(start, stop)]
-        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        return {key: value[start:stop] for key, value in self.data.items()}
 
 
 def train_dataset(steps: int) -> MLMDataset:
@@ -177,16 +108,9 @@ def val_dataset(num_samples: int) -> MLMDataset:
 
 
 class TinyBertDataModule(pl.LightningDataModule):
-    """Training data cut by NeMo's ``MegatronDataSampler`` into micro-batches per DP rank.
-
-    Args:
-        steps: Global batches of training data.
-        validation: ``None`` (no validation set), or :data:`VAL_SAMPLES` validation samples
-            served by ``"wrapped"`` (NeMo's ``WrappedDataLoader(mode="validation")``) or
-            ``"plain"`` (a plain ``DataLoader``, which NeMo's sampler takes for a training
-            loader) under :class:`~bert_reduce.nemo.ExactValidationDataSampler`, or by
-            ``"nemo_sampler"`` (a wrapped loader under NeMo's own ``MegatronDataSampler``).
-    """
+    """``steps`` global batches; ``validation``: none, or :data:`VAL_SAMPLES` samples in a
+    ``"wrapped"`` (NeMo's ``WrappedDataLoader``) or ``"plain"`` loader under
+    ``ExactValidationDataSampler``, or (``"nemo_sampler"``) wrapped under NeMo's own sampler."""
 
     def __init__(self, steps: int, validation: str | None = None) -> None:
         super().__init__()
@@ -233,17 +157,9 @@ class TinyBertDataModule(pl.LightningDataModule):
 class TinyBertMLM(pl.LightningModule, io.IOMixin):
     """The LightningModule NeMo 2 drives: BERT + bert_reduce's loss, NeMo/BioNeMo-style.
 
-    Args:
-        config: Megatron config (``calculate_per_token_loss=True``).
-        loss_reduction_class: Builds the training loss (``()``) and the validation loss
-            (``(validation_step=True)``), as BioNeMo's ``loss_reduction_class``.
-        output: What the last stage hands the loss: ``"logits"`` (``[b, s, v]``, NeMo's BERT),
-            ``"lm_loss"`` (``[b, s]`` per-token losses from Megatron's BERT given labels), or
-            ``"fused"``: in training, the output layer's inputs
-            (:func:`bert_reduce.megatron.output_layer_inputs`) for the masked-only fused head,
-            with each micro-batch's ``num_scored`` counted on the host by
-            :func:`bert_reduce.nemo.num_scored_data_step` (checked to reach the loss as this
-            micro-batch's own ``int``); logits in validation.
+    ``output``, what the last stage hands the loss: ``"logits"`` (NeMo's BERT), ``"lm_loss"``
+    (Megatron's per-token losses), or ``"fused"``: in training ``output_layer_inputs``, with
+    ``num_scored_data_step``'s count checked to reach the loss as an ``int``.
     """
 
     def __init__(
@@ -261,7 +177,7 @@ class TinyBertMLM(pl.LightningModule, io.IOMixin):
     @override
     def configure_model(self) -> None:
         if self.module is None:
-            self.module = build_bert(self.config)
+            self.module = build_bert(self.config, SEQ_LEN)
 
     @override
     def forward(self, batch: Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
@@ -336,7 +252,7 @@ def reference_training(
 
 
 def _reference_model(steps: int, adam_lr: float | None = None) -> tuple[BertModel, list[float]]:
-    model = build_bert(tiny_bert_config())
+    model = build_bert(tiny_bert_config(), SEQ_LEN)
     if adam_lr is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     else:
@@ -379,15 +295,8 @@ def assert_matches_reference(results: list[dict[str, Any]], reference: tuple) ->
 
 
 class ResultSaver(pl.Callback):
-    """Keeps ``reduced_train_loss`` as NeMo logged it after every step; saves at the end.
-
-    ``<out_dir>/rank<r>.pt``: this rank's parameters by global name, its pipeline and data
-    parallel ranks, and the logged losses; :meth:`save` adds more.
-
-    Args:
-        out_dir: Where the results go.
-        on_train_end: Save when the fit ends; ``False``: the caller calls :meth:`save`.
-    """
+    """Keeps NeMo's logged ``reduced_train_loss``; saves ``<out_dir>/rank<r>.pt``: parameters
+    by global name, pipeline and data-parallel ranks, losses (at the end, or on :meth:`save`)."""
 
     def __init__(self, out_dir: str, on_train_end: bool = True) -> None:
         self.out_dir = out_dir
@@ -404,7 +313,6 @@ class ResultSaver(pl.Callback):
             self.save(trainer, pl_module)
 
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, **extra: Any) -> None:
-        """Write this rank's results, with ``extra`` entries."""
         bert = next(m for m in pl_module.modules() if isinstance(m, BertModel))
         params = {n: p.detach().clone() for n, p in global_named_parameters(bert).items()}
         result = {
@@ -427,11 +335,6 @@ class StepMeanRecorder(pl.Callback):
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module, outputs, *args) -> None:
         if not trainer.sanity_checking:
             self.step_means.append(float(outputs))
-
-
-def optimizer_module() -> MegatronOptimizerModule:
-    """Megatron's SGD with momentum and clipping, as :func:`reference_training` runs it."""
-    return MegatronOptimizerModule(OptimizerConfig(**SGD_OPTIONS, use_distributed_optimizer=False))
 
 
 def nemo_trainer(world_size: int, steps: int, pp: int = 1, tp: int = 1, **kwargs: Any):
@@ -472,7 +375,8 @@ def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, vali
     trainer = nemo_trainer(world_size, STEPS, pp, tp, callbacks=callbacks, **options)
     config = tiny_bert_config(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp)
     model = TinyBertMLM(config, output=output)
-    optimizer_module().connect(model)
+    sgd = OptimizerConfig(**SGD_OPTIONS, use_distributed_optimizer=False)  # as the reference
+    MegatronOptimizerModule(sgd).connect(model)
     extra: dict[str, Any] = {}
     try:
         with megatron_on_cpu():
@@ -497,17 +401,9 @@ def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, vali
 def fit(
     world_size: int, pp: int = 1, tp: int = 1, output: str = "logits", validation=None
 ) -> list[dict]:
-    """A :data:`STEPS`-step fit on ``world_size`` processes (DP = ``world_size / (pp * tp)``).
-
-    With ``validation`` (:class:`TinyBertDataModule`'s), a sanity check, then one validation
-    epoch after the last step, through :class:`~bert_reduce.nemo.NeMoValidationPerplexityCallback`.
-
-    Returns:
-        Every rank's :class:`ResultSaver` result; with ``validation`` also what reached the
-        logger (``logged``), ``callback_metrics`` and either the callback's ``val_result``
-        (with ``real_on_rank``, the real samples this rank validated, and ``nemo_step_means``,
-        NeMo's own per-step ``val_loss``) or the fit's ``error``.
-    """
+    """Every rank's :class:`ResultSaver` result of a :data:`STEPS`-step fit; with
+    ``validation`` also one validation epoch's ``logged`` values and either the callback's
+    ``val_result`` (``real_on_rank``, ``nemo_step_means``) or the fit's ``error``."""
     with tempfile.TemporaryDirectory() as out_dir:
         run_launched(_fit_body, world_size, out_dir, world_size, pp, tp, output, validation)
         return load_rank_results(out_dir, world_size)

@@ -5,7 +5,6 @@ Module-level so that spawned processes (tests.dist_utils.run_distributed) can im
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,14 +115,3 @@ def assert_matches_reference(
 
 def loader(dataset: MLMSamples, batch_size: int, **kwargs: Any) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)
-
-
-def join_existing_group(rank: int, world_size: int) -> None:
-    """Let Lightning's DDP use the process group ``run_distributed`` already created.
-
-    With ``LOCAL_RANK`` set, Lightning treats the processes as launched externally and does not
-    start new ones; ``torch.distributed`` being initialized, it joins the existing group.
-    """
-    os.environ.update(
-        {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world_size)},
-    )

@@ -38,15 +38,19 @@ def reference_loss(logits_sbv: Tensor, labels_bs: Tensor, mask_bs: Tensor) -> Te
     return F.cross_entropy(logits_bsv[mask_bs], labels_bs[mask_bs])
 
 
-def reference_loss_and_grad(
-    logits_sbv: Tensor, labels_bs: Tensor, mask_bs: Tensor
-) -> tuple[Tensor, Tensor]:
-    """The reference loss and its gradient w.r.t. the ``[s, b, v]`` logits, fp64."""
+def loss_and_grad(loss_fn, logits_sbv: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    """``loss_fn(logits, *args, **kwargs)`` on the logits in fp64 and its gradient w.r.t. them
+    (zeros if the loss does not depend on them)."""
     logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
-    loss = reference_loss(logits, labels_bs, mask_bs)
-    loss.backward()
-    assert logits.grad is not None
-    return loss.detach(), logits.grad
+    loss = loss_fn(logits, *args, **kwargs)
+    if loss.requires_grad:
+        loss.backward()
+    return loss.detach(), logits.grad if logits.grad is not None else torch.zeros_like(logits)
+
+
+def reference_loss_and_grad(logits_sbv: Tensor, labels_bs: Tensor, mask_bs: Tensor):
+    """The reference loss and its gradient w.r.t. the ``[s, b, v]`` logits, fp64."""
+    return loss_and_grad(reference_loss, logits_sbv, labels_bs, mask_bs)
 
 
 def weighted_reference(logits_sbv: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -54,13 +58,15 @@ def weighted_reference(logits_sbv: Tensor, labels: Tensor, mask: Tensor) -> tupl
 
     ``logits_sbv`` are ``[s, b, v]``; ``w`` is the ``[b, s]`` ``mask`` (0/1 or float weights).
     """
-    logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
-    scored = mask != 0
-    per_token = F.cross_entropy(logits.transpose(0, 1)[scored], labels[scored], reduction="none")
-    loss = (per_token * mask[scored].to(torch.float64)).sum()
-    loss.backward()
-    assert logits.grad is not None
-    return loss.detach(), logits.grad
+
+    def weighted_sum(logits: Tensor) -> Tensor:
+        scored = mask != 0
+        per_token = F.cross_entropy(
+            logits.transpose(0, 1)[scored], labels[scored], reduction="none"
+        )
+        return (per_token * mask[scored].to(torch.float64)).sum()
+
+    return loss_and_grad(weighted_sum, logits_sbv)
 
 
 RAGGED_LENGTHS = (5, 12, 1, 9, 12, 3)

@@ -38,27 +38,22 @@ from bert_reduce.recipe.data import load_sequences
 from bert_reduce.recipe.datamodule import ESMDataModule
 from bert_reduce.recipe.run_directory import LOCK_NAME, RunDirectoryError, RunDirectoryLock
 from bert_reduce.reports import REPORT_KEY
-from tests.helpers.recipe_runs import ROOT, compose_config, recipe_checkpoint, training_steps
+from tests.helpers.recipe_runs import (
+    CHECKPOINTED,
+    ROOT,
+    compose_config,
+    recipe_checkpoint,
+    training_steps,
+)
+from tests.helpers.reference import make_mlm_batch
 
 # Its probes run train.py's training in this process: the module runs in CI, outside the fast set.
 pytestmark = pytest.mark.slow
 
 DOC = ROOT / "docs" / "errors.md"
-TINY = [
-    "data.global_batch_size=16",
-    "data.num_train_sequences=80",
-    "data.num_val_sequences=37",
-    "trainer.max_steps=2",
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "tensorboard=false",
-    "plot=false",
-    "cpu_threads=null",
-    # Small enough for the one probe that trains to take seconds.
-    "trainer.num_sanity_val_steps=0",
-    "data.max_length=32",
-    "model.num_layers=1",
-]
+# Small enough for the one probe that trains to take seconds.
+TINY = [*CHECKPOINTED, "trainer.max_steps=2", "cpu_threads=null", "data.max_length=32"]
+TINY += ["model.num_layers=1"]
 
 
 @dataclass(frozen=True)
@@ -109,25 +104,22 @@ def refused_untouched(tmp: Path, *overrides: str) -> str:
         assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
-def bad_resume(content: bytes | None) -> Callable[[Path], str]:
-    """Resume into the run's own directory from a missing (``None``) or bad checkpoint."""
+def bad_resume(content: bytes | str | None) -> Callable[[Path], str]:
+    """Resume into the run's own directory from a missing (``None``), bad or half (``"half"``)
+    checkpoint."""
 
     def probe(tmp: Path) -> str:
         path = used_run_directory(tmp) / "checkpoints" / "step000005.ckpt"
-        if content is not None:
+        if content == "half":
+            whole = recipe_checkpoint(tmp / "whole.ckpt", 16).read_bytes()
+            path.write_bytes(whole[: len(whole) // 2])
+        elif content is not None:
             path.write_bytes(content)
         return refused_untouched(
             tmp, f"resume={path if content is not None else path.with_name('lats.ckpt')}"
         )
 
     return probe
-
-
-def truncated_resume(tmp: Path) -> str:
-    path = used_run_directory(tmp) / "checkpoints" / "step000005.ckpt"
-    whole = recipe_checkpoint(tmp / "whole.ckpt", 16).read_bytes()
-    path.write_bytes(whole[: len(whole) // 2])
-    return refused_untouched(tmp, f"resume={path}")
 
 
 def auto_resume_all_damaged(tmp: Path) -> str:
@@ -188,16 +180,9 @@ def latin1_fasta(tmp: Path) -> str:
     return str(load_sequences(path))
 
 
-def logits_labels(batch: int = 2, seq: int = 5, vocab: int = 33) -> tuple[torch.Tensor, ...]:
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(seq, batch, vocab, dtype=torch.float64, generator=generator)
-    labels = torch.randint(0, vocab, (batch, seq), generator=generator)
-    return logits, labels
-
-
 def narrow_labels(dtype: torch.dtype) -> Callable[[Path], str]:
     def probe(tmp: Path) -> str:
-        logits, labels = logits_labels()
+        logits, labels = LOGITS, LABELS
         mask = torch.ones_like(labels, dtype=torch.bool)
         loss = BERTMLMLossWithReduction()
         got, count, _ = loss.forward(
@@ -213,7 +198,7 @@ def narrow_labels(dtype: torch.dtype) -> Callable[[Path], str]:
 
 def negative_weight(check_labels: bool) -> Callable[[Path], str]:
     def probe(tmp: Path) -> str:
-        logits, labels = logits_labels()
+        logits, labels = LOGITS, LABELS
         weights = torch.ones(labels.shape, dtype=torch.float64)
         weights[0, 1] = -1.0
         loss_sum, _, _ = BERTMLMLossWithReduction(check_labels=check_labels).forward(
@@ -254,7 +239,7 @@ def head_without_weight() -> None:
 
 
 def bare_logits(tmp: Path) -> str:
-    logits, labels = logits_labels()
+    logits, labels = LOGITS, LABELS
     mask = labels % 2 == 0
     loss_fn = BERTMLMLossWithReduction()
     loss_fn.setup({"labels": labels, "loss_mask": mask})
@@ -269,23 +254,15 @@ def reports(*values: object) -> list[object]:
     return [{REPORT_KEY: v} if isinstance(v, torch.Tensor) else v for v in values]
 
 
-LOGITS, LABELS = logits_labels()
+LOGITS, LABELS, _ = make_mlm_batch(2, 5, 33, mask_prob=1.0)  # every position scored
 IDS = torch.ones(2, 8, dtype=torch.long)
 ON_META = {"labels": LABELS.to("meta"), "loss_mask": torch.ones(LABELS.shape, device="meta")}
 TRAIN, LIBRARY = "`train.py`", "library"
 PROBES = probes(
     TRAIN,
-    (
-        "`data.mask_prob=0.0`",
-        lambda t: train(t, "data.mask_prob=0.0"),
-        ValueError,
-        r"mask_prob=0\.0.*must be in \(0, 1\]",
-    ),
-    (
-        "`data.mask_prob=2.0`",
-        lambda t: train(t, "data.mask_prob=2.0"),
-        ValueError,
-        r"mask_prob=2\.0.*must be in \(0, 1\]",
+    *(
+        (f"`{bad}`", lambda t, bad=bad: train(t, bad), ValueError, rf"{bad}: .*must be in \(0, 1\]")
+        for bad in ("data.mask_prob=0.0", "data.mask_prob=2.0")
     ),
     (
         "a new run into a directory that holds a run",
@@ -330,29 +307,14 @@ PROBES = probes(
         "`resume=auto` in a directory whose only checkpoint is damaged",
         auto_resume_all_damaged,
     ),
-    (
-        "`resume=` a mistyped path",
-        bad_resume(None),
-        FileNotFoundError,
-        "no such checkpoint file. Checkpoints in",
-    ),
-    (
-        "`resume=` an empty checkpoint (0 bytes)",
-        bad_resume(b""),
-        ValueError,
-        r"the file is empty \(0 bytes\)",
-    ),
-    (
-        "`resume=` a file that is not a checkpoint",
-        bad_resume(b"\x80\x04garbage"),
-        ValueError,
-        "not a PyTorch checkpoint",
-    ),
-    (
-        "`resume=` a truncated checkpoint",
-        truncated_resume,
-        ValueError,
-        "not a readable PyTorch checkpoint",
+    *(
+        (f"`resume=` {what}", bad_resume(content), error, match)
+        for what, content, error, match in (
+            ("a mistyped path", None, FileNotFoundError, "no such checkpoint file. Checkpoints in"),
+            ("an empty checkpoint (0 bytes)", b"", ValueError, r"the file is empty \(0 bytes\)"),
+            ("a file that is not a checkpoint", b"\x80\x04garbage", ValueError, "not a PyTorch"),
+            ("a truncated checkpoint", "half", ValueError, "not a readable PyTorch checkpoint"),
+        )
     ),
     (
         "`resume=` with another `data.global_batch_size`",

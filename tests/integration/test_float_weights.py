@@ -50,7 +50,7 @@ def test_every_path_gives_the_weighted_mean(kind) -> None:
         assert float(weights.sum()) % 1 > 0.01  # rounding it to an integer would show
     expected = reference_mode_loss(logits, labels, weights, "per_token")
 
-    # (Megatron-Core's kernels, at fp32, on float weights: tests/integration/test_engine.py.)
+    # (Megatron-Core's kernels, at fp32, on float weights: tests/test_engine.py.)
     results: dict[str, Tensor] = {}
     reports = []
     for rows in SPLIT:

@@ -11,7 +11,6 @@ clear error from ``begin()`` instead of a silent hang. All in one spawn of 2 pro
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 
 import pytest
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce import GlobalBatchLoss
 from bert_reduce.num_scored import count_scored
-from tests.helpers.dist_utils import full_grads, run_distributed
+from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
 
 pytest.importorskip("transformers")
@@ -64,14 +63,8 @@ def _step(model, micro_batches, head: str, **loss_kwargs) -> torch.Tensor:
     # outputs.loss goes around the loss: begin() then has no micro-batch of its own.
     loss_fn.begin([] if head == "outputs.loss" else micro_batches)
     for index, mb in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        if isinstance(model, DistributedDataParallel):
-            sync = model.no_sync() if not last else contextlib.nullcontext()
-        else:
-            model.set_requires_gradient_sync(last)
-            sync = contextlib.nullcontext()
         inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
-        with sync:
+        with sync_on_last(model, index == len(micro_batches) - 1):
             if head == "outputs.loss":  # what a Hugging Face loop does: the mean, over steps
                 (model(**inputs, labels=mb["labels"]).loss / len(micro_batches)).backward()
                 continue
@@ -120,8 +113,7 @@ def _body(out_path: str) -> None:
                 worst = max(worst, float((grad - ref).abs().max()) / scale)
             errors[f"{kind} {wrapper} {head}"] = worst
     _refused_wrappings(micro_batches[0])
-    errors["unequal counts"] = _unequal_counts_message()
-    dist.barrier()
+    errors["unequal counts"] = _unequal_counts_message(mine)
     torch.save(errors, f"{out_path}.{rank}")
 
 
@@ -140,15 +132,13 @@ def _refused_wrappings(mb: dict) -> None:
         lm_head_inputs(untied, **inputs)
 
 
-def _unequal_counts_message() -> str:
+def _unequal_counts_message(batch: dict) -> str:
     """What ``begin()`` raises when FSDP2 ranks hold different numbers of micro-batches."""
     # A group whose collectives time out after a minute: without the check this run would hang
     # in FSDP2's all-gathers; with it, begin() raises on both ranks before any forward.
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     mesh = DeviceMesh.from_group(group, "cpu")
-    rank = dist.get_rank()
-    batch = esm_batch(ROWS[rank][0], SEQ_LEN, ROWS[rank][1], seed=rank)
-    splits = (slice(0, 2), slice(2, 4)) if rank == 0 else (slice(0, 4),)
+    splits = (slice(0, 2), slice(2, 4)) if dist.get_rank() == 0 else (slice(0, 4),)
     micro_batches = [{k: v[rows] for k, v in batch.items()} for rows in splits]
     model = _wrap(_model("esm"), "esm", "fsdp2", mesh)
     try:

@@ -51,39 +51,49 @@ def _check_shard_grads(leaves, reference, tp_rank: int, scale: float = 1.0, hidd
     torch.testing.assert_close(hidden_grad, ref_hidden * scale, **TOL)
 
 
-def _tensor_parallel_checks(tp_rank: int) -> None:
+def _checks(tp_rank: int, sequence_parallel: bool) -> None:
+    """The losses, the weighted sum and the loss class; under sequence parallelism (Megatron's
+    all-gather and reduce-scatter) each rank holds a sequence shard of the hidden states."""
+    half = SEQ_LEN // 2
+    rows = slice(tp_rank * half, (tp_rank + 1) * half) if sequence_parallel else None
     hidden, weight, bias, labels, mask = make_head_batch(
         3, SEQ_LEN, 5, VOCAB, mask_prob=0.4, seed=3
     )
     coef = mask * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
     reference = linear_reference(hidden, weight, bias, labels, coef)
     counts = mask.sum(dim=1)
+    options = {"sequence_parallel": sequence_parallel, **CHUNKS}
     for capacity, num_scored in [("all", None), ("nonzero", None), (0.6, None), (1, counts)]:
-        leaves = _shard_leaves(hidden, weight, bias, tp_rank)
-        with count_collectives() as calls:
-            losses = linear_cross_entropy_token_losses(
-                leaves[0], leaves[1], labels, mask, bias=leaves[2],
-                capacity=capacity, num_scored=num_scored, **CHUNKS,
-            )  # fmt: skip
-        assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
-        (losses * coef).sum().backward()
+        leaves = _shard_leaves(hidden, weight, bias, tp_rank, rows or slice(None))
+        with megatron_on_cpu():
+            with count_collectives() as calls:
+                losses = linear_cross_entropy_token_losses(
+                    leaves[0], leaves[1], labels, mask, bias=leaves[2],
+                    capacity=capacity, num_scored=num_scored, **options,
+                )  # fmt: skip
+            (losses * coef).sum().backward()
+        if not sequence_parallel:
+            assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
         torch.testing.assert_close(losses, reference[0], **TOL)
-        _check_shard_grads(leaves, reference, tp_rank)
+        _check_shard_grads(leaves, reference, tp_rank, hidden_rows=rows)
 
     # The weighted sum: gradients accumulated in the forward, after the one all-reduce
     # (two passes over the shard's chunks), scaled by the upstream gradient in backward.
     for capacity, num_scored in [("all", None), (None, None), (0.6, None), (1, int(mask.sum()))]:
-        leaves = _shard_leaves(hidden, weight, bias, tp_rank)
-        rows = {} if capacity is None else {"capacity": capacity}
-        with count_collectives() as calls:
+        leaves = _shard_leaves(hidden, weight, bias, tp_rank, rows or slice(None))
+        rows_option = {} if capacity is None else {"capacity": capacity}
+        with megatron_on_cpu(), count_collectives() as calls:
             total = linear_cross_entropy_weighted_sum(
                 leaves[0], leaves[1], labels, coef.double(), bias=leaves[2],
-                num_scored=num_scored, **rows, **CHUNKS,
+                num_scored=num_scored, **rows_option, **options,
             )  # fmt: skip
             (0.5 * total).backward()
-        assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
+        if not sequence_parallel:
+            assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
         torch.testing.assert_close(total, (reference[0] * coef).sum(), rtol=1e-10, atol=0)
-        _check_shard_grads(leaves, reference, tp_rank, scale=0.5)
+        _check_shard_grads(leaves, reference, tp_rank, scale=0.5, hidden_rows=rows)
+    if sequence_parallel:
+        return
 
     # Through the loss reduction, with the collator's CPU count: one collective, no sync.
     leaves = _shard_leaves(hidden, weight, bias, tp_rank)
@@ -99,38 +109,12 @@ def _tensor_parallel_checks(tp_rank: int) -> None:
     )
 
 
-def _sequence_parallel_checks(tp_rank: int) -> None:
-    rows = slice(tp_rank * SEQ_LEN // 2, (tp_rank + 1) * SEQ_LEN // 2)
-    hidden, weight, bias, labels, mask = make_head_batch(3, SEQ_LEN, 5, VOCAB, seed=4)
-    coef = mask.double()
-    reference = linear_reference(hidden, weight, bias, labels, coef)
-    leaves = _shard_leaves(hidden, weight, bias, tp_rank, rows)
-    with megatron_on_cpu():
-        losses = linear_cross_entropy_token_losses(
-            leaves[0], leaves[1], labels, mask, bias=leaves[2], sequence_parallel=True, capacity=0.5
-        )
-        (losses * coef).sum().backward()
-    torch.testing.assert_close(losses, reference[0], **TOL)
-    _check_shard_grads(leaves, reference, tp_rank, hidden_rows=rows)
-
-    # The weighted sum on the sequence shard, with the count as an int.
-    leaves = _shard_leaves(hidden, weight, bias, tp_rank, rows)
-    with megatron_on_cpu():
-        total = linear_cross_entropy_weighted_sum(
-            leaves[0], leaves[1], labels, coef, bias=leaves[2], sequence_parallel=True,
-            num_scored=int(mask.sum()),
-        )  # fmt: skip
-        total.backward()
-    torch.testing.assert_close(total, (reference[0] * coef).sum(), rtol=1e-10, atol=0)
-    _check_shard_grads(leaves, reference, tp_rank, hidden_rows=rows)
-
-
 def _body() -> None:
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    _tensor_parallel_checks(tp_rank)
-    _sequence_parallel_checks(tp_rank)
+    for sequence_parallel in (False, True):
+        _checks(tp_rank, sequence_parallel)
 
 
 @pytest.mark.slow

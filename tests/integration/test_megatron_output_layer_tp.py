@@ -32,19 +32,12 @@ from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
 pytestmark = pytest.mark.slow
 
 
-def _loss_and_grads(model, batch, output: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    inputs = (batch["text"], batch["attention_mask"])
+def _loss_and_grads(batch: dict, forward_out: dict, leaves: list) -> tuple[torch.Tensor, tuple]:
+    """The loss class's sum on ``forward_out`` and its gradients w.r.t. ``leaves``."""
     loss_fn = BERTMLMLossWithReduction()
     loss_fn.setup({**batch, "num_scored": int(batch["loss_mask"].sum())})
-    if output == "fused":
-        forward_out = output_layer_inputs(model, *inputs)
-    else:
-        forward_out = {"logits": model(*inputs)[0]}
     loss_sum, _, _ = loss_fn(forward_out)
-    loss_sum.backward()
-    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss_sum.detach(), grads
+    return loss_sum.detach(), torch.autograd.grad(loss_sum, leaves)
 
 
 def _body(reference: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
@@ -55,14 +48,17 @@ def _body(reference: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
     with megatron_on_cpu():
         model = tiny_bert()
         ref_loss, ref_grads = reference
-        for output in ("fused", "logits"):
-            loss, grads = _loss_and_grads(model, batch, output)
+        inputs = (batch["text"], batch["attention_mask"])
+        named = dict(model.named_parameters())
+        for fused in (True, False):
+            out = output_layer_inputs(model, *inputs) if fused else {"logits": model(*inputs)[0]}
+            loss, grads = _loss_and_grads(batch, out, list(named.values()))
             torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
-            for name, param in model.named_parameters():
+            for (name, param), grad in zip(named.items(), grads, strict=True):
                 expected = ref_grads[name]
                 if getattr(param, "tensor_model_parallel", False):
                     expected = expected.chunk(2, dim=param.partition_dim)[tp_rank]
-                torch.testing.assert_close(grads[name], expected, rtol=1e-10, atol=1e-13, msg=name)
+                torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-13, msg=name)
         _sequence_parallel_checks(batch, tp_rank)
 
 
@@ -112,17 +108,14 @@ def _sequence_parallel_checks(batch: dict, tp_rank: int) -> None:
     for output in ("fused", "logits"):
         stage = SequenceParallelLastStage(weight, bias, tp_rank)
         leaf = hidden.clone().requires_grad_(True)
-        loss_fn = BERTMLMLossWithReduction()
-        loss_fn.setup({**batch, "num_scored": int(mask.sum())})
         if output == "fused":
             forward_out = output_layer_inputs(stage, leaf)
             assert forward_out["hidden_states"].shape == hidden.shape  # gathered, whole
         else:
             forward_out = {"token_logits": stage(leaf)}
-        loss_sum, _, _ = loss_fn(forward_out)
-        loss_sum.backward()
-        torch.testing.assert_close(loss_sum.detach(), reference.detach(), rtol=1e-12, atol=0)
-        grads = (leaf.grad, stage.output_layer.weight.grad, stage.output_layer.bias.grad)
+        layer = stage.output_layer
+        loss_sum, grads = _loss_and_grads(batch, forward_out, [leaf, layer.weight, layer.bias])
+        torch.testing.assert_close(loss_sum, reference.detach(), rtol=1e-12, atol=0)
         expected = (
             leaves[0].grad,
             leaves[1].grad.chunk(2)[tp_rank],

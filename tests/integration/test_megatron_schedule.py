@@ -94,9 +94,6 @@ def schedule_step(
 
     Returns the final parameter gradients, the logged loss (``reduce``) and the reports.
     """
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-
-    model = make_model(calculate_per_token_loss)
     batch = global_batch(loss_kwargs.pop("weighted", False))
     micro_batches = [
         {key: value[rows[i : i + micro_batch_size]] for key, value in batch.items()}
@@ -109,14 +106,22 @@ def schedule_step(
         loss_fn.setup(micro_batch)
         return model(micro_batch["input_ids"]), loss_fn
 
+    return run_schedule(forward_step, micro_batches, calculate_per_token_loss)
+
+
+def run_schedule(forward_step, micro_batches, calculate_per_token_loss: bool = True) -> tuple:
+    """``forward_backward_no_pipelining``: the gradients, ``reduce``'s loss and the reports."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    model = make_model(calculate_per_token_loss)
     with megatron_on_cpu():
         reports = forward_backward_no_pipelining(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
             model=[model],
             num_microbatches=len(micro_batches),
-            seq_length=SEQ_LEN,
-            micro_batch_size=micro_batch_size,
+            seq_length=SEQ_LEN,  # both unused without pipelining
+            micro_batch_size=1,
         )
     grads = {name: param.grad.clone() for name, param in model.module.named_parameters()}
     return grads, checked_reduce(reports), reports
@@ -159,20 +164,24 @@ def megatron_one_rank() -> Iterator[None]:
         yield
 
 
+def every_split(ref: dict | None = None, **kwargs) -> list[tuple]:
+    """:func:`schedule_step` under each of ``SPLITS``: the same gradients, and ``ref``'s."""
+    by_split = [schedule_step(list(range(GLOBAL_BATCH)), size, **kwargs) for _, size in SPLITS]
+    for grads, _, _ in by_split:
+        assert_grads_close(grads, by_split[0][0], **SPLIT_TOL)
+        if ref is not None:
+            assert_grads_close(grads, ref, **FP32_TOL)
+    return by_split
+
+
 def test_every_split_gives_the_same_gradients_as_cross_entropy(megatron_one_rank) -> None:
     ref, ref_loss = reference_grads()
-    first = None
-    for num_micro_batches, size in SPLITS:
-        grads, loss, reports = schedule_step(list(range(GLOBAL_BATCH)), size)
+    for (num_micro_batches, size), (_, loss, reports) in zip(SPLITS, every_split(ref), strict=True):
         assert len(reports) == num_micro_batches
         counts = [int(r["loss_sum_and_microbatch_size"][1]) for r in reports]
         if size == 2:
             assert counts[1] == 0 and len(set(counts)) > 2, counts
         torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
-        assert_grads_close(grads, ref, **FP32_TOL)
-        if first is None:
-            first = grads
-        assert_grads_close(grads, first, **SPLIT_TOL)
 
 
 def test_calculate_per_token_loss_false_gives_the_mean_of_micro_batch_means(
@@ -192,23 +201,11 @@ def test_other_modes_and_float_weights_through_the_schedule(megatron_one_rank) -
         schedule_step(list(range(GLOBAL_BATCH)), 4, weighted=True)
     # ... and weight_resolution makes it an exact integer (these weights are multiples of 1/4).
     ref, _ = reference_grads(weighted=True)
-    first = None
-    for _, size in SPLITS:
-        grads, _, _ = schedule_step(
-            list(range(GLOBAL_BATCH)), size, weighted=True, weight_resolution=256
-        )
-        assert_grads_close(grads, ref, **FP32_TOL)
-        first = first or grads
-        assert_grads_close(grads, first, **SPLIT_TOL)
+    every_split(ref, weighted=True, weight_resolution=256)
     for mode, kwargs in (("per_sequence", {}), ("constant", {"constant_per_sequence": SEQ_LEN})):
-        by_split = [
-            schedule_step(list(range(GLOBAL_BATCH)), size, normalization=mode, **kwargs)[0]
-            for _, size in SPLITS
-        ]
-        for grads in by_split[1:]:
-            assert_grads_close(grads, by_split[0], **SPLIT_TOL)
-    # per_sequence differs from per_token, so the equalities above are not about per_token.
-    assert not torch.allclose(by_split[0]["head.weight"], ref["head.weight"], rtol=1e-3)
+        grads = every_split(normalization=mode, **kwargs)[0][0]
+    # The modes differ from per_token, so the equalities above are not about per_token.
+    assert not torch.allclose(grads["head.weight"], ref["head.weight"], rtol=1e-3)
 
 
 def _dp2_body(
@@ -232,7 +229,6 @@ CP_SEQ_LEN = 12  # a multiple of 2 * cp_size
 
 def _cp2_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
     """docs/megatron.md's forward_step under CP = 2: each micro-batch's loss gets an int count."""
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from torch.utils.data import DataLoader, default_collate
 
     from bert_reduce import get_batch_on_this_cp_rank
@@ -254,22 +250,12 @@ def _cp2_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
     batch = global_batch(seq_len=CP_SEQ_LEN)
     samples = [{key: value[i] for key, value in batch.items()} for i in range(GLOBAL_BATCH)]
     loader = DataLoader(samples, batch_size=2, collate_fn=collate)
-    model = make_model(calculate_per_token_loss=True)
-    with megatron_on_cpu():
-        reports = forward_backward_no_pipelining(
-            forward_step_func=forward_step,
-            data_iterator=iter(loader),
-            model=[model],
-            num_microbatches=len(loader),
-            seq_length=CP_SEQ_LEN // 2,
-            micro_batch_size=2,
-        )
+    grads, loss, _ = run_schedule(forward_step, list(loader))
     assert len(seen) == 4
     for count, mask in seen:
         assert type(count) is int and count == int(mask.sum()), (count, mask)
-    grads = {name: param.grad for name, param in model.module.named_parameters()}
     assert_grads_close(grads, ref, **FP32_TOL)
-    torch.testing.assert_close(checked_reduce(reports), ref_loss, **FP32_TOL)
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
 
 
 def _two_ranks_body(dp_references: tuple, cp_references: tuple) -> None:

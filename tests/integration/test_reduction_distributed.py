@@ -6,8 +6,9 @@ rebuilt for each. Every rank builds the same global batch, takes its share (rows
 load-balanced sequence chunks for CP, a vocab slice for TP), runs the loss per micro-batch as
 Megatron would, and checks the reduced loss and its own slice of d(loss)/d(logits) against
 ``F.cross_entropy`` on the whole, unsplit batch; forward and backward of every micro-batch run
-no host sync and (outside TP) no collective, ``reduce`` one all-reduce. Megatron's own
-cross-entropy kernels run at TP = 1 and TP = 2.
+no host sync and (outside TP) no collective, ``reduce`` one all-reduce; the token count sums
+over ``loss_reduction_group()``, DP x CP and never TP. Megatron's own cross-entropy kernels run
+at TP = 1 and TP = 2.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
 
     global_tokens = all_reduce_sum_(local_tokens.clone(), loss_reduction_group())
     assert int(global_tokens) == int(mask.sum())
+    with count_collectives() as calls:  # no group: no reduction, not the default group's
+        assert torch.equal(all_reduce_sum_(local_tokens.clone(), None), local_tokens)
+    assert not calls
     for rows, grad in zip(leaves, grads, strict=True):
         expected = _local_view(ref_grad, rows, (tp_rank, tp_size), (cp_rank, cp_size))
         torch.testing.assert_close(grad / global_tokens, expected, rtol=1e-5, atol=1e-8)

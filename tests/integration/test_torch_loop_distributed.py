@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce import GlobalBatchLoss
-from tests.helpers.dist_utils import full_grads, run_distributed
+from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
 from tests.helpers.mode_reference import mode_kwargs, reference_mode_loss
 from tests.helpers.sync_guard import count_collectives
 
@@ -117,13 +117,7 @@ def _train_step_body(wrapper: str) -> None:
         with count_collectives() as begin_calls:
             loss_fn.begin(micro_batches)
         for index, mb in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            if wrapper == "ddp":
-                context = model.no_sync() if not last else torch.enable_grad()
-                with context:
-                    loss_fn(model(mb["input_ids"]), mb).backward()
-            else:
-                model.set_requires_gradient_sync(last)
+            with sync_on_last(model, index == len(micro_batches) - 1):
                 loss_fn(model(mb["input_ids"]), mb).backward()
         with count_collectives() as end_calls:
             step_loss = loss_fn.end()
@@ -136,8 +130,6 @@ def _train_step_body(wrapper: str) -> None:
             )
             scale = ref_grads[name].abs().max()
             worst = max(worst, float((grad - ref_grads[name]).abs().max() / scale))
-    # Every rank finishes its last collective before any tears the process group down.
-    dist.barrier()
     if rank == 0:
         print(f"\n{wrapper} x{world}: largest relative gradient error {worst:.1e}", file=sys.stderr)
 
@@ -186,7 +178,6 @@ def _context_parallel_body(packed: bool) -> None:
         else:
             expected = get_batch_on_this_cp_rank(full, cp_size=2, cp_rank=rank)["logits"]
         torch.testing.assert_close(leaf.grad, expected, rtol=1e-10, atol=1e-15)
-    dist.barrier()
 
 
 def _body() -> None:

@@ -19,14 +19,13 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 
 from bert_reduce.lightning import ShardedEvalBatchSampler, ValidationPerplexityCallback
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import join_existing_group, run_distributed
 from tests.helpers.perplexity_helpers import (
     BATCH,
     SIZE,
     MLMSamples,
     TinyMLM,
     assert_matches_reference,
-    join_existing_group,
     loader,
     reference,
 )
@@ -39,7 +38,7 @@ pytestmark = pytest.mark.slow
 def _ddp_body(world_size: int) -> None:
     """Every check that needs real DDP processes, in one spawn."""
     rank = dist.get_rank()
-    join_existing_group(rank, world_size)
+    join_existing_group()
     ddp = {"devices": world_size, "strategy": "ddp"}
     data, model = MLMSamples(SIZE), TinyMLM()
     _, _, ref_count = reference(model, data)

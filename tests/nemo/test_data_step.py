@@ -21,22 +21,16 @@ from bert_reduce.context_parallel import context_parallel_indices
 from bert_reduce.nemo import num_scored_data_step
 from bert_reduce.num_scored import NumScoredCollator
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.megatron_bert import mlm_batch
 from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
 
 
 def nemo_bert_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     """A collated batch with the keys NeMo's BERT data step reads (``padding_mask`` ...)."""
-    gen = torch.Generator().manual_seed(seed)
-    loss_mask = torch.rand(3, 8, generator=gen) < 0.4
-    labels = torch.randint(0, 30, (3, 8), generator=gen)
-    return {
-        "text": torch.where(loss_mask, 31, labels),
-        "types": torch.zeros(3, 8, dtype=torch.long),
-        "padding_mask": torch.ones(3, 8, dtype=torch.long),
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "is_random": torch.zeros(3, 8, dtype=torch.long),
-    }
+    batch = mlm_batch(3, seed, seq_len=8, empty_rows=())
+    batch["padding_mask"] = batch.pop("attention_mask")
+    zeros = torch.zeros(3, 8, dtype=torch.long)
+    return {**batch, "types": zeros, "is_random": zeros}
 
 
 def with_count(batch: dict[str, torch.Tensor]) -> dict:

@@ -159,31 +159,47 @@ def test_megatron_loss_reduction_is_nemos_class() -> None:
     assert isinstance(BERTMLMLossWithReduction(), nemo_mp.MegatronLossReduction)
 
 
-@pytest.mark.parametrize("step", ["train", "val"])
-def test_a_step_is_the_global_batch_in_one_pass(step: str) -> None:
-    batch = _global_batch()
-    with single_process_megatron():
-        module = _module(val_drop_last=False)
-        ref_loss, ref_grads = _reference(module, batch)
-        loss, reports = _run(module, batch, MICRO_BATCHES, step)
+def _step_is_the_global_batch_in_one_pass(micro_batches: list[list[int]], step: str) -> list:
+    """A NeMo step on this rank's ``micro_batches``: the loss and gradients of the whole batch
+    in one pass; returns the micro-batches' counts (summed over DP x CP: the batch's)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank as megatron_cp_slicer
 
+    batch = _global_batch()
+    module = _module(val_drop_last=False)
+    ref_loss, ref_grads = _reference(module, batch)
+    loss, reports = _run(module, batch, micro_batches, step)
     torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
     # NeMo built one loss per micro-batch and another for reduce, which never saw a batch.
     losses = module.created_losses
-    assert len({id(loss) for loss in losses}) == len(MICRO_BATCHES) + 1
+    assert len({id(loss) for loss in losses}) == len(micro_batches) + 1
     assert losses[-1].batch is None
-    if step == "val":
-        for rows, report in zip(MICRO_BATCHES, reports, strict=True):
-            torch.testing.assert_close(report["batch"]["labels"], batch["labels"][rows])
-            assert report["forward_out"]["token_logits"].shape == (SEQ_LEN, len(rows), VOCAB)
-            assert not report["forward_out"]["token_logits"].requires_grad
+    if step == "train":
+        _assert_close_grads(_grads(module), ref_grads)
+        assert all(set(report) == {"loss_sum_and_microbatch_size"} for report in reports)
+    else:
         assert all(param.grad is None for param in module.parameters())
-        return
-    _assert_close_grads(_grads(module), ref_grads)
+        # The loss saw this rank's load-balanced chunks, as Megatron's own slicer cuts them.
+        for rows, report in zip(micro_batches, reports, strict=True):
+            full = {key: batch[key][rows] for key in ("labels", "loss_mask")}
+            expected = megatron_cp_slicer(full)
+            for key in full:
+                torch.testing.assert_close(report["batch"][key], expected[key])
+            logits = report["forward_out"]["token_logits"]
+            assert logits.shape == (expected["labels"].shape[1], len(rows), VOCAB)
+            assert not logits.requires_grad
     counts = [int(report["loss_sum_and_microbatch_size"][1]) for report in reports]
-    assert counts == [int(batch["loss_mask"][rows].sum()) for rows in MICRO_BATCHES]
-    assert counts[1] == 0
-    assert all(set(report) == {"loss_sum_and_microbatch_size"} for report in reports)
+    total = torch.tensor(sum(counts), dtype=torch.float64)
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    assert int(total) == int(batch["loss_mask"].sum())
+    return counts
+
+
+@pytest.mark.parametrize("step", ["train", "val"])
+def test_a_step_is_the_global_batch_in_one_pass(step: str) -> None:
+    with single_process_megatron():
+        counts = _step_is_the_global_batch_in_one_pass(MICRO_BATCHES, step)
+    mask = _global_batch()["loss_mask"]
+    assert counts == [int(mask[rows].sum()) for rows in MICRO_BATCHES] and counts[1] == 0
 
 
 def test_example_builds_the_megatron_flags() -> None:
@@ -201,31 +217,9 @@ def test_example_builds_the_megatron_flags() -> None:
 
 
 def _dp_cp_body() -> None:
-    from megatron.core.utils import get_batch_on_this_cp_rank as megatron_cp_slicer
-
-    batch = _global_batch()
-    dp_rank = parallel_state.get_data_parallel_rank()
     for step in ("train", "val"):
-        module = _module(val_drop_last=False)
-        ref_loss, ref_grads = _reference(module, batch)
-        micro_batches = DP_MICRO_BATCHES[step][dp_rank]
-        loss, reports = _run(module, batch, micro_batches, step)
-        torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
-        if step == "train":
-            _assert_close_grads(_grads(module), ref_grads)
-        else:
-            # The loss saw this rank's load-balanced chunks, as Megatron's own slicer cuts them.
-            for rows, report in zip(micro_batches, reports, strict=True):
-                full = {key: batch[key][rows] for key in ("labels", "loss_mask")}
-                expected = megatron_cp_slicer(full)
-                for key in full:
-                    torch.testing.assert_close(report["batch"][key], expected[key])
-        local = sum(report["loss_sum_and_microbatch_size"][1] for report in reports)
-        total = torch.as_tensor(local, dtype=torch.float64)
-        dist.all_reduce(
-            total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
-        )
-        assert int(total) == int(batch["loss_mask"].sum())
+        micro_batches = DP_MICRO_BATCHES[step][parallel_state.get_data_parallel_rank()]
+        _step_is_the_global_batch_in_one_pass(micro_batches, step)
 
 
 @pytest.mark.slow

@@ -1,17 +1,20 @@
-"""ExactMLMModule under Lightning DDP on 2 gloo processes (one process: tests/lightning/).
+"""ExactMLMModule on 2 gloo processes, under Lightning DDP and ModelParallelStrategy (FSDP2).
 
 After every step the parameters and logged losses equal those of one process training on the
-whole global batch (tests/helpers/exact_training.py's reference) whatever the micro-batch size:
-SGD and AdamW, clipping of the exact global gradient, per-token and per-sequence. Each step
-reduces each gradient bucket once and all-reduces the sums once; an uneven validation set's
-reports sum to the loss of the whole set; Lightning's own accumulation (a mean of means)
-visibly differs.
+whole global batch (tests/helpers/exact_training.py's reference; one process:
+tests/lightning/) whatever the micro-batch size, with micro-batches holding no masked token and
+a rank holding none. DDP: SGD and AdamW, clipping of the exact global gradient, per-token and
+per-sequence; each step reduces each gradient bucket once and all-reduces the sums once; an
+uneven validation set's reports sum to the loss of the whole set; Lightning's own accumulation
+(a mean of means) visibly differs. FSDP2: per-token and per-sequence. Under both, every
+micro-batch's loss gets its own count of scored positions as an int (``NumScoredCollator``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from tests.helpers import exact_training as et
 from tests.helpers.dist_utils import run_distributed
@@ -21,9 +24,7 @@ pytestmark = pytest.mark.slow
 VAL_SIZE = 7  # split 3 + 4 over two ranks, in batches of 2: ranks run 2 and 2 uneven batches
 
 
-def _ddp_body(world_size: int) -> None:
-    """Every rank trains with Lightning DDP and checks itself against the reference."""
-
+def _ddp_checks(world_size: int) -> None:
     def train(micro_batch_size: int, optimizer=None, clip: float | None = None, **kwargs):
         return et.lightning_train(
             micro_batch_size=micro_batch_size,
@@ -45,9 +46,7 @@ def _ddp_body(world_size: int) -> None:
 
     # Clipping of the exact global gradient; counted collectives and no host sync in the step
     # (SGD: Adam's own step reads its step count on the host); an uneven validation set whose
-    # reports sum to the loss of the whole set.
-    # The loader counts each sample's scored positions; every micro-batch's loss gets its
-    # own count as an int through DDP's batch transfer and the split.
+    # reports sum to the loss of the whole set; the count of each micro-batch.
     expected_clipped, _ = et.reference_train(et.sgd(), clip=0.05)
     et.GRADIENT_BUCKETS_REDUCED.clear()
     et.InstrumentedModule.collectives_per_step = []
@@ -84,5 +83,33 @@ def _ddp_body(world_size: int) -> None:
     assert et.max_param_difference(train(2, stock=True).params, expected) > 1e-3
 
 
-def test_ddp_training_equals_one_process_on_the_global_batch() -> None:
-    run_distributed(_ddp_body, 2, 2, megatron=False)
+def _fsdp2_checks(world_size: int) -> None:
+    for mode, micro_batch_size in (("per_token", 1), ("per_token", 2), ("per_sequence", 2)):
+        count_scored = micro_batch_size == 1
+        expected, expected_losses = et.reference_train(et.sgd(), clip=None, mode=mode)
+        run = et.lightning_train(
+            micro_batch_size=micro_batch_size,
+            optimizer=et.sgd(),
+            clip=None,
+            strategy=et.existing_group_fsdp2(),
+            devices=world_size,
+            mode=mode,
+            # ModelParallelStrategy refuses "64-true"; "32-true" leaves the fp64 model as is.
+            precision="32-true",
+            model_dtype=torch.float64,
+            count_scored=count_scored,
+        )
+        if count_scored:
+            et.assert_each_loss_got_its_micro_batch_count()
+        assert any(isinstance(p, DTensor) for p in run.module.parameters())
+        et.assert_params_close(run.params, expected)
+        torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
+
+
+def _body(world_size: int) -> None:
+    _ddp_checks(world_size)
+    _fsdp2_checks(world_size)
+
+
+def test_ddp_and_fsdp2_training_equal_one_process_on_the_global_batch() -> None:
+    run_distributed(_body, 2, 2, megatron=False)
