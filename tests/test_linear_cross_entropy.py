@@ -266,9 +266,7 @@ def test_without_a_count_only_the_scored_rows_are_computed(entry, capacity) -> N
                 hidden, weight, labels, mask.double(), bias=bias, **kwargs
             )
         else:
-            loss_fn = BERTMLMLossWithReduction(
-                **({} if capacity is None else {"capacity": capacity})
-            )
+            loss_fn = BERTMLMLossWithReduction(**kwargs)
             loss_fn.setup({"labels": labels, "loss_mask": mask})
             loss_fn({"hidden_states": hidden, "output_weight": weight, "output_bias": bias})
     expected = int(mask.sum()) if capacity is None else b * s
