@@ -8,6 +8,7 @@ from bert_reduce import (
     BERTMLMLossWithReduction,
     MegatronLossReduction,
 )
+from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.mode_reference import run_mode_microbatches as run_microbatches
 from tests.helpers.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
 
@@ -97,14 +98,22 @@ def test_bad_batches_options_and_outputs_are_named() -> None:
         BERTMLMLossWithReduction(cross_entropy_loss_fusion=True)
 
 
-def test_out_of_vocab_masked_label_reported() -> None:
-    logits, labels, mask = make_mlm_batch(2, 8, 9, mask_prob=1.0)
+@pytest.mark.parametrize("output", ["logits", "sb", "bs"])
+def test_out_of_vocab_masked_label_reported(output) -> None:
+    # Logits, or the fused head's inputs in either layout (the loss on them against the
+    # reference in every option: tests/test_engine.py).
+    layout = output.replace("logits", "sb")
+    hidden, weight, _, labels, mask = make_head_batch(mask_prob=1.0, layout=layout)
     labels[1, 3] = 42
     loss_fn = BERTMLMLossWithReduction(check_labels=True)
     loss_fn.setup({"labels": labels, "loss_mask": mask})
-    # Without check_labels, NaN: tests/test_cross_entropy.py (the kernel, every capacity).
-    with pytest.raises(ValueError, match=r"outside \[0, 9\).*b=1, s=3.*42"):
-        loss_fn({"token_logits": logits})
+    forward_out = {"hidden_states": hidden, "hidden_layout": output, "output_weight": weight}
+    if output == "logits":
+        forward_out = {"token_logits": torch.nn.functional.linear(hidden, weight)}
+    # Without check_labels, NaN: tests/test_cross_entropy.py and tests/test_linear_cross_entropy.py
+    # (the kernels, every capacity).
+    with pytest.raises(ValueError, match=r"outside \[0, 13\).*b=1, s=3.*42"):
+        loss_fn(forward_out)
 
 
 def test_all_matches_exports() -> None:
