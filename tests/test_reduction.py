@@ -85,6 +85,7 @@ def test_bad_batches_options_and_outputs_are_named() -> None:
         ),
         ({}, {**batch, "loss_mask": mask[:, :4]}, out, ValueError, r"\(2, 4\).*\(2, 8\)"),
         ({}, batch, {"lm_loss": torch.zeros(8, 2)}, ValueError, r"forward_out\['lm_loss'\]"),
+        ({}, batch, {**out, "lm_loss": mask}, KeyError, "exactly one of .*forward_out_key"),
     ]
     for kernel in ("megatron", "megatron_fused"):
         match = rf"cross_entropy='{kernel}' runs Megatron-Core.*needs"
@@ -96,6 +97,8 @@ def test_bad_batches_options_and_outputs_are_named() -> None:
             loss_fn(forward_out)
     with pytest.raises(TypeError, match="cross_entropy_loss_fusion"):
         BERTMLMLossWithReduction(cross_entropy_loss_fusion=True)
+    with pytest.raises(ValueError, match="forward_out_key must be one of"):
+        BERTMLMLossWithReduction(forward_out_key="token_logit")
 
 
 @pytest.mark.parametrize("output", ["logits", "sb", "bs"])
@@ -135,14 +138,25 @@ def _nemo_outputs(logits_sbv, labels):
     }
 
 
-@pytest.mark.parametrize("key", ["token_logits", "logits", "lm_loss"])
-def test_every_forward_out_layout_is_the_reference(key) -> None:
+@pytest.mark.parametrize(
+    ("key", "forward_out_key"),
+    [
+        ("token_logits", None),
+        ("logits", None),
+        ("lm_loss", None),
+        ("logits and lm_loss", "logits"),  # several outputs: forward_out_key says which
+        ("logits and lm_loss", "lm_loss"),
+    ],
+)
+def test_every_forward_out_layout_is_the_reference(key, forward_out_key) -> None:
     # b == s: a [b, s, v] tensor read as [s, b, v] would give another, wrong, loss.
     logits, labels, mask = make_mlm_batch(6, 6, 11, empty_rows=(2,))
     ref = reference_loss(logits, labels, mask)
-    loss_fn = BERTMLMLossWithReduction()
+    outputs = _nemo_outputs(logits, labels)
+    outputs["logits and lm_loss"] = {**outputs["logits"], **outputs["lm_loss"]}
+    loss_fn = BERTMLMLossWithReduction(forward_out_key=forward_out_key)
     loss_fn.setup({"labels": labels, "loss_mask": mask})
-    loss_sum, num_tokens, report = loss_fn(_nemo_outputs(logits, labels)[key])
+    loss_sum, num_tokens, report = loss_fn(outputs[key])
     torch.testing.assert_close(loss_sum / num_tokens, ref, rtol=1e-12, atol=0)
     torch.testing.assert_close(loss_fn.reduce([report]), ref.float(), rtol=0, atol=0)
 
@@ -153,20 +167,3 @@ def test_bsv_logits_under_the_sbv_key_are_a_different_loss() -> None:
     loss_fn.setup({"labels": labels, "loss_mask": mask})
     wrong, count, _ = loss_fn({"token_logits": logits.transpose(0, 1).contiguous()})
     assert not torch.isclose(wrong / count, reference_loss(logits, labels, mask))
-
-
-def test_forward_out_key_chooses_among_several_outputs() -> None:
-    logits, labels, mask = make_mlm_batch(3, 5, 7)
-    both = {**_nemo_outputs(logits, labels)["logits"], **_nemo_outputs(logits, labels)["lm_loss"]}
-    loss_fn = BERTMLMLossWithReduction()
-    loss_fn.setup({"labels": labels, "loss_mask": mask})
-    with pytest.raises(KeyError, match=r"exactly one of .*forward_out_key"):
-        loss_fn(both)
-    ref = reference_loss(logits, labels, mask)
-    for key in ("logits", "lm_loss"):
-        loss_fn = BERTMLMLossWithReduction(forward_out_key=key)
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        loss_sum, num_tokens, _ = loss_fn(both)
-        torch.testing.assert_close(loss_sum / num_tokens, ref, rtol=1e-12, atol=0)
-    with pytest.raises(ValueError, match="forward_out_key must be one of"):
-        BERTMLMLossWithReduction(forward_out_key="token_logit")
