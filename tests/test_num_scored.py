@@ -35,7 +35,6 @@ def bionemo_layout_batch() -> dict[str, torch.Tensor]:
 
 
 def bionemo_collated(per_sample: bool = False) -> dict:
-    """The BioNeMo-layout samples through ``NumScoredCollator(default_collate)``."""
     samples = [{k: v[i] for k, v in bionemo_layout_batch().items()} for i in range(3)]
     return NumScoredCollator(default_collate, per_sample=per_sample)(samples)
 
@@ -57,14 +56,13 @@ def test_hugging_face_collator_counts_its_labels(tmp_path) -> None:
 
     tokenizer = hf_tokenizer(tmp_path)
     samples = [tokenizer(s) for s in ("MKVLAAGIWMKVL", "MSTNPKPQRKTKRNTNRRPQ", "MAL")]
-
-    def collate() -> DataCollatorForLanguageModeling:  # seeded: the same masks each time
-        return DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3, seed=0)
-
-    batch = NumScoredCollator(collate())(samples)
+    collate = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3, seed=0)
+    batch = NumScoredCollator(collate)(samples)
     expected = (batch["labels"] != -100).sum(dim=1)
     assert type(batch["num_scored"]) is int and batch["num_scored"] == int(expected.sum()) > 0
-    per_sample = NumScoredCollator(collate(), per_sample=True)(samples)
+    per_sample = NumScoredCollator(
+        DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3, seed=0), per_sample=True
+    )(samples)
     assert per_sample["num_scored"] == tuple(expected.tolist())
     assert all(type(n) is int for n in per_sample["num_scored"])
 
