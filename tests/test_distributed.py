@@ -33,10 +33,10 @@ def gloo_world_of_one(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def assert_single_process_layout() -> None:
-    """TP = CP = 1, no tensor-parallel group: what every query gives without Megatron."""
-    assert not distributed.megatron_is_initialized()
-    assert distributed.tensor_parallel_group() is None
+def assert_single_process_layout(tensor_parallel_group: dist.ProcessGroup | None = None) -> None:
+    """TP = CP = 1; without Megatron (no group given), no tensor-parallel group either."""
+    assert distributed.megatron_is_initialized() == (tensor_parallel_group is not None)
+    assert distributed.tensor_parallel_group() is tensor_parallel_group
     assert distributed.tensor_parallel_world_size() == 1
     assert distributed.context_parallel_world_size() == 1
     assert distributed.context_parallel_rank() == 0
@@ -81,11 +81,7 @@ def test_megatron_parallel_state_gives_its_groups() -> None:
     with single_process_megatron():
         from megatron.core import parallel_state as ps
 
-        assert distributed.megatron_is_initialized()
-        assert distributed.tensor_parallel_group() is ps.get_tensor_model_parallel_group()
-        assert distributed.tensor_parallel_world_size() == 1
-        assert distributed.context_parallel_world_size() == 1
-        assert distributed.context_parallel_rank() == 0
+        assert_single_process_layout(ps.get_tensor_model_parallel_group())
         group = distributed.loss_reduction_group()
         # Megatron's data x context parallel group, not the default group it was built from.
         assert group is ps.get_data_parallel_group(with_context_parallel=True)

@@ -34,8 +34,9 @@ def bionemo_layout_batch() -> dict[str, torch.Tensor]:
     }
 
 
-def bionemo_samples() -> list[dict[str, torch.Tensor]]:
-    return [{k: v[i] for k, v in bionemo_layout_batch().items()} for i in range(3)]
+def bionemo_collated(per_sample: bool = False) -> dict:
+    samples = [{k: v[i] for k, v in bionemo_layout_batch().items()} for i in range(3)]
+    return NumScoredCollator(default_collate, per_sample=per_sample)(samples)
 
 
 def hf_tokenizer(tmp_path):
@@ -67,14 +68,13 @@ def test_hugging_face_collator_counts_its_labels(tmp_path) -> None:
 
 
 def test_bionemo_layout_counts_the_loss_mask_not_the_labels() -> None:
-    batch = NumScoredCollator(default_collate)(bionemo_samples())
+    batch = bionemo_collated()
     assert batch["num_scored"] == int(batch["loss_mask"].sum())
     assert batch["num_scored"] < int((batch["labels"] != -100).sum())
 
 
 def test_counts_survive_every_device_transfer() -> None:
-    batch = NumScoredCollator(default_collate)(bionemo_samples())
-    per_sample = NumScoredCollator(default_collate, per_sample=True)(bionemo_samples())
+    batch, per_sample = bionemo_collated(), bionemo_collated(per_sample=True)
     # Lightning's and NeMo's transfer (move_data_to_device), and a loop moving tensors only.
     for moved in (
         move_data_to_device(batch, DEVICE),

@@ -8,6 +8,7 @@ from bert_reduce import (
     BERTMLMLossWithReduction,
     MegatronLossReduction,
 )
+from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.mode_reference import run_mode_microbatches as run_microbatches
 from tests.helpers.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
 
@@ -84,6 +85,7 @@ def test_bad_batches_options_and_outputs_are_named() -> None:
         ),
         ({}, {**batch, "loss_mask": mask[:, :4]}, out, ValueError, r"\(2, 4\).*\(2, 8\)"),
         ({}, batch, {"lm_loss": torch.zeros(8, 2)}, ValueError, r"forward_out\['lm_loss'\]"),
+        ({}, batch, {**out, "lm_loss": mask}, KeyError, "exactly one of .*forward_out_key"),
     ]
     for kernel in ("megatron", "megatron_fused"):
         match = rf"cross_entropy='{kernel}' runs Megatron-Core.*needs"
@@ -95,16 +97,26 @@ def test_bad_batches_options_and_outputs_are_named() -> None:
             loss_fn(forward_out)
     with pytest.raises(TypeError, match="cross_entropy_loss_fusion"):
         BERTMLMLossWithReduction(cross_entropy_loss_fusion=True)
+    with pytest.raises(ValueError, match="forward_out_key must be one of"):
+        BERTMLMLossWithReduction(forward_out_key="token_logit")
 
 
-def test_out_of_vocab_masked_label_reported() -> None:
-    logits, labels, mask = make_mlm_batch(2, 8, 9, mask_prob=1.0)
+@pytest.mark.parametrize("output", ["logits", "sb", "bs"])
+def test_out_of_vocab_masked_label_reported(output) -> None:
+    # Logits, or the fused head's inputs in either layout (the loss on them against the
+    # reference in every option: tests/test_engine.py).
+    layout = output.replace("logits", "sb")
+    hidden, weight, _, labels, mask = make_head_batch(mask_prob=1.0, layout=layout)
     labels[1, 3] = 42
     loss_fn = BERTMLMLossWithReduction(check_labels=True)
     loss_fn.setup({"labels": labels, "loss_mask": mask})
-    # Without check_labels, NaN: tests/test_cross_entropy.py (the kernel, every capacity).
-    with pytest.raises(ValueError, match=r"outside \[0, 9\).*b=1, s=3.*42"):
-        loss_fn({"token_logits": logits})
+    forward_out = {"hidden_states": hidden, "hidden_layout": output, "output_weight": weight}
+    if output == "logits":
+        forward_out = {"token_logits": torch.nn.functional.linear(hidden, weight)}
+    # Without check_labels, NaN: tests/test_cross_entropy.py and tests/test_linear_cross_entropy.py
+    # (the kernels, every capacity).
+    with pytest.raises(ValueError, match=r"outside \[0, 13\).*b=1, s=3.*42"):
+        loss_fn(forward_out)
 
 
 def test_all_matches_exports() -> None:
@@ -126,14 +138,25 @@ def _nemo_outputs(logits_sbv, labels):
     }
 
 
-@pytest.mark.parametrize("key", ["token_logits", "logits", "lm_loss"])
-def test_every_forward_out_layout_is_the_reference(key) -> None:
+@pytest.mark.parametrize(
+    ("key", "forward_out_key"),
+    [
+        ("token_logits", None),
+        ("logits", None),
+        ("lm_loss", None),
+        ("logits and lm_loss", "logits"),  # several outputs: forward_out_key says which
+        ("logits and lm_loss", "lm_loss"),
+    ],
+)
+def test_every_forward_out_layout_is_the_reference(key, forward_out_key) -> None:
     # b == s: a [b, s, v] tensor read as [s, b, v] would give another, wrong, loss.
     logits, labels, mask = make_mlm_batch(6, 6, 11, empty_rows=(2,))
     ref = reference_loss(logits, labels, mask)
-    loss_fn = BERTMLMLossWithReduction()
+    outputs = _nemo_outputs(logits, labels)
+    outputs["logits and lm_loss"] = {**outputs["logits"], **outputs["lm_loss"]}
+    loss_fn = BERTMLMLossWithReduction(forward_out_key=forward_out_key)
     loss_fn.setup({"labels": labels, "loss_mask": mask})
-    loss_sum, num_tokens, report = loss_fn(_nemo_outputs(logits, labels)[key])
+    loss_sum, num_tokens, report = loss_fn(outputs[key])
     torch.testing.assert_close(loss_sum / num_tokens, ref, rtol=1e-12, atol=0)
     torch.testing.assert_close(loss_fn.reduce([report]), ref.float(), rtol=0, atol=0)
 
@@ -144,20 +167,3 @@ def test_bsv_logits_under_the_sbv_key_are_a_different_loss() -> None:
     loss_fn.setup({"labels": labels, "loss_mask": mask})
     wrong, count, _ = loss_fn({"token_logits": logits.transpose(0, 1).contiguous()})
     assert not torch.isclose(wrong / count, reference_loss(logits, labels, mask))
-
-
-def test_forward_out_key_chooses_among_several_outputs() -> None:
-    logits, labels, mask = make_mlm_batch(3, 5, 7)
-    both = {**_nemo_outputs(logits, labels)["logits"], **_nemo_outputs(logits, labels)["lm_loss"]}
-    loss_fn = BERTMLMLossWithReduction()
-    loss_fn.setup({"labels": labels, "loss_mask": mask})
-    with pytest.raises(KeyError, match=r"exactly one of .*forward_out_key"):
-        loss_fn(both)
-    ref = reference_loss(logits, labels, mask)
-    for key in ("logits", "lm_loss"):
-        loss_fn = BERTMLMLossWithReduction(forward_out_key=key)
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        loss_sum, num_tokens, _ = loss_fn(both)
-        torch.testing.assert_close(loss_sum / num_tokens, ref, rtol=1e-12, atol=0)
-    with pytest.raises(ValueError, match="forward_out_key must be one of"):
-        BERTMLMLossWithReduction(forward_out_key="token_logit")

@@ -57,26 +57,21 @@ def test_lightning_sets_the_epoch_through_the_dataloader() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("sizes", "message"),
     [
         (
-            {"dataset_size": 100, "global_batch_size": 16, "micro_batch_size": 3},
+            (100, 16, 3),
             r"global_batch_size=16 is not divisible by micro_batch_size \* data-parallel ranks "
             r"= 3 \* 2 = 6",
         ),
-        (
-            {"dataset_size": 10, "global_batch_size": 16, "micro_batch_size": 4},
-            r"holds 10 samples, fewer than one global batch of global_batch_size=16",
-        ),
-        (
-            {"dataset_size": 10, "global_batch_size": 0, "micro_batch_size": 4},
-            r"must be >= 1",
-        ),
+        ((10, 16, 4), r"holds 10 samples, fewer than one global batch of global_batch_size=16"),
+        ((10, 0, 4), r"must be >= 1"),
     ],
 )
-def test_global_batch_sampler_errors(kwargs: dict, message: str) -> None:
+def test_global_batch_sampler_errors(sizes: tuple[int, int, int], message: str) -> None:
+    """``sizes``: dataset_size, global_batch_size, micro_batch_size."""
     with pytest.raises(ValueError, match=message):
-        GlobalBatchSampler(**kwargs, num_replicas=2, rank=0)
+        GlobalBatchSampler(*sizes, num_replicas=2, rank=0)
 
 
 def test_invalid_rank() -> None:

@@ -129,16 +129,14 @@ def test_fused_head_is_exact_and_forms_logits_only_for_compute_metrics(kind: str
 def _packable_rows() -> list[dict[str, list[int]]]:
     """Unpadded samples behind a ``<cls>`` token (never masked: the flattening collator
     replaces the first label of every sequence by its separator)."""
-    rows = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
-    packable = []
-    for row, length in zip(rows, H.TRAIN_LENGTHS, strict=True):
-        packable.append(
-            {
-                "input_ids": [0, *row["input_ids"][:length].tolist()],
-                "labels": [-100, *row["labels"][:length].tolist()],
-            }
-        )
-    return packable
+    rows = zip(H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED), H.TRAIN_LENGTHS, strict=True)
+    return [
+        {
+            key: [first, *row[key][:length].tolist()]
+            for key, first in (("input_ids", 0), ("labels", -100))
+        }
+        for row, length in rows
+    ]
 
 
 @pytest.mark.parametrize("flash_attn_kwargs", [False, True])

@@ -13,6 +13,14 @@ from tests.helpers import exact_training as et
 from tests.helpers.tiny_lightning import quiet_trainer
 
 
+def _one_device(optimizer, micro_batch_size: int, mode: str = "per_token", **options) -> tuple:
+    """A one-device run without clipping, and the fp64 reference's parameters and losses."""
+    expected, expected_losses = et.reference_train(optimizer(), clip=None, mode=mode)
+    options.update(optimizer=optimizer(), clip=None, strategy="auto", devices=1, mode=mode)
+    run = et.lightning_train(micro_batch_size=micro_batch_size, **options)
+    return run, expected, expected_losses
+
+
 @pytest.mark.parametrize(
     ("micro_batch_size", "count_scored", "optimizer", "mode"),
     [
@@ -27,15 +35,8 @@ from tests.helpers.tiny_lightning import quiet_trainer
 def test_single_device_training_equals_the_global_batch(
     micro_batch_size: int, count_scored: bool, optimizer, mode: str
 ) -> None:
-    expected, expected_losses = et.reference_train(optimizer(), clip=None, mode=mode)
-    run = et.lightning_train(
-        micro_batch_size=micro_batch_size,
-        optimizer=optimizer(),
-        clip=None,
-        strategy="auto",
-        devices=1,
-        mode=mode,
-        count_scored=count_scored,
+    run, expected, expected_losses = _one_device(
+        optimizer, micro_batch_size, mode=mode, count_scored=count_scored
     )
     if count_scored:
         et.assert_each_loss_got_its_micro_batch_count()
@@ -51,15 +52,7 @@ def test_single_device_training_equals_the_global_batch(
 def test_lower_precisions_train_close_to_the_fp64_reference(
     precision: str, loss_rtol: float, param_atol: float
 ) -> None:
-    expected, expected_losses = et.reference_train(et.sgd(), clip=None)
-    run = et.lightning_train(
-        micro_batch_size=2,
-        optimizer=et.sgd(),
-        clip=None,
-        strategy="auto",
-        devices=1,
-        precision=precision,
-    )
+    run, expected, expected_losses = _one_device(et.sgd, 2, precision=precision)
     torch.testing.assert_close(run.losses, expected_losses, rtol=loss_rtol, atol=0)
     for name, value in expected.items():
         torch.testing.assert_close(run.params[name].double(), value, rtol=0, atol=param_atol)

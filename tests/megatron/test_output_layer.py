@@ -24,9 +24,11 @@ from tests.helpers.sync_guard import forbid_host_syncs
 
 
 @pytest.fixture
-def megatron() -> Iterator[None]:
+def megatron() -> Iterator[tuple[torch.nn.Module, dict, tuple[torch.Tensor, torch.Tensor]]]:
+    """A tiny ``BertModel``, a batch and the model's inputs, under a one-rank parallel state."""
     with single_process_megatron(), megatron_on_cpu():
-        yield
+        model, batch = tiny_bert(), mlm_batch()
+        yield model, batch, (batch["text"], batch["attention_mask"])
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -36,9 +38,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_fused_head_gives_the_logits_paths_loss_and_gradients(megatron) -> None:
-    model = tiny_bert()
-    batch = mlm_batch()
-    inputs = (batch["text"], batch["attention_mask"])
+    model, batch, inputs = megatron
     mask = batch["loss_mask"]
 
     logits, _ = model(*inputs)  # [b, s, v]
@@ -70,9 +70,7 @@ def test_fused_head_gives_the_logits_paths_loss_and_gradients(megatron) -> None:
 
 
 def test_wrappers_a_bias_left_to_the_caller_and_earlier_pipeline_stages(megatron) -> None:
-    model = tiny_bert()
-    batch = mlm_batch()
-    inputs = (batch["text"], batch["attention_mask"])
+    model, _, inputs = megatron
     # Found through .module (Megatron's DDP and Float16Module, NeMo's modules); then with
     # skip_bias_add: the layer hands its bias to the caller, which Megatron's BERT drops.
     for wrapped, skip_bias_add in ((GradSyncShell(model), False), (model, True)):
@@ -89,9 +87,7 @@ def test_wrappers_a_bias_left_to_the_caller_and_earlier_pipeline_stages(megatron
 
 
 def test_errors_name_the_problem_and_restore_the_layer(megatron) -> None:
-    model = tiny_bert()
-    batch = mlm_batch()
-    inputs = (batch["text"], batch["attention_mask"])
+    model, batch, inputs = megatron
     with pytest.raises(ValueError, match="without lm_labels"):
         output_layer_inputs(model, *inputs, lm_labels=batch["labels"])
     with pytest.raises(IndexError):  # a token id outside the embedding table

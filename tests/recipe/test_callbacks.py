@@ -16,17 +16,10 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from bert_reduce.recipe.callbacks import RunCheckpoint, StopOnSignal
+from tests.helpers.checkpoints import checkpoint_names, step_of
 from tests.helpers.tiny_lightning import TinyModule, tiny_loader, tiny_trainer
 
 pytestmark = pytest.mark.lightning24  # also run under NeMo's Lightning 2.4 (.ci/run)
-
-
-def files(directory: Path) -> list[str]:
-    return sorted(path.name for path in directory.iterdir())
-
-
-def step_of(path: Path) -> int:
-    return torch.load(path, weights_only=False)["global_step"]
 
 
 def test_last_checkpoint_at_the_end_of_the_last_epoch(tmp_path: Path) -> None:
@@ -35,7 +28,7 @@ def test_last_checkpoint_at_the_end_of_the_last_epoch(tmp_path: Path) -> None:
     trainer.fit(TinyModule(), tiny_loader(), tiny_loader())
     # At the last batch of the last epoch, with that epoch not done.
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
-    assert files(tmp_path / "checkpoints") == ["last.ckpt"]
+    assert checkpoint_names(tmp_path / "checkpoints") == ["last.ckpt"]
     assert last["global_step"] == 12 and last["epoch"] == 1
 
 
@@ -64,7 +57,7 @@ def test_a_checkpoint_is_put_in_place_only_after_its_rows(
         ("step000002.ckpt", 2), ("last.ckpt", 2), ("step000004.ckpt", 4), ("last.ckpt", 4),
         ("step000006.ckpt", 6), ("last.ckpt", 6), ("last.ckpt", 7),
     ]  # fmt: skip
-    assert not [name for name in files(tmp_path / "checkpoints") if ".tmp-" in name]
+    assert not [name for name in checkpoint_names(tmp_path / "checkpoints") if ".tmp-" in name]
 
 
 def test_keep_last_deletes_only_after_a_newer_one_is_in_place(
@@ -89,7 +82,7 @@ def test_keep_last_deletes_only_after_a_newer_one_is_in_place(
     )  # fmt: skip
     trainer.fit(TinyModule(), tiny_loader(), tiny_loader())
     directory = tmp_path / "checkpoints"
-    assert files(directory) == ["last.ckpt", "step000003.ckpt", "step000004.ckpt"]
+    assert checkpoint_names(directory) == ["last.ckpt", "step000003.ckpt", "step000004.ckpt"]
     assert [e for e in events if e[1].startswith("step") and e[1].endswith(".ckpt")] == [
         ("in place", "step000001.ckpt"), ("in place", "step000002.ckpt"),
         ("in place", "step000003.ckpt"), ("removed", "step000001.ckpt"),
@@ -99,7 +92,7 @@ def test_keep_last_deletes_only_after_a_newer_one_is_in_place(
     callback = RunCheckpoint(every_n_train_steps=1, keep_last=2)
     trainer = tiny_trainer(tmp_path, [callback], max_steps=6)
     trainer.fit(TinyModule(), tiny_loader(), tiny_loader(), ckpt_path=directory / "last.ckpt")
-    assert files(directory) == ["last.ckpt", "step000005.ckpt", "step000006.ckpt"]
+    assert checkpoint_names(directory) == ["last.ckpt", "step000005.ckpt", "step000006.ckpt"]
     assert callback.periodic == [(5, "step000005.ckpt"), (6, "step000006.ckpt")]
 
 
@@ -117,7 +110,7 @@ def test_a_failure_before_the_rows_drops_the_pending_checkpoint(tmp_path: Path) 
     # Step 4's validation rows were never logged: its checkpoint is not in place, and no
     # temporary file is left (any failure but a stop at a step boundary drops them).
     directory = tmp_path / "checkpoints"
-    assert files(directory) == ["last.ckpt", "step000002.ckpt"]
+    assert checkpoint_names(directory) == ["last.ckpt", "step000002.ckpt"]
     assert step_of(directory / "last.ckpt") == 2
 
 
@@ -163,8 +156,7 @@ def test_signal_stops_after_the_step_with_its_rows_and_checkpoint(
     assert module.training_steps == 3 and trainer.global_step == 3  # step 4 never started
     logger = trainer.logger
     assert logger.count("train_loss") == 3 and logger.count("val_loss") == 1  # step 3's too
-    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
-    assert last["global_step"] == 3
+    assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 3
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # put back by Lightning
 
 

@@ -26,16 +26,11 @@ def datamodule(**kwargs) -> ESMDataModule:
 
 def unpad(batch: dict[str, torch.Tensor]) -> list[tuple[tuple[int, ...], ...]]:
     """Each sample's (input_ids, labels, loss_mask) without padding, in batch order."""
-    samples = []
-    for row in range(batch["input_ids"].shape[0]):
-        keep = batch["attention_mask"][row]
-        samples.append(
-            tuple(
-                tuple(batch[key][row][keep].tolist())
-                for key in ("input_ids", "labels", "loss_mask")
-            )
-        )
-    return samples
+    keys = ("input_ids", "labels", "loss_mask")
+    return [
+        tuple(tuple(batch[key][row][keep].tolist()) for key in keys)
+        for row, keep in enumerate(batch["attention_mask"])
+    ]
 
 
 def test_train_loader_resumes_mid_epoch() -> None:

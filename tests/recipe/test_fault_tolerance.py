@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from bert_reduce.recipe.run_directory import RunDirectoryError, RunDirectoryLock
+from tests.helpers.checkpoints import checkpoint_names, step_of
 from tests.helpers.dist_utils import HANG_GUARD_S
 from tests.helpers.recipe_runs import (
     CHECKPOINTED,
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.slow
 # uninterrupted run up to there.
 LONG = [*CHECKPOINTED, "optim.scheduler.total_steps=40", "trainer.max_steps=40"]
 TINY = [*CHECKPOINTED, "optim.scheduler.total_steps=12", "trainer.max_steps=12"]
+UNLOCKED = shutil.ignore_patterns(".run.lock")  # a copy of a run, not of its lock
 DDP = ("trainer.devices=2", "data.micro_batch_size=4")  # 2 gloo processes, 2 micro-batches each
 
 
@@ -48,20 +50,13 @@ def metrics(run_dir: Path) -> list[str]:
     return (run_dir / "metrics.csv").read_text().splitlines()
 
 
-def snapshot(run_dir: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-
-
-def checkpoint_files(run_dir: Path) -> list[str]:
-    return sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+def in_place_names(checkpoints: Path) -> list[str]:
+    """The checkpoints put in place: no temporary file of a write not yet committed."""
+    return [name for name in checkpoint_names(checkpoints) if ".tmp-" not in name]
 
 
 def checkpoints_up_to(step: int) -> list[str]:
     return ["last.ckpt", *(f"step{k:06d}.ckpt" for k in range(5, step + 1, 5))]
-
-
-def step_of(path: Path) -> int:
-    return torch.load(path, weights_only=True, mmap=True)["global_step"]
 
 
 def assert_same_run(run_dir: Path, reference: Path) -> None:
@@ -84,7 +79,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     train(run_dir)
     assert training_steps(run_dir) == list(range(1, 41))
-    assert checkpoint_files(run_dir) == checkpoints_up_to(40)
+    assert checkpoint_names(run_dir / "checkpoints") == checkpoints_up_to(40)
     return run_dir
 
 
@@ -124,7 +119,7 @@ def test_end_of_run_checkpoint_then_signals_then_resume_give_the_uninterrupted_r
     assert stop_with(signal.SIGINT, process, tmp_path, uninterrupted) < 40
     train(tmp_path, f"resume={last}")
     assert metrics(tmp_path) == metrics(uninterrupted)
-    assert checkpoint_files(tmp_path) == checkpoints_up_to(40)
+    assert checkpoint_names(tmp_path / "checkpoints") == checkpoints_up_to(40)
     assert (tmp_path / "config.1.yaml").is_file()  # the first attempt's config, kept
 
 
@@ -142,13 +137,10 @@ def test_signal_on_two_processes_then_resume_gives_the_uninterrupted_rows(tmp_pa
 
 def test_overwrite_replaces_a_used_directory(uninterrupted: Path, tmp_path: Path) -> None:
     # Without overwrite=true, refused and left byte-identical: tests/integration/test_bad_inputs.py.
-    replaced = tmp_path / "replaced"
-    for name, content in snapshot(uninterrupted).items():
-        (replaced / name).parent.mkdir(parents=True, exist_ok=True)
-        (replaced / name).write_bytes(content)
+    replaced = shutil.copytree(uninterrupted, tmp_path / "replaced")
     train(replaced, "trainer.max_steps=2", "overwrite=true")
     assert [line.split(",")[1] for line in metrics(replaced)[1:]] == ["1", "2", "2"]
-    assert checkpoint_files(replaced) == ["last.ckpt"]
+    assert checkpoint_names(replaced / "checkpoints") == ["last.ckpt"]
 
 
 def test_sigkill_then_the_same_command_finishes_the_run_once(
@@ -214,10 +206,10 @@ def test_kill_around_a_checkpoint_loses_and_repeats_no_row(
                 f"OSError: [Errno 28] Could not write the checkpoint {path} (step 15): No space "
                 "left on device." in result.stderr
             ), result.stderr[-3000:]
-            assert checkpoint_files(tmp_path) == in_place  # no partial file
+            assert checkpoint_names(checkpoints) == in_place  # no partial file
         else:
             assert result.returncode == -signal.SIGKILL, (fault, output[-3000:])
-            assert [name for name in checkpoint_files(tmp_path) if ".tmp-" not in name] == in_place
+            assert in_place_names(checkpoints) == in_place
         assert step_of(checkpoints / "last.ckpt") == last_step, fault
         assert training_steps(tmp_path)[-1] == last_row, fault
         assert_prefix_of(tmp_path, uninterrupted)
@@ -225,7 +217,7 @@ def test_kill_around_a_checkpoint_loses_and_repeats_no_row(
     result = train(tmp_path, "resume=auto", "callbacks.checkpoint.keep_last=1")
     assert f"resume=auto: resuming from {checkpoints / resumed_from}" in result.stdout
     assert_same_run(tmp_path, uninterrupted)
-    assert checkpoint_files(tmp_path) == ["last.ckpt", "step000040.ckpt"]
+    assert checkpoint_names(checkpoints) == ["last.ckpt", "step000040.ckpt"]
 
 
 def test_resume_from_an_earlier_checkpoint_then_kill_then_auto(
@@ -235,17 +227,13 @@ def test_resume_from_an_earlier_checkpoint_then_kill_then_auto(
     # 10 to 40 are of the continuation this run replaces, so they are moved aside; a kill
     # after step 10's checkpoint is written (not yet in place) and resume=auto must then go on
     # from step 5, not from the old last.ckpt (that would leave steps 10 to 40 without rows).
-    for name, content in snapshot(uninterrupted).items():
-        if name != ".run.lock":
-            (tmp_path / name).parent.mkdir(exist_ok=True)
-            (tmp_path / name).write_bytes(content)
+    shutil.copytree(uninterrupted, tmp_path, ignore=UNLOCKED, dirs_exist_ok=True)
     step5 = tmp_path / "checkpoints" / "step000005.ckpt"
     killed = train(tmp_path, f"resume={step5}", fault="kill-after-checkpoint-write@10", check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert "is after step 5, which this run resumes from and trains again" in killed.stdout
     superseded = [f"{name}.superseded" for name in checkpoints_up_to(40) if name != step5.name]
-    in_place = sorted(name for name in checkpoint_files(tmp_path) if ".tmp-" not in name)
-    assert in_place == sorted([step5.name, *superseded])
+    assert in_place_names(step5.parent) == sorted([step5.name, *superseded])
     result = train(tmp_path, "resume=auto")
     assert f"resume=auto: resuming from {step5} (step 5)" in result.stdout
     assert_same_run(tmp_path, uninterrupted)
