@@ -182,8 +182,7 @@ class ESMDataModule(pl.LightningDataModule):
                 times the number of ranks, or the training set is smaller than one global
                 batch.
         """
-        if self.train_dataset is None:
-            self.setup("fit")
+        self.setup("fit")  # a no-op once the data is read
         assert self.train_dataset is not None
         batch_sampler = GlobalBatchSampler(
             len(self.train_dataset),
@@ -209,8 +208,7 @@ class ESMDataModule(pl.LightningDataModule):
         Raises:
             ValueError: If the validation set holds fewer samples than there are ranks.
         """
-        if self.val_dataset is None:
-            self.setup("validate")
+        self.setup("validate")  # a no-op once the data is read
         assert self.val_dataset is not None
         placement = self._replicas_and_rank()
         ranks = placement.get("num_replicas", 1)
