@@ -23,6 +23,7 @@ from bert_reduce.functional import safe_divide
 from bert_reduce.hf.lm_head import lm_head_inputs
 from bert_reduce.normalization import sequence_normalizers
 from bert_reduce.packing import batch_sequence_normalizers
+from bert_reduce.reports import make_report
 from bert_reduce.torch_loop import GlobalBatchLoss
 
 try:
@@ -92,7 +93,7 @@ def sample_loss_terms(
         sample = {**sequences, "sequence_start": start & inside}
         alone = torch.where(inside, weights, torch.zeros_like(weights))
         numerator, denominator = mode_terms(sample, alone, per_token_loss.detach(), options)
-        pairs.append(torch.stack([numerator.double(), denominator.double()]).view(1, 2))
+        pairs.append(make_report(numerator, denominator).view(1, 2))
     return torch.cat(pairs)
 
 
@@ -291,10 +292,9 @@ class ExactMLMTrainer(Trainer):
                 )
             terms = sample_loss_terms(inputs, weights, losses, self.options)
             gathered = self.accelerator.gather_for_metrics(terms)
-            self._eval_last = self._eval_last + torch.cat([gathered.sum(dim=0), one])
+            self._eval_last += torch.cat([gathered.sum(dim=0), one])
         else:
-            pair = torch.stack([numerator.detach().double(), denominator.double()])
-            self._eval_local = self._eval_local + torch.cat([pair, one])
+            self._eval_local += torch.cat([make_report(numerator, denominator), one])
 
     def prediction_step(
         self,
