@@ -97,23 +97,6 @@ def sample_loss_terms(
     return torch.cat(pairs)
 
 
-def _check_trainer_hooks() -> None:
-    """Raise if this ``transformers`` lacks the two Trainer hooks (docs/hf_trainer.md)."""
-    parameters = list(inspect.signature(Trainer.get_batch_samples).parameters)
-    if not hasattr(Trainer, "loss_is_scaled_for_ga") or parameters[1:4] != [
-        "epoch_iterator",
-        "num_batches",
-        "device",
-    ]:
-        raise RuntimeError(
-            f"ExactMLMTrainer needs transformers.Trainer.loss_is_scaled_for_ga and "
-            f"get_batch_samples(epoch_iterator, num_batches, device), which transformers "
-            f"{transformers.__version__} does not have; it is tested with transformers "
-            f"{', '.join(TESTED_TRANSFORMERS_VERSIONS)} (pip install -c "
-            "requirements/constraints-cpu.txt 'bert_reduce[hf]')."
-        )
-
-
 class ExactMLMTrainer(Trainer):
     """A ``transformers.Trainer`` whose masked-LM loss is exact over each global batch.
 
@@ -149,7 +132,20 @@ class ExactMLMTrainer(Trainer):
         fused_head: bool = False,
         **kwargs: Any,
     ) -> None:
-        _check_trainer_hooks()
+        # The two Trainer hooks this class overrides (docs/hf_trainer.md).
+        parameters = list(inspect.signature(Trainer.get_batch_samples).parameters)
+        if not hasattr(Trainer, "loss_is_scaled_for_ga") or parameters[1:4] != [
+            "epoch_iterator",
+            "num_batches",
+            "device",
+        ]:
+            raise RuntimeError(
+                f"ExactMLMTrainer needs transformers.Trainer.loss_is_scaled_for_ga and "
+                f"get_batch_samples(epoch_iterator, num_batches, device), which transformers "
+                f"{transformers.__version__} does not have; it is tested with transformers "
+                f"{', '.join(TESTED_TRANSFORMERS_VERSIONS)} (pip install -c "
+                "requirements/constraints-cpu.txt 'bert_reduce[hf]')."
+            )
         names = [field.name for field in dataclasses.fields(LossOptions)]
         self.options = LossOptions(**{name: kwargs.pop(name) for name in names if name in kwargs})
         self.fused_head = fused_head

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce.forward_output import (
     HIDDEN_LAYOUT_KEY,
@@ -20,16 +21,6 @@ from bert_reduce.forward_output import (
 )
 
 __all__ = ["lm_head_inputs"]
-
-
-def _unwrap(model: nn.Module) -> tuple[nn.Module, bool]:
-    """``(model inside DistributedDataParallel, whether DDP finds unused parameters)``."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    finds_unused = isinstance(model, DistributedDataParallel) and model.find_unused_parameters
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model, finds_unused
 
 
 def _check_output_layer_is_in_the_root_unit(model: nn.Module, decoder: nn.Module) -> None:
@@ -104,7 +95,12 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
             "lm_head_inputs takes the model's inputs without 'labels': the model would score "
             "its hidden states as logits. Give the labels to the loss instead."
         )
-    inner, keep_decoder_in_graph = _unwrap(model)
+    keep_decoder_in_graph = isinstance(model, DistributedDataParallel) and (
+        model.find_unused_parameters
+    )
+    inner = model
+    while isinstance(inner, DistributedDataParallel):
+        inner = inner.module
     head, transform, decoder = _prediction_head(inner)
     _check_output_layer_is_in_the_root_unit(inner, decoder)
     seen: dict[str, Tensor | None] = {}
