@@ -5,6 +5,7 @@ Its samplers shard the data: run with ``Trainer(use_distributed_sampler=False)``
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,13 +54,10 @@ class EpochKeyedBatchSampler:
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch = self.sampler.epoch
-        skip = 0
-        if self._resume is not None and self._resume[0] == epoch:
-            skip = self._resume[1]
-        self._resume = None
-        for step, indices in enumerate(self.batch_sampler):
-            if step >= skip:
-                yield [(epoch, index) for index in indices]
+        resume, self._resume = self._resume, None
+        skip = resume[1] if resume is not None and resume[0] == epoch else 0
+        for indices in itertools.islice(self.batch_sampler, skip, None):
+            yield [(epoch, index) for index in indices]
 
 
 class ResumableDataLoader(DataLoader):
