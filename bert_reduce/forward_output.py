@@ -17,11 +17,12 @@ A bare tensor is read as logits in the integration's layout (its ``layout`` argu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 # The fused head's keys (module docstring).
 HIDDEN_STATES_KEY = "hidden_states"
@@ -117,3 +118,17 @@ def head_logits(forward_out: Mapping[str, Any], layout: Layout = "sb") -> Tensor
     hidden = forward_out[HIDDEN_STATES_KEY]
     logits = F.linear(hidden, forward_out[OUTPUT_WEIGHT_KEY], forward_out.get(OUTPUT_BIAS_KEY))
     return logits.transpose(0, 1) if forward_out.get(HIDDEN_LAYOUT_KEY, layout) == "bs" else logits
+
+
+@contextlib.contextmanager
+def shadowed_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """Inside the block, ``module(...)`` runs ``forward``: how the integrations stop a head.
+
+    An instance attribute shadows the class's ``forward`` for this call only; the module's
+    hooks (FSDP2's all-gather, DDP's) still run around it.
+    """
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward

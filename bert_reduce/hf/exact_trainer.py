@@ -23,6 +23,7 @@ from bert_reduce.functional import safe_divide
 from bert_reduce.hf.lm_head import lm_head_inputs
 from bert_reduce.normalization import sequence_normalizers
 from bert_reduce.packing import batch_sequence_normalizers
+from bert_reduce.reports import make_report
 from bert_reduce.torch_loop import GlobalBatchLoss
 
 try:
@@ -92,25 +93,8 @@ def sample_loss_terms(
         sample = {**sequences, "sequence_start": start & inside}
         alone = torch.where(inside, weights, torch.zeros_like(weights))
         numerator, denominator = mode_terms(sample, alone, per_token_loss.detach(), options)
-        pairs.append(torch.stack([numerator.double(), denominator.double()]).view(1, 2))
+        pairs.append(make_report(numerator, denominator).view(1, 2))
     return torch.cat(pairs)
-
-
-def _check_trainer_hooks() -> None:
-    """Raise if this ``transformers`` lacks the two Trainer hooks (docs/hf_trainer.md)."""
-    parameters = list(inspect.signature(Trainer.get_batch_samples).parameters)
-    if not hasattr(Trainer, "loss_is_scaled_for_ga") or parameters[1:4] != [
-        "epoch_iterator",
-        "num_batches",
-        "device",
-    ]:
-        raise RuntimeError(
-            f"ExactMLMTrainer needs transformers.Trainer.loss_is_scaled_for_ga and "
-            f"get_batch_samples(epoch_iterator, num_batches, device), which transformers "
-            f"{transformers.__version__} does not have; it is tested with transformers "
-            f"{', '.join(TESTED_TRANSFORMERS_VERSIONS)} (pip install -c "
-            "requirements/constraints-cpu.txt 'bert_reduce[hf]')."
-        )
 
 
 class ExactMLMTrainer(Trainer):
@@ -148,7 +132,20 @@ class ExactMLMTrainer(Trainer):
         fused_head: bool = False,
         **kwargs: Any,
     ) -> None:
-        _check_trainer_hooks()
+        # The two Trainer hooks this class overrides (docs/hf_trainer.md).
+        parameters = list(inspect.signature(Trainer.get_batch_samples).parameters)
+        if not hasattr(Trainer, "loss_is_scaled_for_ga") or parameters[1:4] != [
+            "epoch_iterator",
+            "num_batches",
+            "device",
+        ]:
+            raise RuntimeError(
+                f"ExactMLMTrainer needs transformers.Trainer.loss_is_scaled_for_ga and "
+                f"get_batch_samples(epoch_iterator, num_batches, device), which transformers "
+                f"{transformers.__version__} does not have; it is tested with transformers "
+                f"{', '.join(TESTED_TRANSFORMERS_VERSIONS)} (pip install -c "
+                "requirements/constraints-cpu.txt 'bert_reduce[hf]')."
+            )
         names = [field.name for field in dataclasses.fields(LossOptions)]
         self.options = LossOptions(**{name: kwargs.pop(name) for name in names if name in kwargs})
         self.fused_head = fused_head
@@ -291,10 +288,9 @@ class ExactMLMTrainer(Trainer):
                 )
             terms = sample_loss_terms(inputs, weights, losses, self.options)
             gathered = self.accelerator.gather_for_metrics(terms)
-            self._eval_last = self._eval_last + torch.cat([gathered.sum(dim=0), one])
+            self._eval_last += torch.cat([gathered.sum(dim=0), one])
         else:
-            pair = torch.stack([numerator.detach().double(), denominator.double()])
-            self._eval_local = self._eval_local + torch.cat([pair, one])
+            self._eval_local += torch.cat([make_report(numerator, denominator), one])
 
     def prediction_step(
         self,

@@ -6,30 +6,21 @@ Needs ``transformers`` (the ``hf`` extra).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce.forward_output import (
     HIDDEN_LAYOUT_KEY,
     HIDDEN_STATES_KEY,
     OUTPUT_BIAS_KEY,
     OUTPUT_WEIGHT_KEY,
+    shadowed_forward,
 )
 
 __all__ = ["lm_head_inputs"]
-
-
-def _unwrap(model: nn.Module) -> tuple[nn.Module, bool]:
-    """``(model inside DistributedDataParallel, whether DDP finds unused parameters)``."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    finds_unused = isinstance(model, DistributedDataParallel) and model.find_unused_parameters
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model, finds_unused
 
 
 def _check_output_layer_is_in_the_root_unit(model: nn.Module, decoder: nn.Module) -> None:
@@ -71,38 +62,6 @@ def _prediction_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Te
     )
 
 
-@contextlib.contextmanager
-def _head_stops_before_decoder(
-    head: nn.Module,
-    transform: Callable[[Tensor], Tensor],
-    decoder: nn.Module,
-    keep_decoder_in_graph: bool,
-) -> Iterator[dict[str, Tensor | None]]:
-    """Make ``head(x)`` return ``transform(x)``; yields the decoder's ``weight`` and ``bias``.
-
-    An instance attribute shadows the class's ``forward`` for this call only; module hooks
-    (FSDP2's all-gather, DDP's) still run. The parameters are read inside the forward, where
-    FSDP2 has them unsharded. ``keep_decoder_in_graph``: see :func:`lm_head_inputs`.
-    """
-    seen: dict[str, Tensor | None] = {}
-
-    def forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        # ESM's decoder has no bias; its head adds its own `bias` parameter after the decoder.
-        bias = decoder.bias if decoder.bias is not None else getattr(head, "bias", None)
-        weight, seen["weight"], seen["bias"] = decoder.weight, decoder.weight, bias
-        hidden = transform(features)
-        if keep_decoder_in_graph:
-            anchor = weight[:1, :1].sum() + (0 if bias is None else bias[:1].sum())
-            hidden = hidden + anchor * 0
-        return hidden
-
-    head.forward = forward
-    try:
-        yield seen
-    finally:
-        del head.forward
-
-
 def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
     """``{hidden_states [b, s, h], output_weight [v, h], output_bias [v]}`` of a masked LM.
 
@@ -136,14 +95,29 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
             "lm_head_inputs takes the model's inputs without 'labels': the model would score "
             "its hidden states as logits. Give the labels to the loss instead."
         )
-    inner, keep_decoder_in_graph = _unwrap(model)
+    keep_decoder_in_graph = isinstance(model, DistributedDataParallel) and (
+        model.find_unused_parameters
+    )
+    inner = model
+    while isinstance(inner, DistributedDataParallel):
+        inner = inner.module
     head, transform, decoder = _prediction_head(inner)
     _check_output_layer_is_in_the_root_unit(inner, decoder)
-    with _head_stops_before_decoder(head, transform, decoder, keep_decoder_in_graph) as seen:
+    seen: dict[str, Tensor | None] = {}
+
+    def forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        # head(x) returns transform(x). The decoder's parameters are read here, inside the
+        # forward, where FSDP2 has them unsharded. ESM's decoder has no bias; its head adds
+        # its own `bias` parameter after the decoder.
+        bias = decoder.bias if decoder.bias is not None else getattr(head, "bias", None)
+        weight = seen[OUTPUT_WEIGHT_KEY] = decoder.weight
+        seen[OUTPUT_BIAS_KEY] = bias
+        hidden = transform(features)
+        if keep_decoder_in_graph:
+            anchor = weight[:1, :1].sum() + (0 if bias is None else bias[:1].sum())
+            hidden = hidden + anchor * 0
+        return hidden
+
+    with shadowed_forward(head, forward):
         hidden = model(**inputs).logits
-    return {
-        HIDDEN_STATES_KEY: hidden,
-        HIDDEN_LAYOUT_KEY: "bs",
-        OUTPUT_WEIGHT_KEY: seen["weight"],
-        OUTPUT_BIAS_KEY: seen["bias"],
-    }
+    return {HIDDEN_STATES_KEY: hidden, HIDDEN_LAYOUT_KEY: "bs", **seen}

@@ -316,14 +316,6 @@ class ExactMLMModule(pl.LightningModule):
             return strategy.block_backward_sync()
         return contextlib.nullcontext()
 
-    def _gradients(self) -> Iterator[Tensor]:
-        # A DTensor gradient (FSDP2) is scaled through its local shard: the scale is the same
-        # on every rank, so scaling each shard scales the whole gradient.
-        for param in self.parameters():
-            grad = param.grad
-            if grad is not None:
-                yield grad.to_local() if isinstance(grad, DTensor) else grad
-
     @override
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
         """One optimizer step on this rank's share of one global batch.
@@ -353,8 +345,10 @@ class ExactMLMModule(pl.LightningModule):
         global_numerator, global_denominator = totals.unbind()
         # grad = dp_size * sum_local(d numerator) averaged over ranks / global_denominator
         scale = safe_divide(torch.full_like(global_denominator, dp_size), global_denominator)
-        for grad in self._gradients():
-            grad.mul_(scale.to(grad.dtype))
+        # A DTensor gradient (FSDP2) is scaled through its local shard: the scale is the same
+        # on every rank, so scaling each shard scales the whole gradient.
+        for grad in (param.grad for param in self.parameters() if param.grad is not None):
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
         if self.gradient_clip_val is not None:
             self.clip_gradients(
                 optimizer,

@@ -6,8 +6,6 @@ What it returns, and under tensor, sequence and pipeline parallelism: ``docs/meg
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
@@ -18,6 +16,7 @@ from bert_reduce.forward_output import (
     HIDDEN_STATES_KEY,
     OUTPUT_BIAS_KEY,
     OUTPUT_WEIGHT_KEY,
+    shadowed_forward,
 )
 
 __all__ = ["output_layer_inputs"]
@@ -50,30 +49,6 @@ def _tensor_parallel_input(layer: nn.Module, hidden: Tensor) -> Tensor:
         return hidden
     # Identity forward; backward: all-reduce of the vocab shards' partial gradients.
     return copy_to_tensor_model_parallel_region(hidden, group=group)
-
-
-@contextlib.contextmanager
-def _output_layer_stopped(layer: nn.Module, seen: dict[str, Any]) -> Iterator[None]:
-    """Make ``layer(hidden, weight=...)`` record its inputs and return empty ``[s, b, 0]`` logits.
-
-    An instance attribute shadows the class's ``forward`` for this call only; module hooks
-    still run. The empty logits let the rest of the model's forward run unchanged (Megatron's
-    ``BertModel`` transposes them, BioNeMo's puts them in its output dict).
-    """
-
-    def forward(input_: Tensor, weight: Tensor | None = None, **kwargs: Any) -> tuple:
-        seen[HIDDEN_STATES_KEY] = _tensor_parallel_input(layer, input_)
-        seen[OUTPUT_WEIGHT_KEY] = layer.weight if weight is None else weight
-        # With skip_bias_add the layer returns the bias for the caller, and Megatron's BERT
-        # and BioNeMo's drop it: their logits carry no bias.
-        seen[OUTPUT_BIAS_KEY] = None if layer.skip_bias_add else layer.bias
-        return input_.new_empty(*input_.shape[:-1], 0), None
-
-    layer.forward = forward
-    try:
-        yield
-    finally:
-        del layer.forward
 
 
 def output_layer_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -118,7 +93,19 @@ def output_layer_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "deferred weight gradient is computed from the output layer's own forward."
         )
     seen: dict[str, Any] = {}
-    with _output_layer_stopped(layer, seen):
+
+    def forward(input_: Tensor, weight: Tensor | None = None, **_: Any) -> tuple:
+        # Records the layer's inputs; the empty [s, b, 0] logits let the rest of the model's
+        # forward run unchanged (Megatron's BertModel transposes them, BioNeMo's puts them in
+        # its output dict).
+        seen[HIDDEN_STATES_KEY] = _tensor_parallel_input(layer, input_)
+        seen[OUTPUT_WEIGHT_KEY] = layer.weight if weight is None else weight
+        # With skip_bias_add the layer returns the bias for the caller, and Megatron's BERT
+        # and BioNeMo's drop it: their logits carry no bias.
+        seen[OUTPUT_BIAS_KEY] = None if layer.skip_bias_add else layer.bias
+        return input_.new_empty(*input_.shape[:-1], 0), None
+
+    with shadowed_forward(layer, forward):
         model(*args, **kwargs)
     if not seen:
         raise TypeError(

@@ -158,7 +158,6 @@ class DataConfig:
 # written once. A structured config cannot hold Normalization itself: OmegaConf reads an enum
 # override by member *name* (`Normalization["per_sequence"]` fails; the name is PER_SEQUENCE)
 # and writes the name to config.yaml, so `loss.normalization=per_sequence` would be refused.
-# Here each member's name is its value: `per_token`, `per_sequence`, `constant`.
 NormalizationName = Enum(  # type: ignore[misc]
     "NormalizationName",
     [(mode.value, mode.value) for mode in Normalization],

@@ -97,31 +97,24 @@ def read_fasta(path: str | os.PathLike[str]) -> list[str]:
     sequences: list[str] = []
     current: list[str] | None = None
     header_line = 0
-    for line_number, raw in enumerate(_read_text(path).split("\n"), start=1):
+    # A closing ">" finishes the last record, as each header finishes the one before it.
+    for line_number, raw in enumerate([*_read_text(path).split("\n"), ">"], start=1):
         line = raw.strip()
-        if not line:
-            continue
         if line.startswith(">"):
             if current is not None:
-                _finish_record(sequences, current, path, header_line)
+                if not current:
+                    raise ValueError(f"{path}, line {header_line}: FASTA record without residues.")
+                sequences.append("".join(current).upper())
             current, header_line = [], line_number
-            continue
-        if current is None:
-            raise ValueError(f"{path}, line {line_number}: sequence data before any '>' header.")
-        _check_residues(line, f"{path}, line {line_number}")
-        current.append(line)
-    if current is not None:
-        _finish_record(sequences, current, path, header_line)
+        elif line:
+            if current is None:
+                raise ValueError(
+                    f"{path}, line {line_number}: sequence data before any '>' header."
+                )
+            _check_residues(line, f"{path}, line {line_number}")
+            current.append(line)
     _check_not_empty(sequences, str(path))
     return sequences
-
-
-def _finish_record(
-    sequences: list[str], lines: list[str], path: str | os.PathLike[str], header_line: int
-) -> None:
-    if not lines:
-        raise ValueError(f"{path}, line {header_line}: FASTA record without residues.")
-    sequences.append("".join(lines).upper())
 
 
 def read_table(path: str | os.PathLike[str], column: str = "sequence") -> list[str]:
@@ -387,9 +380,7 @@ class PackedMicroBatchCollator:
         self.collate = MLMCollator(pad_id)
         self.pad_to_multiple_of = pad_to_multiple_of
 
-    def __call__(
-        self, samples: Sequence[Mapping[str, Tensor]]
-    ) -> dict[str, list[dict[str, Any]]]:
+    def __call__(self, samples: Sequence[Mapping[str, Tensor]]) -> dict[str, list[dict[str, Any]]]:
         """``{"micro_batches": [packed micro-batch, ...]}`` of ``samples``, in sample order."""
         micro_batches = []
         for start in range(0, len(samples), self.micro_batch_size):

@@ -5,6 +5,7 @@ Its samplers shard the data: run with ``Trainer(use_distributed_sampler=False)``
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,13 +54,10 @@ class EpochKeyedBatchSampler:
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch = self.sampler.epoch
-        skip = 0
-        if self._resume is not None and self._resume[0] == epoch:
-            skip = self._resume[1]
-        self._resume = None
-        for step, indices in enumerate(self.batch_sampler):
-            if step >= skip:
-                yield [(epoch, index) for index in indices]
+        resume, self._resume = self._resume, None
+        skip = resume[1] if resume is not None and resume[0] == epoch else 0
+        for indices in itertools.islice(self.batch_sampler, skip, None):
+            yield [(epoch, index) for index in indices]
 
 
 class ResumableDataLoader(DataLoader):
@@ -182,8 +180,7 @@ class ESMDataModule(pl.LightningDataModule):
                 times the number of ranks, or the training set is smaller than one global
                 batch.
         """
-        if self.train_dataset is None:
-            self.setup("fit")
+        self.setup("fit")  # a no-op once the data is read
         assert self.train_dataset is not None
         batch_sampler = GlobalBatchSampler(
             len(self.train_dataset),
@@ -209,8 +206,7 @@ class ESMDataModule(pl.LightningDataModule):
         Raises:
             ValueError: If the validation set holds fewer samples than there are ranks.
         """
-        if self.val_dataset is None:
-            self.setup("validate")
+        self.setup("validate")  # a no-op once the data is read
         assert self.val_dataset is not None
         placement = self._replicas_and_rank()
         ranks = placement.get("num_replicas", 1)
