@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import CombinedLoader
 from megatron.core import parallel_state
 from nemo.lightning.megatron_parallel import MegatronStep
 from torch import Tensor
@@ -102,7 +101,13 @@ class NeMoValidationPerplexityCallback(ValidationPerplexityCallback):
 
 def _the_validation_loader(loaders: Any) -> Any:
     """The one validation dataloader of ``trainer.val_dataloaders``."""
-    loaders = [] if loaders is None else CombinedLoader(loaders).flattened
+    # By hand, not CombinedLoader(...).flattened, which turns an empty list into one "loader".
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    elif isinstance(loaders, list | tuple):
+        loaders = list(loaders)
+    else:
+        loaders = [] if loaders is None else [loaders]
     if len(loaders) != 1 or not hasattr(loaders[0], "dataset"):
         raise ValueError(
             "NeMoValidationPerplexityCallback needs exactly one validation dataloader with a "
