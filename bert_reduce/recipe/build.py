@@ -118,13 +118,9 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     return [StopOnSignal()] + [instantiate(node) for node in nodes.values() if node is not None]
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> list[Logger]:
-    """``run_dir/metrics.csv``, and TensorBoard under ``run_dir/tensorboard`` if installed.
-
-    ``metrics.csv``: :class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`, keeping the
-    rows up to ``resumed_step`` (docs/recipe.md, "Exactly-once rows").
-    """
-    loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir, keep_steps_up_to=resumed_step)]
+def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
+    """An :class:`AppendingCSVLogger` to ``run_dir``, and TensorBoard's if it is installed."""
+    loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir)]
     if cfg.tensorboard:
         try:
             from lightning.pytorch.loggers import TensorBoardLogger
@@ -175,13 +171,13 @@ def _not_a_tip(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("💡 Tip:")
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> pl.Trainer:
+def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
     """``cfg.trainer``'s Trainer: callbacks, loggers, precision, atomic checkpoint writes."""
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
         callbacks=build_callbacks(cfg),
-        logger=build_loggers(cfg, run_dir, resumed_step),
+        logger=build_loggers(cfg, run_dir),
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
     )
@@ -251,47 +247,48 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         os.environ["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
         torch.set_num_threads(cfg.cpu_threads)
     ignore_warnings_wrong_for_the_recipe(cfg)
-    explicit = None if cfg.resume is None or auto else Path(cfg.resume)
     global_batch_size = cfg.data.global_batch_size
-    resumed_step = None if explicit is None else read_resume_step(explicit, global_batch_size)
+    checkpoint_dir = _checkpoint_dir(cfg, run_dir)
+    point = None  # resume=auto's is found once rank 0 holds the run directory
+    if cfg.resume is not None and not auto:
+        point = ResumePoint(Path(cfg.resume), read_resume_step(cfg.resume, global_batch_size))
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: ESMDataModule = build_from_config(cfg.data)
     module = build_module(cfg)
-    trainer = build_trainer(cfg, run_dir, resumed_step)
+    trainer = build_trainer(cfg, run_dir)
     check_launcher(trainer)
-    checkpoint_dir = _checkpoint_dir(cfg, run_dir)
     if not trainer.is_global_zero:
         # DDP's other ranks are processes this run started (multi-node ones are not global
         # rank 0 either): the first process alone locks and checks the run directory. With
         # resume=auto they find the same checkpoint (RunCheckpoint checks that every rank
         # starts at the same step); damaged files are skipped, whether moved aside yet or not.
         if auto:
-            explicit = find_resume_checkpoint(checkpoint_dir, global_batch_size).path
-        return _fit(cfg, trainer, module, datamodule, run_dir, explicit)
+            point = find_resume_checkpoint(checkpoint_dir, global_batch_size)
+        return _fit(cfg, trainer, module, datamodule, run_dir, point)
     datamodule.setup("fit")  # bad data fails here, before the run directory is touched
     with RunDirectoryLock(run_dir) as lock:
-        found = find_resume_checkpoint(checkpoint_dir, global_batch_size) if auto else None
+        if auto:
+            point = find_resume_checkpoint(checkpoint_dir, global_batch_size)
         previous = check_run_directory(run_dir, checkpoint_dir, cfg.resume, cfg.overwrite)
         lock.record_holder()
         remove_outputs(previous)
         for path in remove_leftovers(run_dir, checkpoint_dir):
             log.info("Removed %s, a temporary file that an interrupted run left.", path)
-        if found is not None:
-            explicit, resumed_step = found.path, found.step
-            _continue_automatically(trainer, found, checkpoint_dir, run_dir)
-        if explicit is not None and explicit.resolve().parent == checkpoint_dir.resolve():
-            assert resumed_step is not None
-            _supersede_later_checkpoints(checkpoint_dir, resumed_step)
+        if point is not None:
+            _resume_from(point, trainer, checkpoint_dir, auto)
         save_config_keeping_previous(OmegaConf.to_yaml(cfg, resolve=True), run_dir / "config.yaml")
-        return _fit(cfg, trainer, module, datamodule, run_dir, explicit)
+        return _fit(cfg, trainer, module, datamodule, run_dir, point)
 
 
-def _continue_automatically(
-    trainer: pl.Trainer, found: ResumePoint, checkpoint_dir: Path, run_dir: Path
-) -> None:
-    """Move damaged checkpoints aside, say where ``resume=auto`` continues, trim the metrics."""
-    where = f"{found.path} (step {found.step})" if found.path else "step 0 (no intact checkpoint)"
-    for path, reason in found.damaged:
+def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, auto: bool) -> None:
+    """Set aside the checkpoints a resume from ``point`` must not meet again, trim the metrics.
+
+    Damaged ones (``resume=auto`` found them) and, after a named checkpoint of this run, the
+    later ones (why: :func:`~bert_reduce.recipe.resume.later_checkpoints`); ``resume=auto``'s
+    own later ones do not load, or it would have taken them.
+    """
+    where = f"{point.path} (step {point.step})" if point.path else "step 0 (no intact checkpoint)"
+    for path, reason in point.damaged:
         moved = move_aside(path)
         log.warning(
             "resume=auto: %s does not load (%s); kept as %s. Resuming from %s instead.",
@@ -300,28 +297,26 @@ def _continue_automatically(
             moved.name,
             where,
         )
-    if found.path is not None:
+    metrics_csv = Path(trainer.default_root_dir) / METRICS_FILE
+    if auto and point.path is not None:
         print(f"resume=auto: resuming from {where}")
-    elif (run_dir / METRICS_FILE).is_file():
+    elif auto and metrics_csv.is_file():
         print(
             f"resume=auto: no checkpoint in {checkpoint_dir}: starting from step 0; the rows "
-            f"of {run_dir / METRICS_FILE} are replaced as the steps are trained again."
+            f"of {metrics_csv} are replaced as the steps are trained again."
         )
+    elif not auto and point.path.resolve().parent == checkpoint_dir.resolve():  # type: ignore[union-attr]
+        for path in later_checkpoints(checkpoint_dir, point.step):
+            moved = move_aside(path, "superseded")
+            log.warning(
+                "%s is after step %d, which this run resumes from and trains again: kept as %s.",
+                path,
+                point.step,
+                moved.name,
+            )
     for logger in trainer.loggers:
         if isinstance(logger, AppendingCSVLogger):
-            logger.keep_steps_up_to = found.step
-
-
-def _supersede_later_checkpoints(checkpoint_dir: Path, step: int) -> None:
-    # Why they must go aside: later_checkpoints.
-    for path in later_checkpoints(checkpoint_dir, step):
-        moved = move_aside(path, "superseded")
-        log.warning(
-            "%s is after step %d, which this run resumes from and trains again: kept as %s.",
-            path,
-            step,
-            moved.name,
-        )
+            logger.keep_steps_up_to = point.step
 
 
 def _fit(
@@ -330,11 +325,11 @@ def _fit(
     module: ESM2MLMModule,
     datamodule: ESMDataModule,
     run_dir: Path,
-    ckpt_path: Path | None,
+    point: ResumePoint | None,
 ) -> dict[str, Any]:
     stopper = next(c for c in trainer.callbacks if isinstance(c, StopOnSignal))
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=point and point.path)
     except SIGTERMException:
         # StopOnSignal stops this way at a step boundary; Lightning's own handler does before
         # training starts (sanity check).

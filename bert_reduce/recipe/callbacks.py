@@ -40,11 +40,9 @@ class StopOnSignal(Callback):
 
     Lightning's own ``SIGTERM`` handler stops wherever its loops next check, possibly
     mid-validation where no checkpoint is taken (under Lightning 2.6 it also runs a collective
-    inside the handler), and ``SIGINT`` raises ``KeyboardInterrupt`` anywhere. This handler
-    only records the signal; the ranks agree at each step end (one all-reduce of a flag), and
-    the next step's start raises Lightning's public ``SIGTERMException(128 + stop_signal)``.
-    What a run then does: docs/recipe.md, "Preemption: SIGTERM and Ctrl+C". Lightning puts
-    the previous handlers back when ``fit`` ends.
+    inside the handler), and ``SIGINT`` raises ``KeyboardInterrupt`` anywhere. This one only
+    records the signal; the next step's start raises Lightning's ``SIGTERMException(128 +
+    stop_signal)`` (docs/recipe.md, "Preemption: SIGTERM and Ctrl+C").
     """
 
     def __init__(self) -> None:
@@ -116,13 +114,11 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 class RunCheckpoint(Checkpoint):
     """Periodic and ``last.ckpt`` checkpoints at step ends, in place once the step is logged.
 
-    Checkpoints are taken only at step ends, the one point where resume is exact (Lightning's
-    ``ModelCheckpoint`` also saves after validation and when training ends: a ``last.ckpt``
-    written at ``max_steps`` mid-epoch records that epoch as finished). A step's checkpoints
-    are renamed into place at the next step boundary, ``last.ckpt`` last (:meth:`commit`);
-    a failure that may have cut the step's rows short drops them (:meth:`on_exception`).
-    Every rank's generator states are put back right before the first resumed step, after
-    whatever ran since the load. Why: docs/recipe.md, "Resume" and "Preemptible clusters".
+    Only at step ends, the one point where resume is exact (Lightning's ``ModelCheckpoint``
+    also saves after validation and when training ends: a ``last.ckpt`` written at
+    ``max_steps`` mid-epoch records that epoch as finished); renamed into place by
+    :meth:`commit`; every rank's generator states put back right before the first resumed
+    step. Why: docs/recipe.md, "Resume" and "Preemptible clusters".
 
     Args:
         dirpath: Where checkpoints go (``<default_root_dir>/checkpoints`` when ``None``).
