@@ -105,12 +105,10 @@ def build_module(cfg: DictConfig) -> ESM2MLMModule:
 
 
 def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
-    """One callback per non-null entry of ``cfg.callbacks``.
+    """``StopOnSignal``, and one callback per non-null entry of ``cfg.callbacks``.
 
-    The progress bar is left out when ``trainer.enable_progress_bar`` is false (Lightning
-    refuses a progress-bar callback then). Always added:
-    :class:`~bert_reduce.recipe.callbacks.StopOnSignal` (a ``SIGTERM``/``SIGINT`` stops
-    training at a step boundary with a checkpoint).
+    The progress bar is left out if ``trainer.enable_progress_bar`` is false (Lightning
+    refuses one then).
     """
     nodes = dict(cfg.callbacks)
     if not cfg.trainer.enable_progress_bar:
@@ -153,22 +151,17 @@ def ignore_warnings_wrong_for_the_recipe(cfg: DictConfig) -> None:
     # Under DDP Lightning suggests sync_dist=True for values logged per epoch. Those the recipe
     # logs are the same on every rank already (the validation callback syncs its sums once;
     # "step" is the trainer's global step): syncing them would only add collectives.
-    logged_per_epoch = ["step"]
-    if cfg.callbacks.val_perplexity is not None:
-        logged_per_epoch += [cfg.callbacks.val_perplexity.loss_key]
-        logged_per_epoch += [cfg.callbacks.val_perplexity.ppl_key]
-    for key in logged_per_epoch:
+    node = cfg.callbacks.val_perplexity
+    for key in ["step"] if node is None else ["step", node.loss_key, node.ppl_key]:
         warnings.filterwarnings(
             "ignore",
             message=re.escape(f"It is recommended to use `self.log({key!r}, ..., sync_dist=True)`"),
             category=PossibleUserWarning,
         )
     # Lightning's advertisements for its cloud services ("💡 Tip: ... litlogger"), at INFO.
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_a_tip)
-
-
-def _not_a_tip(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("💡 Tip:")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("💡 Tip:")
+    )
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
@@ -281,11 +274,10 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
 
 
 def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, auto: bool) -> None:
-    """Set aside the checkpoints a resume from ``point`` must not meet again, trim the metrics.
+    """Move aside what a resume from ``point`` must not meet again; trim the later metrics.
 
-    Damaged ones (``resume=auto`` found them) and, after a named checkpoint of this run, the
-    later ones (why: :func:`~bert_reduce.recipe.resume.later_checkpoints`); ``resume=auto``'s
-    own later ones do not load, or it would have taken them.
+    ``resume=auto``: the damaged checkpoints (its later ones, or it would have taken them); a
+    named checkpoint of this run: the later ones (:func:`~.resume.later_checkpoints`).
     """
     where = f"{point.path} (step {point.step})" if point.path else "step 0 (no intact checkpoint)"
     for path, reason in point.damaged:
@@ -305,7 +297,7 @@ def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, 
             f"resume=auto: no checkpoint in {checkpoint_dir}: starting from step 0; the rows "
             f"of {metrics_csv} are replaced as the steps are trained again."
         )
-    elif not auto and point.path.resolve().parent == checkpoint_dir.resolve():  # type: ignore[union-attr]
+    elif not auto and Path(str(point.path)).resolve().parent == checkpoint_dir.resolve():
         for path in later_checkpoints(checkpoint_dir, point.step):
             moved = move_aside(path, "superseded")
             log.warning(
@@ -336,32 +328,18 @@ def _fit(
         stopper.stop_signal = stopper.stop_signal or signal.SIGTERM
     if stopper.stop_signal is not None:
         _report_stop(cfg, trainer, stopper.stop_signal, _checkpoint_dir(cfg, run_dir))
-    if cfg.validate_at_end and not _validated_at_last_step(cfg, trainer, module, run_dir):
-        trainer.validate(module, datamodule=datamodule, verbose=False)
-    return _finish(cfg, trainer, run_dir)
-
-
-def _validated_at_last_step(
-    cfg: DictConfig, trainer: pl.Trainer, module: ESM2MLMModule, run_dir: Path
-) -> bool:
-    # In this process, or (a run resumed from its final checkpoint) in metrics.csv: its
-    # validation rows at the final step came after that checkpoint was in place.
-    if module.last_validation_step == trainer.global_step:
-        return True
-    done = False
-    if trainer.is_global_zero:
+    if cfg.validate_at_end and module.last_validation_step != trainer.global_step:
+        # A run resumed from its final checkpoint may have validated that step on file: its
+        # validation rows came after that checkpoint was in place.
         node = cfg.callbacks.val_perplexity
         key = "val_loss" if node is None else node.loss_key
-        done = any(
+        on_file = trainer.is_global_zero and any(
             row.get(key) and float(row["step"]) == trainer.global_step
-            for row in _logged_rows(run_dir)
+            for row in read_metrics(run_dir / METRICS_FILE)[1]
         )
-    return trainer.strategy.broadcast(done) if trainer.world_size > 1 else done
-
-
-def _logged_rows(run_dir: Path) -> list[dict[str, str]]:
-    metrics_csv = run_dir / METRICS_FILE
-    return read_metrics(metrics_csv)[1] if metrics_csv.is_file() else []
+        if not trainer.strategy.broadcast(on_file):
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+    return _finish(cfg, trainer, run_dir)
 
 
 def _report_stop(cfg: DictConfig, trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None:
@@ -391,7 +369,7 @@ def _finish(cfg: DictConfig, trainer: pl.Trainer, run_dir: Path) -> dict[str, An
         for logger in trainer.loggers:
             logger.save()
         # A run resumed from its final checkpoint logs nothing: its values are on file.
-        for row in _logged_rows(run_dir):
+        for row in read_metrics(run_dir / METRICS_FILE)[1]:
             for key, value in row.items():
                 if key != "step" and value and key not in trainer.callback_metrics:
                     metrics[key] = float(value)

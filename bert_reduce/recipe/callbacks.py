@@ -45,10 +45,9 @@ class StopOnSignal(Callback):
     stop_signal)`` (docs/recipe.md, "Preemption: SIGTERM and Ctrl+C").
     """
 
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.stop_signal: int | None = None
-        """The signal that stopped training (``None`` if none did)."""
+    received: int | None = None
+    stop_signal: int | None = None
+    """The signal that stopped training (``None`` if none did)."""
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None and signum == signal.SIGINT:

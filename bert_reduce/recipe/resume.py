@@ -170,11 +170,7 @@ def later_checkpoints(checkpoint_dir: Path, step: int) -> list[Path]:
 
 
 def move_aside(path: Path, reason: str = "damaged") -> Path:
-    """Rename ``path`` to ``<name>.<reason>`` (``.<reason>.1``, ...: never over a file).
-
-    Returns:
-        The new path.
-    """
+    """Rename ``path`` to ``<name>.<reason>`` (``.<reason>.1``, ...: never over a file)."""
     target = path.with_name(f"{path.name}.{reason}")
     number = 0
     while target.exists():
