@@ -289,15 +289,16 @@ def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, 
             moved.name,
             where,
         )
-    metrics_csv = Path(trainer.default_root_dir) / METRICS_FILE
+    csv_logger = next(lg for lg in trainer.loggers if isinstance(lg, AppendingCSVLogger))
+    csv_logger.keep_steps_up_to = point.step
     if auto and point.path is not None:
         print(f"resume=auto: resuming from {where}")
-    elif auto and metrics_csv.is_file():
+    elif auto and csv_logger.metrics_file.is_file():
         print(
             f"resume=auto: no checkpoint in {checkpoint_dir}: starting from step 0; the rows "
-            f"of {metrics_csv} are replaced as the steps are trained again."
+            f"of {csv_logger.metrics_file} are replaced as the steps are trained again."
         )
-    elif not auto and Path(str(point.path)).resolve().parent == checkpoint_dir.resolve():
+    elif point.path is not None and point.path.resolve().parent == checkpoint_dir.resolve():
         for path in later_checkpoints(checkpoint_dir, point.step):
             moved = move_aside(path, "superseded")
             log.warning(
@@ -306,9 +307,6 @@ def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, 
                 point.step,
                 moved.name,
             )
-    for logger in trainer.loggers:
-        if isinstance(logger, AppendingCSVLogger):
-            logger.keep_steps_up_to = point.step
 
 
 def _fit(
