@@ -325,7 +325,24 @@ def _fit(
         # training starts (sanity check).
         stopper.stop_signal = stopper.stop_signal or signal.SIGTERM
     if stopper.stop_signal is not None:
-        _report_stop(cfg, trainer, stopper.stop_signal, _checkpoint_dir(cfg, run_dir))
+        for logger in trainer.loggers:
+            logger.save()
+        if trainer.is_global_zero:
+            name = signal.Signals(stopper.stop_signal).name
+            if trainer.checkpoint_callback is None:
+                print(f"Stopped by {name} after step {trainer.global_step}; checkpointing is off.")
+            else:
+                last = _checkpoint_dir(cfg, run_dir) / LAST_NAME
+                again = (
+                    "Continue with the same command (resume=auto)."
+                    if cfg.resume == AUTO
+                    else f"Continue with the same command plus resume=auto (or resume={last})."
+                )
+                print(
+                    f"Stopped by {name} after step {trainer.global_step}; its checkpoint is "
+                    f"{last}. {again}"
+                )
+        raise TrainingStopped(128 + stopper.stop_signal)
     if cfg.validate_at_end and module.last_validation_step != trainer.global_step:
         # A run resumed from its final checkpoint may have validated that step on file: its
         # validation rows came after that checkpoint was in place.
@@ -338,27 +355,6 @@ def _fit(
         if not trainer.strategy.broadcast(on_file):
             trainer.validate(module, datamodule=datamodule, verbose=False)
     return _finish(cfg, trainer, run_dir)
-
-
-def _report_stop(cfg: DictConfig, trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None:
-    for logger in trainer.loggers:
-        logger.save()
-    if trainer.is_global_zero:
-        name = signal.Signals(signum).name
-        if trainer.checkpoint_callback is None:
-            print(f"Stopped by {name} after step {trainer.global_step}; checkpointing is off.")
-        else:
-            last = checkpoint_dir / LAST_NAME
-            again = (
-                "Continue with the same command (resume=auto)."
-                if cfg.resume == AUTO
-                else f"Continue with the same command plus resume=auto (or resume={last})."
-            )
-            print(
-                f"Stopped by {name} after step {trainer.global_step}; its checkpoint is {last}. "
-                + again
-            )
-    raise TrainingStopped(128 + signum)
 
 
 def _finish(cfg: DictConfig, trainer: pl.Trainer, run_dir: Path) -> dict[str, Any]:
