@@ -274,9 +274,7 @@ class RunCheckpoint(Checkpoint):
     def commit(self, trainer: pl.Trainer) -> None:
         """Rename the pending checkpoints into place, then apply ``keep_last``.
 
-        Call it only once the pending step's metrics are logged: the loggers save first, so
-        that (on rank 0, which alone writes files) a checkpoint in place is never ahead of the
-        metrics on disk.
+        Only once their step's rows are logged: saved first (docs/recipe.md, "Exactly-once rows").
         """
         if not self._pending:
             return

@@ -130,10 +130,9 @@ class AppendingCSVLogger(Logger):
             keep_metrics_up_to(path, self.keep_steps_up_to)
             self._columns = read_metrics(path)[0]
         columns = sorted(set(self._columns).union(*self._rows))
-        if not self._columns or columns != self._columns:
+        if columns != self._columns:
             # A new file, or a new column: the file is written whole under the new header.
-            old = read_metrics(path)[1] if self._columns else []
-            _write(path, columns, old + self._rows)
+            _write(path, columns, read_metrics(path)[1] + self._rows)
         else:
             with open(path, "a", newline="") as handle:
                 csv.DictWriter(handle, fieldnames=columns).writerows(self._rows)
