@@ -105,12 +105,10 @@ def build_module(cfg: DictConfig) -> ESM2MLMModule:
 
 
 def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
-    """One callback per non-null entry of ``cfg.callbacks``.
+    """``StopOnSignal``, and one callback per non-null entry of ``cfg.callbacks``.
 
-    The progress bar is left out when ``trainer.enable_progress_bar`` is false (Lightning
-    refuses a progress-bar callback then). Always added:
-    :class:`~bert_reduce.recipe.callbacks.StopOnSignal` (a ``SIGTERM``/``SIGINT`` stops
-    training at a step boundary with a checkpoint).
+    The progress bar is left out if ``trainer.enable_progress_bar`` is false (Lightning
+    refuses one then).
     """
     nodes = dict(cfg.callbacks)
     if not cfg.trainer.enable_progress_bar:
@@ -118,13 +116,9 @@ def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     return [StopOnSignal()] + [instantiate(node) for node in nodes.values() if node is not None]
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> list[Logger]:
-    """``run_dir/metrics.csv``, and TensorBoard under ``run_dir/tensorboard`` if installed.
-
-    ``metrics.csv``: :class:`~bert_reduce.recipe.csv_logger.AppendingCSVLogger`, keeping the
-    rows up to ``resumed_step`` (docs/recipe.md, "Exactly-once rows").
-    """
-    loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir, keep_steps_up_to=resumed_step)]
+def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
+    """An :class:`AppendingCSVLogger` to ``run_dir``, and TensorBoard's if it is installed."""
+    loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir)]
     if cfg.tensorboard:
         try:
             from lightning.pytorch.loggers import TensorBoardLogger
@@ -157,31 +151,26 @@ def ignore_warnings_wrong_for_the_recipe(cfg: DictConfig) -> None:
     # Under DDP Lightning suggests sync_dist=True for values logged per epoch. Those the recipe
     # logs are the same on every rank already (the validation callback syncs its sums once;
     # "step" is the trainer's global step): syncing them would only add collectives.
-    logged_per_epoch = ["step"]
-    if cfg.callbacks.val_perplexity is not None:
-        logged_per_epoch += [cfg.callbacks.val_perplexity.loss_key]
-        logged_per_epoch += [cfg.callbacks.val_perplexity.ppl_key]
-    for key in logged_per_epoch:
+    node = cfg.callbacks.val_perplexity
+    for key in ["step"] if node is None else ["step", node.loss_key, node.ppl_key]:
         warnings.filterwarnings(
             "ignore",
             message=re.escape(f"It is recommended to use `self.log({key!r}, ..., sync_dist=True)`"),
             category=PossibleUserWarning,
         )
     # Lightning's advertisements for its cloud services ("💡 Tip: ... litlogger"), at INFO.
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_a_tip)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("💡 Tip:")
+    )
 
 
-def _not_a_tip(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("💡 Tip:")
-
-
-def build_trainer(cfg: DictConfig, run_dir: Path, resumed_step: int | None = None) -> pl.Trainer:
+def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
     """``cfg.trainer``'s Trainer: callbacks, loggers, precision, atomic checkpoint writes."""
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
         callbacks=build_callbacks(cfg),
-        logger=build_loggers(cfg, run_dir, resumed_step),
+        logger=build_loggers(cfg, run_dir),
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
     )
@@ -251,47 +240,47 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         os.environ["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
         torch.set_num_threads(cfg.cpu_threads)
     ignore_warnings_wrong_for_the_recipe(cfg)
-    explicit = None if cfg.resume is None or auto else Path(cfg.resume)
     global_batch_size = cfg.data.global_batch_size
-    resumed_step = None if explicit is None else read_resume_step(explicit, global_batch_size)
+    checkpoint_dir = _checkpoint_dir(cfg, run_dir)
+    point = None  # resume=auto's is found once rank 0 holds the run directory
+    if cfg.resume is not None and not auto:
+        point = ResumePoint(Path(cfg.resume), read_resume_step(cfg.resume, global_batch_size))
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: ESMDataModule = build_from_config(cfg.data)
     module = build_module(cfg)
-    trainer = build_trainer(cfg, run_dir, resumed_step)
+    trainer = build_trainer(cfg, run_dir)
     check_launcher(trainer)
-    checkpoint_dir = _checkpoint_dir(cfg, run_dir)
     if not trainer.is_global_zero:
         # DDP's other ranks are processes this run started (multi-node ones are not global
         # rank 0 either): the first process alone locks and checks the run directory. With
         # resume=auto they find the same checkpoint (RunCheckpoint checks that every rank
         # starts at the same step); damaged files are skipped, whether moved aside yet or not.
         if auto:
-            explicit = find_resume_checkpoint(checkpoint_dir, global_batch_size).path
-        return _fit(cfg, trainer, module, datamodule, run_dir, explicit)
+            point = find_resume_checkpoint(checkpoint_dir, global_batch_size)
+        return _fit(cfg, trainer, module, datamodule, run_dir, point)
     datamodule.setup("fit")  # bad data fails here, before the run directory is touched
     with RunDirectoryLock(run_dir) as lock:
-        found = find_resume_checkpoint(checkpoint_dir, global_batch_size) if auto else None
+        if auto:
+            point = find_resume_checkpoint(checkpoint_dir, global_batch_size)
         previous = check_run_directory(run_dir, checkpoint_dir, cfg.resume, cfg.overwrite)
         lock.record_holder()
         remove_outputs(previous)
         for path in remove_leftovers(run_dir, checkpoint_dir):
             log.info("Removed %s, a temporary file that an interrupted run left.", path)
-        if found is not None:
-            explicit, resumed_step = found.path, found.step
-            _continue_automatically(trainer, found, checkpoint_dir, run_dir)
-        if explicit is not None and explicit.resolve().parent == checkpoint_dir.resolve():
-            assert resumed_step is not None
-            _supersede_later_checkpoints(checkpoint_dir, resumed_step)
+        if point is not None:
+            _resume_from(point, trainer, checkpoint_dir, auto)
         save_config_keeping_previous(OmegaConf.to_yaml(cfg, resolve=True), run_dir / "config.yaml")
-        return _fit(cfg, trainer, module, datamodule, run_dir, explicit)
+        return _fit(cfg, trainer, module, datamodule, run_dir, point)
 
 
-def _continue_automatically(
-    trainer: pl.Trainer, found: ResumePoint, checkpoint_dir: Path, run_dir: Path
-) -> None:
-    """Move damaged checkpoints aside, say where ``resume=auto`` continues, trim the metrics."""
-    where = f"{found.path} (step {found.step})" if found.path else "step 0 (no intact checkpoint)"
-    for path, reason in found.damaged:
+def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, auto: bool) -> None:
+    """Move aside what a resume from ``point`` must not meet again; trim the later metrics.
+
+    ``resume=auto``: the damaged checkpoints (its later ones, or it would have taken them); a
+    named checkpoint of this run: the later ones (:func:`~.resume.later_checkpoints`).
+    """
+    where = f"{point.path} (step {point.step})" if point.path else "step 0 (no intact checkpoint)"
+    for path, reason in point.damaged:
         moved = move_aside(path)
         log.warning(
             "resume=auto: %s does not load (%s); kept as %s. Resuming from %s instead.",
@@ -300,28 +289,24 @@ def _continue_automatically(
             moved.name,
             where,
         )
-    if found.path is not None:
+    csv_logger = next(lg for lg in trainer.loggers if isinstance(lg, AppendingCSVLogger))
+    csv_logger.keep_steps_up_to = point.step
+    if auto and point.path is not None:
         print(f"resume=auto: resuming from {where}")
-    elif (run_dir / METRICS_FILE).is_file():
+    elif auto and csv_logger.metrics_file.is_file():
         print(
             f"resume=auto: no checkpoint in {checkpoint_dir}: starting from step 0; the rows "
-            f"of {run_dir / METRICS_FILE} are replaced as the steps are trained again."
+            f"of {csv_logger.metrics_file} are replaced as the steps are trained again."
         )
-    for logger in trainer.loggers:
-        if isinstance(logger, AppendingCSVLogger):
-            logger.keep_steps_up_to = found.step
-
-
-def _supersede_later_checkpoints(checkpoint_dir: Path, step: int) -> None:
-    # Why they must go aside: later_checkpoints.
-    for path in later_checkpoints(checkpoint_dir, step):
-        moved = move_aside(path, "superseded")
-        log.warning(
-            "%s is after step %d, which this run resumes from and trains again: kept as %s.",
-            path,
-            step,
-            moved.name,
-        )
+    elif point.path is not None and point.path.resolve().parent == checkpoint_dir.resolve():
+        for path in later_checkpoints(checkpoint_dir, point.step):
+            moved = move_aside(path, "superseded")
+            log.warning(
+                "%s is after step %d, which this run resumes from and trains again: kept as %s.",
+                path,
+                point.step,
+                moved.name,
+            )
 
 
 def _fit(
@@ -330,64 +315,46 @@ def _fit(
     module: ESM2MLMModule,
     datamodule: ESMDataModule,
     run_dir: Path,
-    ckpt_path: Path | None,
+    point: ResumePoint | None,
 ) -> dict[str, Any]:
     stopper = next(c for c in trainer.callbacks if isinstance(c, StopOnSignal))
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=point and point.path)
     except SIGTERMException:
         # StopOnSignal stops this way at a step boundary; Lightning's own handler does before
         # training starts (sanity check).
         stopper.stop_signal = stopper.stop_signal or signal.SIGTERM
     if stopper.stop_signal is not None:
-        _report_stop(cfg, trainer, stopper.stop_signal, _checkpoint_dir(cfg, run_dir))
-    if cfg.validate_at_end and not _validated_at_last_step(cfg, trainer, module, run_dir):
-        trainer.validate(module, datamodule=datamodule, verbose=False)
-    return _finish(cfg, trainer, run_dir)
-
-
-def _validated_at_last_step(
-    cfg: DictConfig, trainer: pl.Trainer, module: ESM2MLMModule, run_dir: Path
-) -> bool:
-    # In this process, or (a run resumed from its final checkpoint) in metrics.csv: its
-    # validation rows at the final step came after that checkpoint was in place.
-    if module.last_validation_step == trainer.global_step:
-        return True
-    done = False
-    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.save()
+        if trainer.is_global_zero:
+            name = signal.Signals(stopper.stop_signal).name
+            if trainer.checkpoint_callback is None:
+                print(f"Stopped by {name} after step {trainer.global_step}; checkpointing is off.")
+            else:
+                last = _checkpoint_dir(cfg, run_dir) / LAST_NAME
+                again = (
+                    "Continue with the same command (resume=auto)."
+                    if cfg.resume == AUTO
+                    else f"Continue with the same command plus resume=auto (or resume={last})."
+                )
+                print(
+                    f"Stopped by {name} after step {trainer.global_step}; its checkpoint is "
+                    f"{last}. {again}"
+                )
+        raise TrainingStopped(128 + stopper.stop_signal)
+    if cfg.validate_at_end and module.last_validation_step != trainer.global_step:
+        # A run resumed from its final checkpoint may have validated that step on file: its
+        # validation rows came after that checkpoint was in place.
         node = cfg.callbacks.val_perplexity
         key = "val_loss" if node is None else node.loss_key
-        done = any(
+        on_file = trainer.is_global_zero and any(
             row.get(key) and float(row["step"]) == trainer.global_step
-            for row in _logged_rows(run_dir)
+            for row in read_metrics(run_dir / METRICS_FILE)[1]
         )
-    return trainer.strategy.broadcast(done) if trainer.world_size > 1 else done
-
-
-def _logged_rows(run_dir: Path) -> list[dict[str, str]]:
-    metrics_csv = run_dir / METRICS_FILE
-    return read_metrics(metrics_csv)[1] if metrics_csv.is_file() else []
-
-
-def _report_stop(cfg: DictConfig, trainer: pl.Trainer, signum: int, checkpoint_dir: Path) -> None:
-    for logger in trainer.loggers:
-        logger.save()
-    if trainer.is_global_zero:
-        name = signal.Signals(signum).name
-        if trainer.checkpoint_callback is None:
-            print(f"Stopped by {name} after step {trainer.global_step}; checkpointing is off.")
-        else:
-            last = checkpoint_dir / LAST_NAME
-            again = (
-                "Continue with the same command (resume=auto)."
-                if cfg.resume == AUTO
-                else f"Continue with the same command plus resume=auto (or resume={last})."
-            )
-            print(
-                f"Stopped by {name} after step {trainer.global_step}; its checkpoint is {last}. "
-                + again
-            )
-    raise TrainingStopped(128 + signum)
+        if not trainer.strategy.broadcast(on_file):
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+    return _finish(cfg, trainer, run_dir)
 
 
 def _finish(cfg: DictConfig, trainer: pl.Trainer, run_dir: Path) -> dict[str, Any]:
@@ -396,7 +363,7 @@ def _finish(cfg: DictConfig, trainer: pl.Trainer, run_dir: Path) -> dict[str, An
         for logger in trainer.loggers:
             logger.save()
         # A run resumed from its final checkpoint logs nothing: its values are on file.
-        for row in _logged_rows(run_dir):
+        for row in read_metrics(run_dir / METRICS_FILE)[1]:
             for key, value in row.items():
                 if key != "step" and value and key not in trainer.callback_metrics:
                     metrics[key] = float(value)

@@ -40,17 +40,14 @@ class StopOnSignal(Callback):
 
     Lightning's own ``SIGTERM`` handler stops wherever its loops next check, possibly
     mid-validation where no checkpoint is taken (under Lightning 2.6 it also runs a collective
-    inside the handler), and ``SIGINT`` raises ``KeyboardInterrupt`` anywhere. This handler
-    only records the signal; the ranks agree at each step end (one all-reduce of a flag), and
-    the next step's start raises Lightning's public ``SIGTERMException(128 + stop_signal)``.
-    What a run then does: docs/recipe.md, "Preemption: SIGTERM and Ctrl+C". Lightning puts
-    the previous handlers back when ``fit`` ends.
+    inside the handler), and ``SIGINT`` raises ``KeyboardInterrupt`` anywhere. This one only
+    records the signal; the next step's start raises Lightning's ``SIGTERMException(128 +
+    stop_signal)`` (docs/recipe.md, "Preemption: SIGTERM and Ctrl+C").
     """
 
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.stop_signal: int | None = None
-        """The signal that stopped training (``None`` if none did)."""
+    received: int | None = None
+    stop_signal: int | None = None
+    """The signal that stopped training (``None`` if none did)."""
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None and signum == signal.SIGINT:
@@ -116,13 +113,11 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 class RunCheckpoint(Checkpoint):
     """Periodic and ``last.ckpt`` checkpoints at step ends, in place once the step is logged.
 
-    Checkpoints are taken only at step ends, the one point where resume is exact (Lightning's
-    ``ModelCheckpoint`` also saves after validation and when training ends: a ``last.ckpt``
-    written at ``max_steps`` mid-epoch records that epoch as finished). A step's checkpoints
-    are renamed into place at the next step boundary, ``last.ckpt`` last (:meth:`commit`);
-    a failure that may have cut the step's rows short drops them (:meth:`on_exception`).
-    Every rank's generator states are put back right before the first resumed step, after
-    whatever ran since the load. Why: docs/recipe.md, "Resume" and "Preemptible clusters".
+    Only at step ends, the one point where resume is exact (Lightning's ``ModelCheckpoint``
+    also saves after validation and when training ends: a ``last.ckpt`` written at
+    ``max_steps`` mid-epoch records that epoch as finished); renamed into place by
+    :meth:`commit`; every rank's generator states put back right before the first resumed
+    step. Why: docs/recipe.md, "Resume" and "Preemptible clusters".
 
     Args:
         dirpath: Where checkpoints go (``<default_root_dir>/checkpoints`` when ``None``).
@@ -279,9 +274,7 @@ class RunCheckpoint(Checkpoint):
     def commit(self, trainer: pl.Trainer) -> None:
         """Rename the pending checkpoints into place, then apply ``keep_last``.
 
-        Call it only once the pending step's metrics are logged: the loggers save first, so
-        that (on rank 0, which alone writes files) a checkpoint in place is never ahead of the
-        metrics on disk.
+        Only once their step's rows are logged: saved first (docs/recipe.md, "Exactly-once rows").
         """
         if not self._pending:
             return

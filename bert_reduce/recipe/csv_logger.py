@@ -28,7 +28,7 @@ METRICS_FILE = "metrics.csv"
 
 
 def read_metrics(metrics_csv: Path) -> tuple[list[str], list[dict[str, str]], bool]:
-    """The columns and whole rows of a ``metrics.csv``.
+    """The columns and whole rows of a ``metrics.csv`` (none if it is missing).
 
     Returns:
         The header, the rows (as ``csv.DictReader`` gives them), and whether a last line cut
@@ -37,6 +37,8 @@ def read_metrics(metrics_csv: Path) -> tuple[list[str], list[dict[str, str]], bo
     Raises:
         ValueError: If the file has no ``step`` column.
     """
+    if not metrics_csv.is_file():
+        return [], [], False
     text = metrics_csv.read_text()
     cut = bool(text) and not text.endswith("\n")
     reader = csv.DictReader(text[: text.rfind("\n") + 1].splitlines(keepends=True))
@@ -72,8 +74,6 @@ def keep_metrics_up_to(metrics_csv: Path, step: float) -> int:
     Raises:
         ValueError: If the file has no ``step`` column.
     """
-    if not metrics_csv.is_file():
-        return 0
     fieldnames, rows, cut = read_metrics(metrics_csv)
     kept = [row for row in rows if not row["step"] or float(row["step"]) <= step]
     if len(kept) < len(rows) or cut:
@@ -82,18 +82,15 @@ def keep_metrics_up_to(metrics_csv: Path, step: float) -> int:
 
 
 class AppendingCSVLogger(Logger):
-    """Logs to ``<save_dir>/metrics.csv``, appending to an existing file (rank 0 only).
-
-    The format is ``CSVLogger``'s (one row per ``log_metrics`` call, sorted columns). The file
-    is appended to, rewritten only atomically, and synced at every save.
+    """Logs to ``<save_dir>/metrics.csv`` in ``CSVLogger``'s format (rank 0 only).
 
     Args:
         save_dir: The run directory.
         keep_steps_up_to: The step of the checkpoint this run resumes from: rows of later
-            steps are dropped before the first new row is written. ``None``: keep every row.
+            steps are dropped before the first new row is written (default: none).
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str], keep_steps_up_to: int | None = None):
+    def __init__(self, save_dir: str | os.PathLike[str], keep_steps_up_to: float = math.inf):
         super().__init__()
         self.metrics_file = Path(save_dir) / METRICS_FILE
         self.keep_steps_up_to = keep_steps_up_to
@@ -130,15 +127,12 @@ class AppendingCSVLogger(Logger):
             return
         path = self.metrics_file
         if self._columns is None:  # the first write of this run
-            path.parent.mkdir(parents=True, exist_ok=True)
-            keep = math.inf if self.keep_steps_up_to is None else self.keep_steps_up_to
-            keep_metrics_up_to(path, keep)
-            self._columns = read_metrics(path)[0] if path.is_file() else []
+            keep_metrics_up_to(path, self.keep_steps_up_to)
+            self._columns = read_metrics(path)[0]
         columns = sorted(set(self._columns).union(*self._rows))
-        if not self._columns or columns != self._columns:
+        if columns != self._columns:
             # A new file, or a new column: the file is written whole under the new header.
-            old = read_metrics(path)[1] if self._columns else []
-            _write(path, columns, old + self._rows)
+            _write(path, columns, read_metrics(path)[1] + self._rows)
         else:
             with open(path, "a", newline="") as handle:
                 csv.DictWriter(handle, fieldnames=columns).writerows(self._rows)

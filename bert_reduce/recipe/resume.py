@@ -3,8 +3,8 @@
 Lightning reads the checkpoint only once training starts, where a missing or bad file fails
 with a bare ``FileNotFoundError``, ``EOFError`` or unpickling error; read here first
 (memory-mapped), it is refused before the run directory is touched, named, with the
-checkpoints next to it. Which checkpoint
-``resume=auto`` takes, and why: docs/recipe.md, "Preemptible clusters".
+checkpoints next to it. Which checkpoint ``resume=auto`` takes, and why: docs/recipe.md,
+"Preemptible clusters".
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ __all__ = [
     "AUTO",
     "DATAMODULE_STATE_KEY",
     "ResumePoint",
-    "UnreadableCheckpointError",
     "find_resume_checkpoint",
     "later_checkpoints",
     "move_aside",
@@ -32,15 +31,8 @@ __all__ = [
 AUTO = "auto"
 """``resume=auto``: resume from the run directory's newest intact checkpoint, if any."""
 
-_ZIP_MAGIC = b"PK\x03\x04"
-"""The first bytes of every ``torch.save`` file (a zip archive)."""
-
 DATAMODULE_STATE_KEY = "ESMDataModule"
 """Where Lightning stores the data module's ``state_dict`` in a checkpoint (its class name)."""
-
-
-class UnreadableCheckpointError(ValueError):
-    """A checkpoint file that does not load: empty, cut short, or not ``torch.save``'s format."""
 
 
 def _others(path: Path) -> str:
@@ -51,14 +43,12 @@ def _others(path: Path) -> str:
 
 
 def _load(path: Path) -> Any:
-    """``torch.load`` of ``path``, memory-mapped; :class:`UnreadableCheckpointError` if not."""
+    """``torch.load`` of ``path``, memory-mapped; a ``ValueError`` saying why it does not load."""
     if path.stat().st_size == 0:
-        raise UnreadableCheckpointError(
-            "the file is empty (0 bytes), e.g. from a write that was cut off"
-        )
+        raise ValueError("the file is empty (0 bytes), e.g. from a write that was cut off")
     with open(path, "rb") as handle:
-        if handle.read(4) != _ZIP_MAGIC:
-            raise UnreadableCheckpointError(
+        if handle.read(4) != b"PK\x03\x04":  # every torch.save file is a zip archive
+            raise ValueError(
                 "not a PyTorch checkpoint (it does not start as torch.save's zip archive does): "
                 "a corrupt file or another kind of file"
             )
@@ -66,7 +56,7 @@ def _load(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         first_line = str(error).splitlines()[0] if str(error) else ""
-        raise UnreadableCheckpointError(
+        raise ValueError(
             f"not a readable PyTorch checkpoint ({type(error).__name__}: {first_line}). The file "
             "is corrupt, e.g. cut short"
         ) from error
@@ -109,7 +99,7 @@ def read_resume_step(path: str | Path, global_batch_size: int) -> int:
         raise FileNotFoundError(f"resume={path}: no such checkpoint file.{_others(path)}")
     try:
         checkpoint = _load(path)
-    except UnreadableCheckpointError as error:
+    except ValueError as error:
         raise ValueError(
             f"resume={path}: {error}. Resume from another checkpoint.{_others(path)}"
         ) from error
@@ -118,7 +108,7 @@ def read_resume_step(path: str | Path, global_batch_size: int) -> int:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where ``resume=auto`` continues a run.
+    """Where a run resumes: ``resume=<file>``'s checkpoint, or the one ``resume=auto`` found.
 
     Attributes:
         path: The checkpoint to resume from; ``None``: start from step 0.
@@ -137,7 +127,7 @@ def _loadable(checkpoint_dir: Path) -> tuple[list[tuple[Path, Any]], list[tuple[
     for path in sorted(checkpoint_dir.glob("*.ckpt")):
         try:
             loaded.append((path, _load(path)))
-        except UnreadableCheckpointError as error:
+        except ValueError as error:
             damaged.append((path, str(error)))
     return loaded, damaged
 
@@ -180,11 +170,7 @@ def later_checkpoints(checkpoint_dir: Path, step: int) -> list[Path]:
 
 
 def move_aside(path: Path, reason: str = "damaged") -> Path:
-    """Rename ``path`` to ``<name>.<reason>`` (``.<reason>.1``, ...: never over a file).
-
-    Returns:
-        The new path.
-    """
+    """Rename ``path`` to ``<name>.<reason>`` (``.<reason>.1``, ...: never over a file)."""
     target = path.with_name(f"{path.name}.{reason}")
     number = 0
     while target.exists():

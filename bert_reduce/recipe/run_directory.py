@@ -54,18 +54,16 @@ def check_run_directory(
     Args:
         run_dir: The run directory.
         checkpoint_dir: This run's checkpoint directory.
-        resume: The checkpoint to resume from, ``"auto"`` (continue whatever run the directory
-            holds), or ``None``.
-        overwrite: The user asked to replace the previous run (``overwrite=true``).
+        resume: ``cfg.resume``: a checkpoint, ``"auto"`` or ``None``.
+        overwrite: ``cfg.overwrite``.
 
     Returns:
-        The previous run's outputs that ``overwrite`` will delete once the run has started
-        (empty unless ``overwrite``).
+        The previous run's outputs to delete once the run has started (unless ``overwrite``,
+        none).
 
     Raises:
-        RunDirectoryError: If the directory holds a run that this one neither resumes nor is
-            allowed to overwrite, or ``overwrite`` is combined with resuming from this
-            directory's own checkpoint or with ``resume=auto``.
+        RunDirectoryError: If the directory holds a run that this one neither resumes nor may
+            overwrite, or ``overwrite`` is combined with resuming the directory's run.
     """
     if resume == "auto":
         if overwrite:
@@ -109,13 +107,7 @@ def remove_outputs(outputs: list[Path]) -> None:
 
 
 def remove_leftovers(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
-    """Delete the temporary files (``<name>.tmp-<pid>``) that a killed run left behind.
-
-    Call it only while holding the directory's lock.
-
-    Returns:
-        The deleted files.
-    """
+    """Delete (and return) the temporary files a killed run left; only under the lock."""
     removed = []
     for directory in dict.fromkeys((run_dir, checkpoint_dir)):
         if not directory.is_dir():
@@ -128,7 +120,7 @@ def remove_leftovers(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
 
 
 class RunDirectoryLock:
-    """The run directory's lock, held from ``with`` entry to exit; records who holds it.
+    """The run directory's lock, held from ``with`` entry to exit.
 
     Check the directory inside ``with``, then call :meth:`record_holder`: a run refused by
     the check leaves the lock file as it was.
@@ -181,11 +173,7 @@ class RunDirectoryLock:
 
 
 def save_config_keeping_previous(text: str, path: Path) -> Path | None:
-    """Write ``text`` to ``path``; a different previous file is kept as ``config.<n>.yaml``.
-
-    Args:
-        text: The resolved config as YAML.
-        path: ``<run dir>/config.yaml``.
+    """Write ``text`` to ``path``, keeping a different previous file as ``config.<n>.yaml``.
 
     Returns:
         Where the previous config went, or ``None`` if there was none or it was the same.
