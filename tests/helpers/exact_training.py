@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import lightning.pytorch as pl
@@ -198,11 +198,6 @@ class StockAccumulationModule(pl.LightningModule):
         return self.optimizer_factory(self.parameters())
 
 
-def _micro_batches(sampler: GlobalBatchSampler, size: int) -> Iterator[list[int]]:
-    for share in sampler:
-        yield from (share[i : i + size] for i in range(0, len(share), size))
-
-
 @dataclasses.dataclass
 class Run:
     params: ParamDict
@@ -255,7 +250,9 @@ def lightning_train(
     module: pl.LightningModule
     if stock:
         module = StockAccumulationModule(model, optimizer)
-        loader = DataLoader(dataset, batch_sampler=list(_micro_batches(sampler, micro_batch_size)))
+        n = micro_batch_size  # Lightning accumulates the micro-batches of each share
+        batches = [share[i : i + n] for share in sampler for i in range(0, len(share), n)]
+        loader = DataLoader(dataset, batch_sampler=batches)
         trainer = quiet_trainer(
             accumulate_grad_batches=sampler.share // micro_batch_size,
             gradient_clip_val=clip,
@@ -280,24 +277,18 @@ def lightning_train(
     return Run(params, recorder.losses, recorder.val_totals, module)
 
 
-def existing_group_ddp(**kwargs: object) -> DDPStrategy:
-    """DDP over the process group ``dist_utils.run_distributed`` already initialized."""
+def existing_group(strategy: str) -> DDPStrategy | ModelParallelStrategy:
+    """``"ddp"`` or ``"fsdp2"`` over the process group ``dist_utils.run_distributed`` made."""
     join_existing_group()
-    return DDPStrategy(
-        cluster_environment=LightningEnvironment(), process_group_backend="gloo", **kwargs
-    )
-
-
-def existing_group_fsdp2() -> ModelParallelStrategy:
-    """FSDP2 over the process group ``dist_utils.run_distributed`` already initialized."""
-    join_existing_group()
-    strategy = ModelParallelStrategy(
+    if strategy == "ddp":
+        return DDPStrategy(cluster_environment=LightningEnvironment(), process_group_backend="gloo")
+    fsdp2 = ModelParallelStrategy(
         data_parallel_size=dist.get_world_size(),
         tensor_parallel_size=1,
         process_group_backend="gloo",
     )
-    strategy.cluster_environment = LightningEnvironment()
-    return strategy
+    fsdp2.cluster_environment = LightningEnvironment()
+    return fsdp2
 
 
 def reference_val_totals(params: ParamDict, val_size: int) -> Tensor:
