@@ -28,6 +28,7 @@ from bert_reduce.num_scored import NumScoredCollator
 from bert_reduce.reduction import BERTMLMLossWithReduction
 from tests.helpers.dist_utils import full, join_existing_group
 from tests.helpers.mode_reference import reference_mode_loss
+from tests.helpers.reference import assert_close_by_name
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 from tests.helpers.tiny_lightning import quiet_trainer
 
@@ -304,10 +305,8 @@ def reference_val_totals(params: ParamDict, val_size: int) -> Tensor:
     return torch.stack([loss_sum, mask.sum().to(torch.float64)])
 
 
-def assert_params_close(actual: ParamDict, expected: ParamDict, rtol: float = 1e-10) -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=1e-12, msg=name)
+def assert_params_close(actual: ParamDict, expected: ParamDict) -> None:
+    assert_close_by_name(actual, expected, rtol=1e-10, atol=1e-12)
 
 
 def max_param_difference(actual: ParamDict, expected: ParamDict) -> float:

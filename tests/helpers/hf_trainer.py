@@ -121,15 +121,9 @@ def grads(model: nn.Module) -> dict[str, Tensor]:
 
 def relative_error(grads: dict[str, Tensor], reference: dict[str, Tensor]) -> float:
     """``||g - g_ref|| / ||g_ref||`` over every parameter (a missing gradient counts as 0)."""
-    names = sorted(set(grads) | set(reference))
-
-    def flat(values: dict[str, Tensor], like: dict[str, Tensor]) -> Tensor:
-        return torch.cat(
-            [values.get(n, torch.zeros_like(like.get(n, values.get(n)))).reshape(-1) for n in names]
-        )
-
-    g, r = flat(grads, reference), flat(reference, grads)
-    return float((g - r).norm() / r.norm())
+    names = set(grads) | set(reference)
+    difference = torch.stack([(grads.get(n, 0) - reference.get(n, 0)).norm() for n in names])
+    return float(difference.norm() / torch.stack([r.norm() for r in reference.values()]).norm())
 
 
 def norm_ratio(grads: dict[str, Tensor], reference: dict[str, Tensor]) -> float:
