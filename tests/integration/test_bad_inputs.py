@@ -454,13 +454,6 @@ PROBES = probes(
 )
 
 
-def outcome(probe: Probe, tmp: Path) -> str | BaseException:
-    try:
-        return probe.run(tmp)
-    except Exception as error:  # the outcome to check and to document
-        return error
-
-
 def describe(result: str | BaseException, tmp: Path) -> str:
     """The table's cell: the sentence, or ``Error: message`` with the temporary paths hidden."""
     if not isinstance(result, BaseException):
@@ -473,7 +466,11 @@ def describe(result: str | BaseException, tmp: Path) -> str:
     return f"`{type(result).__name__}`: {message}"
 
 
-def render(outcomes: list[tuple[Probe, str | BaseException, Path]]) -> str:
+Outcomes = list[tuple[Probe, str | BaseException, Path]]
+"""Each probe, what its run returned or raised, and its temporary directory."""
+
+
+def render(outcomes: Outcomes) -> str:
     lines = [
         "# Bad inputs and what they get",
         "",
@@ -488,24 +485,25 @@ def render(outcomes: list[tuple[Probe, str | BaseException, Path]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_probes(root: Path) -> list[tuple[Probe, str | BaseException, Path]]:
-    results = []
+def run_probes(root: Path) -> Outcomes:
+    results: Outcomes = []
     for number, probe in enumerate(PROBES):
         tmp = root / f"probe{number:02d}"
         tmp.mkdir()
-        results.append((probe, outcome(probe, tmp), tmp))
+        try:
+            results.append((probe, probe.run(tmp), tmp))
+        except Exception as error:  # the outcome to check and to document
+            results.append((probe, error, tmp))
     return results
 
 
 @pytest.fixture(scope="module")
-def outcomes(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> list[tuple[Probe, str | BaseException, Path]]:
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Outcomes:
     return run_probes(tmp_path_factory.mktemp("probes"))
 
 
 @pytest.mark.parametrize("number", range(len(PROBES)), ids=[p.bad_input for p in PROBES])
-def test_probe(outcomes: list[tuple[Probe, str | BaseException, Path]], number: int) -> None:
+def test_probe(outcomes: Outcomes, number: int) -> None:
     probe, result, _ = outcomes[number]
     if probe.error is None:
         assert isinstance(result, str), result  # an error where a result was due
@@ -514,7 +512,7 @@ def test_probe(outcomes: list[tuple[Probe, str | BaseException, Path]], number: 
     assert re.search(probe.match, str(result)), str(result)
 
 
-def test_errors_doc_is_up_to_date(outcomes: list[tuple[Probe, str | BaseException, Path]]) -> None:
+def test_errors_doc_is_up_to_date(outcomes: Outcomes) -> None:
     assert DOC.read_text() == render(outcomes), (
         "docs/errors.md is stale: python -m tests.integration.test_bad_inputs"
     )
