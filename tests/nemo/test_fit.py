@@ -23,6 +23,7 @@ from tests.helpers.nemo_bert import (
     reference_training,
     train_dataset,
 )
+from tests.helpers.reference import assert_close_by_name
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +65,8 @@ def test_pipeline_parallel_fit_and_validation_are_exact_on_every_stage() -> None
     # (_sync_from_last_pipeline_stage(broadcast=False)): the first stage's other rank logs 0.
     logging = [ranks[0, 0], ranks[1, 0], ranks[1, 1]]
     assert_matches_reference(logging, reference_training())
-    for name, value in ranks[0, 1]["params"].items():  # a data-parallel replica
-        torch.testing.assert_close(value, ranks[0, 0]["params"][name], rtol=0, atol=0)
+    # A data-parallel replica.
+    assert_close_by_name(ranks[0, 1]["params"], ranks[0, 0]["params"], rtol=0, atol=0)
     assert_exact_validation(results)
     assert sorted(run["real_on_rank"] for run in results) == [6, 6, 7, 7]
 

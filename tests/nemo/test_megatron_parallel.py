@@ -33,7 +33,7 @@ from examples.nemo2_esm2_loss import (
 )
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.megatron_cpu import GradSync, megatron_on_cpu, single_process_megatron
-from tests.helpers.reference import reference_loss
+from tests.helpers.reference import assert_close_by_name, reference_loss
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, MASK_ID = 8, 16, 33, 32
 EMPTY_ROW = 3
@@ -129,29 +129,14 @@ def _run(
     return loss, recorder.reports
 
 
-def _reference(
-    module: MLMLightningModule, batch: dict[str, Tensor], rows: list[int] | None = None
-) -> tuple[Tensor, list[Tensor]]:
-    """F.cross_entropy over the masked tokens of ``rows`` (all by default), and its gradients."""
+def _reference(module: MLMLightningModule, batch: dict[str, Tensor]) -> tuple[Tensor, dict]:
+    """F.cross_entropy over the masked tokens of the whole batch, and its gradients."""
     model = copy.deepcopy(module.module)
     assert model is not None
-    model.zero_grad(set_to_none=True)
-    rows = list(range(GLOBAL_BATCH)) if rows is None else rows
-    logits = model(batch["text"][rows])["token_logits"]
-    loss = reference_loss(logits, batch["labels"][rows], batch["loss_mask"][rows])
-    return loss.detach(), list(torch.autograd.grad(loss, list(model.parameters())))
-
-
-def _grads(module: MLMLightningModule) -> list[Tensor]:
-    assert module.module is not None
-    return [param.grad for param in module.module.parameters()]  # type: ignore[misc]
-
-
-def _assert_close_grads(actual: list[Tensor], expected: list[Tensor]) -> None:
-    assert len(actual) == len(expected)
-    for got, want in zip(actual, expected, strict=True):
-        assert got is not None
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    logits = model(batch["text"])["token_logits"]
+    loss = reference_loss(logits, batch["labels"], batch["loss_mask"])
+    names, params = zip(*model.named_parameters(), strict=True)
+    return loss.detach(), dict(zip(names, torch.autograd.grad(loss, params), strict=True))
 
 
 def test_megatron_loss_reduction_is_nemos_class() -> None:
@@ -174,7 +159,8 @@ def _step_is_the_global_batch_in_one_pass(micro_batches: list[list[int]], step: 
     assert len({id(loss) for loss in losses}) == len(micro_batches) + 1
     assert losses[-1].batch is None
     if step == "train":
-        _assert_close_grads(_grads(module), ref_grads)
+        grads = {name: param.grad for name, param in module.module.named_parameters()}
+        assert_close_by_name(grads, ref_grads, rtol=1e-5, atol=1e-7)
         assert all(set(report) == {"loss_sum_and_microbatch_size"} for report in reports)
     else:
         assert all(param.grad is None for param in module.parameters())
