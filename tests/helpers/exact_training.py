@@ -48,8 +48,9 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class TinyMLM(nn.Module):
-    def __init__(self, dim: int = 8) -> None:
+    def __init__(self) -> None:
         super().__init__()
+        dim = 8
         self.embed = nn.Embedding(VOCAB, dim)
         self.norm = nn.LayerNorm(dim)
         self.mix = nn.Linear(dim * SEQ_LEN, dim)
@@ -63,11 +64,11 @@ class TinyMLM(nn.Module):
 
 
 class UnevenMaskDataset(Dataset[dict[str, Tensor]]):
-    def __init__(self, mask_counts: tuple[int, ...] = MASK_COUNTS, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, MASK_ID, (len(mask_counts), SEQ_LEN), generator=gen)
-        self.masks = torch.zeros(len(mask_counts), SEQ_LEN, dtype=torch.bool)
-        for row, count in enumerate(mask_counts):
+        self.tokens = torch.randint(0, MASK_ID, (len(MASK_COUNTS), SEQ_LEN), generator=gen)
+        self.masks = torch.zeros(len(MASK_COUNTS), SEQ_LEN, dtype=torch.bool)
+        for row, count in enumerate(MASK_COUNTS):
             self.masks[row, torch.randperm(SEQ_LEN, generator=gen)[:count]] = True
 
     def __len__(self) -> int:
@@ -82,8 +83,8 @@ class UnevenMaskDataset(Dataset[dict[str, Tensor]]):
         }
 
 
-def initial_model(seed: int = 1) -> TinyMLM:
-    torch.manual_seed(seed)
+def initial_model() -> TinyMLM:
+    torch.manual_seed(1)
     return TinyMLM().double()
 
 
@@ -96,14 +97,14 @@ def adamw() -> OptimizerFactory:
 
 
 def reference_train(
-    optimizer: OptimizerFactory, clip: float | None, mode: str = "per_token", steps: int = STEPS
+    optimizer: OptimizerFactory, clip: float | None, mode: str = "per_token"
 ) -> tuple[ParamDict, list[float]]:
     """One process, the whole global batch per step, F.cross_entropy over its masked tokens."""
     model = initial_model()
     opt = optimizer(model.parameters())
     dataset = UnevenMaskDataset()
     losses = []
-    for step in range(steps):
+    for step in range(STEPS):
         batch = default_collate(
             [dataset[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)]
         )
@@ -219,7 +220,6 @@ def lightning_train(
     mode: str = "per_token",
     precision: str = "64-true",
     val_size: int = 0,
-    steps: int = STEPS,
     model_dtype: torch.dtype | None = None,
     count_scored: bool = False,
 ) -> Run:
@@ -242,7 +242,7 @@ def lightning_train(
     common = {
         "devices": devices,
         "strategy": strategy,
-        "max_steps": steps,
+        "max_steps": STEPS,
         "precision": precision,
         "use_distributed_sampler": False,
         "num_sanity_val_steps": 0,
@@ -273,7 +273,7 @@ def lightning_train(
         loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
         trainer = quiet_trainer([recorder], **common)
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
-    assert (trainer.global_step, trainer.world_size) == (steps, devices)
+    assert (trainer.global_step, trainer.world_size) == (STEPS, devices)
     params = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
     return Run(params, recorder.losses, recorder.val_totals, module)
 
