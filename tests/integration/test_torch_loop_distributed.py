@@ -147,22 +147,22 @@ def _context_parallel_body(packed: bool) -> None:
     logits, batch, _ = ragged_padded_batch(weighted=True)  # sequence 2 scores nothing
     labels, weights = batch["labels"], batch["loss_mask"]
     mask = weights != 0
+
+    def shard_of(batch: dict) -> dict:
+        if packed:
+            batch = pack_batch(batch, lengths, pad_to_multiple_of=4)
+            return get_packed_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
+        return get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
+
     for mode, loss_mask in (("per_token", mask), ("per_sequence", weights), ("constant", mask)):
         ref_loss, ref_grad = reference_mode_loss_and_grad(
             logits, labels, loss_mask, mode, **mode_kwargs(mode)
         )
         batch = {"labels": torch.where(loss_mask != 0, labels, -100), "loss_mask": loss_mask}
-        if packed:
-            batch = pack_batch(
-                {**batch, "logits": logits.transpose(0, 1)}, lengths, pad_to_multiple_of=4
-            )
-            shard = get_packed_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
-        else:
+        if not packed:
             weight, start = sequence_normalizers(loss_mask)
-            batch.update(
-                sequence_weight=weight, sequence_start=start, logits=logits.transpose(0, 1)
-            )
-            shard = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
+            batch.update(sequence_weight=weight, sequence_start=start)
+        shard = shard_of({**batch, "logits": logits.transpose(0, 1)})
         leaf = shard.pop("logits").detach().clone().requires_grad_(True)
         loss_fn = GlobalBatchLoss(
             normalization=mode, context_parallel_size=2, gradient_sync="sum", **mode_kwargs(mode)
@@ -171,12 +171,7 @@ def _context_parallel_body(packed: bool) -> None:
         loss_fn(leaf, shard).backward()
         torch.testing.assert_close(loss_fn.end(), ref_loss, rtol=1e-12, atol=0)
         # This rank's slice of the reference gradient, laid out as its shard.
-        full = {"logits": ref_grad.transpose(0, 1)}
-        if packed:
-            full = pack_batch({**full, "labels": labels}, lengths, pad_to_multiple_of=4)
-            expected = get_packed_batch_on_this_cp_rank(full, cp_size=2, cp_rank=rank)["logits"]
-        else:
-            expected = get_batch_on_this_cp_rank(full, cp_size=2, cp_rank=rank)["logits"]
+        expected = shard_of({"logits": ref_grad.transpose(0, 1), "labels": labels})["logits"]
         torch.testing.assert_close(leaf.grad, expected, rtol=1e-10, atol=1e-15)
 
 
