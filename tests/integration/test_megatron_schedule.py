@@ -22,7 +22,7 @@ from torch import nn
 from bert_reduce import BERTMLMLossWithReduction
 from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.megatron_cpu import GradSyncShell, megatron_on_cpu, single_process_megatron
-from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
+from tests.helpers.mode_reference import checked_reduce, float_weights, reference_mode_loss
 from tests.helpers.reference import assert_close_by_name
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
@@ -77,14 +77,10 @@ def global_batch(weighted: bool = False, seq_len: int = SEQ_LEN) -> dict[str, to
     labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, seq_len), generator=gen)
     mask = torch.rand(GLOBAL_BATCH, seq_len, generator=gen) < torch.linspace(0.1, 0.6, 8)[:, None]
     mask[list(EMPTY_ROWS)] = False
-    loss_mask: torch.Tensor = mask
-    if weighted:
-        choices = torch.tensor([0.25, 0.5, 1.0, 1.75], dtype=torch.float64)
-        loss_mask = torch.where(mask, choices[torch.randint(0, 4, mask.shape, generator=gen)], 0)
     return {
         "input_ids": input_ids,
         "labels": torch.where(mask, labels, -100),
-        "loss_mask": loss_mask,
+        "loss_mask": float_weights(mask, dyadic=True) if weighted else mask,
     }
 
 

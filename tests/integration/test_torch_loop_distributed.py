@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bert_reduce import GlobalBatchLoss
 from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
-from tests.helpers.mode_reference import mode_kwargs, reference_mode_loss
+from tests.helpers.mode_reference import float_weights, mode_kwargs, reference_mode_loss
 from tests.helpers.sync_guard import count_collectives
 
 pytestmark = pytest.mark.slow
@@ -60,8 +60,7 @@ def global_batch(num_rows: int, empty_rows: tuple[int, ...], seed: int = 0):
     labels = torch.randint(0, VOCAB, (num_rows, SEQ_LEN), generator=gen)
     mask = torch.rand(num_rows, SEQ_LEN, generator=gen) < 0.35
     mask[list(empty_rows)] = False
-    weights = torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.1, 0)
-    return input_ids, torch.where(mask, labels, -100), mask, weights
+    return input_ids, torch.where(mask, labels, -100), mask, float_weights(mask)
 
 
 def reference_grads(model: nn.Module, input_ids, labels, loss_mask, mode: str):
