@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
-from tests.helpers.hf_esm import esm_batch, tiny_esm_config
+from tests.helpers.hf_esm import TINY_SIZES, esm_batch, tiny_esm_config
 
 SEQ_LEN = 16
 # One global batch of 8: heavily masked samples first, an empty last micro-batch for every
@@ -37,32 +37,16 @@ EVAL_LENGTHS = (16, 9, 14, 12, 16, 7, 11, 15, 10, 13, 8, 16, 12)
 EVAL_MASKED = (12, 1, 2, 9, 3, 1, 7, 2, 5, 1, 4, 13, 2)
 
 
-def tiny_bert_config():
-    """A BERT masked-LM config (Geneformer's architecture: post-LN, tied head with bias)."""
-    from transformers import BertConfig
+def tiny_model(kind: str) -> nn.Module:
+    """A tiny fp64 ``EsmForMaskedLM`` (``"esm"``) or ``BertForMaskedLM`` (``"bert"``:
+    Geneformer's architecture, post-LN, tied head with bias)."""
+    from transformers import BertConfig, BertForMaskedLM, EsmForMaskedLM
 
-    return BertConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-
-
-def tiny_model(kind: str, seed: int = 0) -> nn.Module:
-    """A tiny fp64 ``EsmForMaskedLM`` (``"esm"``) or ``BertForMaskedLM`` (``"bert"``)."""
-    from transformers import BertForMaskedLM, EsmForMaskedLM
-
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     if kind == "esm":
         model = EsmForMaskedLM(tiny_esm_config())
     elif kind == "bert":
-        model = BertForMaskedLM(tiny_bert_config())
+        model = BertForMaskedLM(BertConfig(vocab_size=40, pad_token_id=0, **TINY_SIZES))
     else:
         raise ValueError(kind)
     model = model.double()
