@@ -21,9 +21,19 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from accelerate.utils import memory
 from torch import Tensor, nn
-from transformers import TrainerCallback
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    EsmForMaskedLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
+from bert_reduce.hf import ExactMLMTrainer
+from tests.helpers.dist_utils import join_existing_group, run_distributed
 from tests.helpers.hf_esm import TINY_SIZES, esm_batch, tiny_esm_config
 
 SEQ_LEN = 16
@@ -40,8 +50,6 @@ EVAL_MASKED = (12, 1, 2, 9, 3, 1, 7, 2, 5, 1, 4, 13, 2)
 def tiny_model(kind: str) -> nn.Module:
     """A tiny fp64 ``EsmForMaskedLM`` (``"esm"``) or ``BertForMaskedLM`` (``"bert"``:
     Geneformer's architecture, post-LN, tied head with bias)."""
-    from transformers import BertConfig, BertForMaskedLM, EsmForMaskedLM
-
     torch.manual_seed(0)
     if kind == "esm":
         model = EsmForMaskedLM(tiny_esm_config())
@@ -130,8 +138,6 @@ class Case:
 
 
 def training_arguments(output_dir: str, **overrides: Any):
-    from transformers import TrainingArguments
-
     values: dict[str, Any] = {
         "output_dir": output_dir,
         "use_cpu": True,
@@ -154,10 +160,6 @@ def training_arguments(output_dir: str, **overrides: Any):
 
 def _trainer(case: Case, output_dir: str, **kwargs: Any):
     """The case's trainer, keeping what ``training_step`` returns for each micro-batch."""
-    from transformers import Trainer
-
-    from bert_reduce.hf import ExactMLMTrainer
-
     if case.exact:
         kwargs["fused_head"] = case.fused_head
 
@@ -239,8 +241,6 @@ def fast_cpu_runs() -> Iterator[None]:
     two fighting for its cores; and Trainer's ``accelerator.free_memory()`` after training
     collects the garbage of the whole test session, most of a short run's time.
     """
-    from accelerate.utils import memory
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -268,8 +268,6 @@ def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> l
 def _distributed_body(jobs: Sequence[Job], output_dir: str, path: str) -> None:
     """:func:`_run_all` on a gloo process; OMP_NUM_THREADS stops accelerate resizing torch's
     thread pool."""
-    from tests.helpers.dist_utils import join_existing_group
-
     join_existing_group()
     os.environ["OMP_NUM_THREADS"] = "1"
     _run_all(jobs, output_dir, path)
@@ -281,8 +279,6 @@ def run_jobs(jobs: Sequence[Job], processes: int = 1) -> list[dict[str, Any]]:
     With ``processes > 1``, all jobs run in one pair of processes, one after the other (the
     imports are paid once); rank 0's results come back.
     """
-    from tests.helpers.dist_utils import run_distributed
-
     with tempfile.TemporaryDirectory() as tmp:
         if processes == 1:
             return _run_all(jobs, tmp, None)

@@ -28,6 +28,9 @@ from tests.helpers.hf_esm import esm_batch, tiny_esm_config
 
 pytest.importorskip("transformers")
 
+from transformers import EsmForMaskedLM
+
+from bert_reduce.hf import lm_head_inputs
 from tests.helpers import hf_trainer as H
 
 pytestmark = pytest.mark.slow
@@ -57,8 +60,6 @@ def _wrap(model: torch.nn.Module, kind: str, wrapper: str, mesh: DeviceMesh | No
 
 def _step(model, micro_batches, head: str, **loss_kwargs) -> torch.Tensor:
     """One training step of ``micro_batches`` through the loss; returns the step's loss."""
-    from bert_reduce.hf import lm_head_inputs
-
     loss_fn = GlobalBatchLoss(**loss_kwargs)
     # outputs.loss goes around the loss: begin() then has no micro-batch of its own.
     loss_fn.begin([] if head == "outputs.loss" else micro_batches)
@@ -122,10 +123,6 @@ def _body() -> None:
 
 def _refused_wrappings(mb: dict) -> None:
     """Wrappings under which the loss could not read the output layer: named, not crashed."""
-    from transformers import EsmForMaskedLM
-
-    from bert_reduce.hf import lm_head_inputs
-
     inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
     # An untied head in a unit of its own: FSDP2 would free its weight before the loss.
     untied = EsmForMaskedLM(tiny_esm_config(tie_word_embeddings=False))

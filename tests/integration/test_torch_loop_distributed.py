@@ -19,9 +19,18 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from bert_reduce import GlobalBatchLoss
+from bert_reduce import GlobalBatchLoss, get_batch_on_this_cp_rank, pack_batch
+from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
+from bert_reduce.normalization import sequence_normalizers
 from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
-from tests.helpers.mode_reference import float_weights, mode_kwargs, reference_mode_loss
+from tests.helpers.mode_reference import (
+    float_weights,
+    mode_kwargs,
+    reference_mode_loss,
+    reference_mode_loss_and_grad,
+)
+from tests.helpers.packed_batch import ragged_padded_batch
+from tests.helpers.reference import RAGGED_LENGTHS
 from tests.helpers.sync_guard import count_collectives
 
 pytestmark = pytest.mark.slow
@@ -135,13 +144,6 @@ def _train_step_body(wrapper: str) -> None:
 
 def _context_parallel_body(packed: bool) -> None:
     """CP=2 over the 2 ranks: each holds its load-balanced shard of every sequence."""
-    from bert_reduce import get_batch_on_this_cp_rank, pack_batch
-    from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
-    from bert_reduce.normalization import sequence_normalizers
-    from tests.helpers.mode_reference import reference_mode_loss_and_grad
-    from tests.helpers.packed_batch import ragged_padded_batch
-    from tests.helpers.reference import RAGGED_LENGTHS as lengths
-
     rank = dist.get_rank()
     logits, batch, _ = ragged_padded_batch(weighted=True)  # sequence 2 scores nothing
     labels, weights = batch["labels"], batch["loss_mask"]
@@ -149,7 +151,7 @@ def _context_parallel_body(packed: bool) -> None:
 
     def shard_of(batch: dict) -> dict:
         if packed:
-            batch = pack_batch(batch, lengths, pad_to_multiple_of=4)
+            batch = pack_batch(batch, RAGGED_LENGTHS, pad_to_multiple_of=4)
             return get_packed_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
         return get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
 
