@@ -70,11 +70,8 @@ def _ddp_checks() -> None:
     assert et.GRADIENT_BUCKETS_REDUCED == list(range(num_buckets)) * et.STEPS
     # ... and one all-reduce of the sums; the hook's all-reduces of
     # the gradient buckets go through torch.distributed.all_reduce too.
-    expected_all_reduces = num_buckets + 1
-    assert (
-        et.InstrumentedModule.collectives_per_step
-        == [{"all_reduce": expected_all_reduces}] * et.STEPS
-    ), et.InstrumentedModule.collectives_per_step
+    per_step = et.InstrumentedModule.collectives_per_step
+    assert per_step == [{"all_reduce": num_buckets + 1}] * et.STEPS, per_step
     val_totals = run.val_totals.clone()
     torch.distributed.all_reduce(val_totals)
     torch.testing.assert_close(
