@@ -90,11 +90,8 @@ class MLMDataset(Dataset):
     def __len__(self) -> int:
         return len(self.loss_mask)
 
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
+    def __getitem__(self, index: int | slice) -> dict[str, Tensor]:
         return {key: value[index] for key, value in self.data.items()}
-
-    def batch(self, start: int, stop: int) -> dict[str, Tensor]:
-        return {key: value[start:stop] for key, value in self.data.items()}
 
 
 def train_dataset(steps: int) -> MLMDataset:
@@ -244,14 +241,14 @@ def reference_training(
             )
         data, losses = train_dataset(steps), []
         for step in range(steps):
-            loss = _mean_nll(model, data.batch(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+            loss = _mean_nll(model, data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH])
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
             optimizer.step()
             losses.append(loss.item())
         with torch.no_grad():
-            val_loss = _mean_nll(model, val_dataset(VAL_SAMPLES).batch(0, VAL_SAMPLES)).item()
+            val_loss = _mean_nll(model, val_dataset(VAL_SAMPLES).data).item()
         params = global_named_parameters(model)
     return losses, {name: p.detach().clone() for name, p in params.items()}, val_loss
 
