@@ -32,10 +32,11 @@ from examples.nemo2_esm2_loss import (
     nemo_trainer,
 )
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.megatron_bert import mlm_batch
 from tests.helpers.megatron_cpu import GradSync, megatron_on_cpu, single_process_megatron
 from tests.helpers.reference import assert_close_by_name, reference_loss
 
-GLOBAL_BATCH, SEQ_LEN, VOCAB, MASK_ID = 8, 16, 33, 32
+GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 16, 33
 EMPTY_ROW = 3
 # Micro-batches as global row indices: unequal sizes and masked counts, one with no masked
 # token at all (row EMPTY_ROW alone).
@@ -68,16 +69,8 @@ class _RecordingModule(GradSync, MLMLightningModule):
 
 
 def _global_batch() -> dict[str, Tensor]:
-    """An ESM-2-style MLM batch: [b, s] masked input ids, labels and loss mask."""
-    gen = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, MASK_ID, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
-    loss_mask = torch.rand(GLOBAL_BATCH, SEQ_LEN, generator=gen) < 0.25
-    loss_mask[EMPTY_ROW] = False
-    return {
-        "text": torch.where(loss_mask, MASK_ID, tokens),
-        "labels": torch.where(loss_mask, tokens, -100),
-        "loss_mask": loss_mask,
-    }
+    """An MLM batch: [b, s] masked input ids (``text``), labels and loss mask."""
+    return mlm_batch(GLOBAL_BATCH, 11, SEQ_LEN, mask_prob=0.25, empty_rows=(EMPTY_ROW,))
 
 
 def _module(val_drop_last: bool = True) -> _RecordingModule:
