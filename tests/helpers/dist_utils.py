@@ -2,25 +2,18 @@
 
 Deterministic on a busy machine (the cores shared with other jobs):
 
-* A hang fails where it happens: every collective, the rendezvous and the final barrier wait
-  at most :data:`HANG_TIMEOUT` for the other ranks (gloo's and the store's own timeouts),
-  however slow the steps between them are. pytest-timeout (``timeout`` in ``pyproject.toml``)
-  bounds every test, and :data:`HANG_GUARD_S` every subprocess a test waits for, well above
-  what a loaded machine takes.
-* Teardown cannot fail a rank that is still working. A rank that leaves the body's last
-  collective and destroys its process group closes its gloo connections; a slower rank still
-  inside that collective can then fail with "Connection closed by peer" (gloo's own
-  ``pytorch/gloo#155``: "Barrier followed by context destruction causes some participants to
-  fail"), and the slower a rank is scheduled, the wider that window. So the ranks first meet
-  in a barrier on the rendezvous store (a file, not a gloo connection): once every rank has
-  arrived there, no rank has a gloo operation left, and closing connections is safe.
+* A hang fails where it happens: the rendezvous, every collective and the final barrier wait
+  at most :data:`HANG_TIMEOUT` for the other ranks, however slow the steps between them.
+* Teardown cannot fail a rank that is still working. A rank that destroys its process group
+  closes its gloo connections, and a slower rank still inside the last collective can then
+  fail with "Connection closed by peer" (``pytorch/gloo#155``). So the ranks first meet in a
+  barrier on the rendezvous store (a file, not a gloo connection).
 * One thread per process (``torch.set_num_threads(1)``): ``world_size`` processes on 2 cores.
 
-Ranks are forked from one ``forkserver`` process that imported torch, Megatron-Core,
-Lightning, transformers (and NeMo) once per test session (:data:`PRELOADED`): a rank starts in
-a fraction of a second instead of importing them afresh (seconds each, on a loaded machine).
-The server starts clean (it is not a fork of pytest) and reads its environment once: a body
-gets what it needs as arguments, not through ``os.environ`` set by the test.
+Ranks are forked from one ``forkserver`` process that imported :data:`PRELOADED` once per test
+session: a rank starts in a fraction of a second instead of importing them afresh. The server
+starts clean (not a fork of pytest) and reads its environment once: a body gets what it needs
+as arguments, not through ``os.environ`` set by the test.
 """
 
 from __future__ import annotations
@@ -116,9 +109,8 @@ def run_distributed(
 ) -> None:
     """Run ``body(*args)`` on ``world_size`` gloo processes; a failure on any rank fails the test.
 
-    With ``megatron=True`` each process first initializes Megatron-Core's parallel state with
-    the given tensor- and context-parallel sizes (DP is what remains). ``body`` must be a
-    module-level function so that it can be pickled into the workers.
+    With ``megatron=True``, inside :func:`megatron_parallel_state` at ``tp`` and ``cp``.
+    ``body`` must be a module-level function (it is pickled into the workers).
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import lightning.pytorch as pl
@@ -28,6 +28,7 @@ from bert_reduce.num_scored import NumScoredCollator
 from bert_reduce.reduction import BERTMLMLossWithReduction
 from tests.helpers.dist_utils import full, join_existing_group
 from tests.helpers.mode_reference import reference_mode_loss
+from tests.helpers.reference import assert_close_by_name
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 from tests.helpers.tiny_lightning import quiet_trainer
 
@@ -47,8 +48,9 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class TinyMLM(nn.Module):
-    def __init__(self, dim: int = 8) -> None:
+    def __init__(self) -> None:
         super().__init__()
+        dim = 8
         self.embed = nn.Embedding(VOCAB, dim)
         self.norm = nn.LayerNorm(dim)
         self.mix = nn.Linear(dim * SEQ_LEN, dim)
@@ -62,11 +64,11 @@ class TinyMLM(nn.Module):
 
 
 class UnevenMaskDataset(Dataset[dict[str, Tensor]]):
-    def __init__(self, mask_counts: tuple[int, ...] = MASK_COUNTS, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, MASK_ID, (len(mask_counts), SEQ_LEN), generator=gen)
-        self.masks = torch.zeros(len(mask_counts), SEQ_LEN, dtype=torch.bool)
-        for row, count in enumerate(mask_counts):
+        self.tokens = torch.randint(0, MASK_ID, (len(MASK_COUNTS), SEQ_LEN), generator=gen)
+        self.masks = torch.zeros(len(MASK_COUNTS), SEQ_LEN, dtype=torch.bool)
+        for row, count in enumerate(MASK_COUNTS):
             self.masks[row, torch.randperm(SEQ_LEN, generator=gen)[:count]] = True
 
     def __len__(self) -> int:
@@ -81,8 +83,8 @@ class UnevenMaskDataset(Dataset[dict[str, Tensor]]):
         }
 
 
-def initial_model(seed: int = 1) -> TinyMLM:
-    torch.manual_seed(seed)
+def initial_model() -> TinyMLM:
+    torch.manual_seed(1)
     return TinyMLM().double()
 
 
@@ -95,14 +97,14 @@ def adamw() -> OptimizerFactory:
 
 
 def reference_train(
-    optimizer: OptimizerFactory, clip: float | None, mode: str = "per_token", steps: int = STEPS
+    optimizer: OptimizerFactory, clip: float | None, mode: str = "per_token"
 ) -> tuple[ParamDict, list[float]]:
     """One process, the whole global batch per step, F.cross_entropy over its masked tokens."""
     model = initial_model()
     opt = optimizer(model.parameters())
     dataset = UnevenMaskDataset()
     losses = []
-    for step in range(steps):
+    for step in range(STEPS):
         batch = default_collate(
             [dataset[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)]
         )
@@ -198,11 +200,6 @@ class StockAccumulationModule(pl.LightningModule):
         return self.optimizer_factory(self.parameters())
 
 
-def _micro_batches(sampler: GlobalBatchSampler, size: int) -> Iterator[list[int]]:
-    for share in sampler:
-        yield from (share[i : i + size] for i in range(0, len(share), size))
-
-
 @dataclasses.dataclass
 class Run:
     params: ParamDict
@@ -223,7 +220,6 @@ def lightning_train(
     mode: str = "per_token",
     precision: str = "64-true",
     val_size: int = 0,
-    steps: int = STEPS,
     model_dtype: torch.dtype | None = None,
     count_scored: bool = False,
 ) -> Run:
@@ -246,7 +242,7 @@ def lightning_train(
     common = {
         "devices": devices,
         "strategy": strategy,
-        "max_steps": steps,
+        "max_steps": STEPS,
         "precision": precision,
         "use_distributed_sampler": False,
         "num_sanity_val_steps": 0,
@@ -255,7 +251,9 @@ def lightning_train(
     module: pl.LightningModule
     if stock:
         module = StockAccumulationModule(model, optimizer)
-        loader = DataLoader(dataset, batch_sampler=list(_micro_batches(sampler, micro_batch_size)))
+        n = micro_batch_size  # Lightning accumulates the micro-batches of each share
+        batches = [share[i : i + n] for share in sampler for i in range(0, len(share), n)]
+        loader = DataLoader(dataset, batch_sampler=batches)
         trainer = quiet_trainer(
             accumulate_grad_batches=sampler.share // micro_batch_size,
             gradient_clip_val=clip,
@@ -275,29 +273,23 @@ def lightning_train(
         loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
         trainer = quiet_trainer([recorder], **common)
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
-    assert (trainer.global_step, trainer.world_size) == (steps, devices)
+    assert (trainer.global_step, trainer.world_size) == (STEPS, devices)
     params = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
     return Run(params, recorder.losses, recorder.val_totals, module)
 
 
-def existing_group_ddp(**kwargs: object) -> DDPStrategy:
-    """DDP over the process group ``dist_utils.run_distributed`` already initialized."""
+def existing_group(strategy: str) -> DDPStrategy | ModelParallelStrategy:
+    """``"ddp"`` or ``"fsdp2"`` over the process group ``dist_utils.run_distributed`` made."""
     join_existing_group()
-    return DDPStrategy(
-        cluster_environment=LightningEnvironment(), process_group_backend="gloo", **kwargs
-    )
-
-
-def existing_group_fsdp2() -> ModelParallelStrategy:
-    """FSDP2 over the process group ``dist_utils.run_distributed`` already initialized."""
-    join_existing_group()
-    strategy = ModelParallelStrategy(
+    if strategy == "ddp":
+        return DDPStrategy(cluster_environment=LightningEnvironment(), process_group_backend="gloo")
+    fsdp2 = ModelParallelStrategy(
         data_parallel_size=dist.get_world_size(),
         tensor_parallel_size=1,
         process_group_backend="gloo",
     )
-    strategy.cluster_environment = LightningEnvironment()
-    return strategy
+    fsdp2.cluster_environment = LightningEnvironment()
+    return fsdp2
 
 
 def reference_val_totals(params: ParamDict, val_size: int) -> Tensor:
@@ -313,10 +305,8 @@ def reference_val_totals(params: ParamDict, val_size: int) -> Tensor:
     return torch.stack([loss_sum, mask.sum().to(torch.float64)])
 
 
-def assert_params_close(actual: ParamDict, expected: ParamDict, rtol: float = 1e-10) -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=1e-12, msg=name)
+def assert_params_close(actual: ParamDict, expected: ParamDict) -> None:
+    assert_close_by_name(actual, expected, rtol=1e-10, atol=1e-12)
 
 
 def max_param_difference(actual: ParamDict, expected: ParamDict) -> float:

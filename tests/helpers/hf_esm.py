@@ -8,6 +8,16 @@ import torch
 from torch import Tensor
 
 PAD_ID, MASK_ID, VOCAB = 1, 32, 33
+# The sizes of the tiny Hugging Face models (ESM here, BERT in tests/helpers/hf_trainer.py).
+TINY_SIZES = {
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 32,
+    "max_position_embeddings": 64,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
 
 
 def tiny_esm_config(**overrides: Any):
@@ -16,18 +26,12 @@ def tiny_esm_config(**overrides: Any):
 
     values: dict[str, Any] = {
         "vocab_size": VOCAB,
-        "hidden_size": 16,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "intermediate_size": 32,
-        "max_position_embeddings": 64,
+        **TINY_SIZES,
         "position_embedding_type": "rotary",
         "pad_token_id": PAD_ID,
         "mask_token_id": MASK_ID,
         "token_dropout": True,
         "emb_layer_norm_before": False,
-        "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0,
     }
     values.update(overrides)
     return EsmConfig(**values)

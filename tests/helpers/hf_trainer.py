@@ -21,10 +21,20 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from accelerate.utils import memory
 from torch import Tensor, nn
-from transformers import TrainerCallback
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    EsmForMaskedLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
-from tests.helpers.hf_esm import esm_batch, tiny_esm_config
+from bert_reduce.hf import ExactMLMTrainer
+from tests.helpers.dist_utils import join_existing_group, run_distributed
+from tests.helpers.hf_esm import TINY_SIZES, esm_batch, tiny_esm_config
 
 SEQ_LEN = 16
 # One global batch of 8: heavily masked samples first, an empty last micro-batch for every
@@ -37,32 +47,14 @@ EVAL_LENGTHS = (16, 9, 14, 12, 16, 7, 11, 15, 10, 13, 8, 16, 12)
 EVAL_MASKED = (12, 1, 2, 9, 3, 1, 7, 2, 5, 1, 4, 13, 2)
 
 
-def tiny_bert_config():
-    """A BERT masked-LM config (Geneformer's architecture: post-LN, tied head with bias)."""
-    from transformers import BertConfig
-
-    return BertConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-
-
-def tiny_model(kind: str, seed: int = 0) -> nn.Module:
-    """A tiny fp64 ``EsmForMaskedLM`` (``"esm"``) or ``BertForMaskedLM`` (``"bert"``)."""
-    from transformers import BertForMaskedLM, EsmForMaskedLM
-
-    torch.manual_seed(seed)
+def tiny_model(kind: str) -> nn.Module:
+    """A tiny fp64 ``EsmForMaskedLM`` (``"esm"``) or ``BertForMaskedLM`` (``"bert"``:
+    Geneformer's architecture, post-LN, tied head with bias)."""
+    torch.manual_seed(0)
     if kind == "esm":
         model = EsmForMaskedLM(tiny_esm_config())
     elif kind == "bert":
-        model = BertForMaskedLM(tiny_bert_config())
+        model = BertForMaskedLM(BertConfig(vocab_size=40, pad_token_id=0, **TINY_SIZES))
     else:
         raise ValueError(kind)
     model = model.double()
@@ -121,15 +113,9 @@ def grads(model: nn.Module) -> dict[str, Tensor]:
 
 def relative_error(grads: dict[str, Tensor], reference: dict[str, Tensor]) -> float:
     """``||g - g_ref|| / ||g_ref||`` over every parameter (a missing gradient counts as 0)."""
-    names = sorted(set(grads) | set(reference))
-
-    def flat(values: dict[str, Tensor], like: dict[str, Tensor]) -> Tensor:
-        return torch.cat(
-            [values.get(n, torch.zeros_like(like.get(n, values.get(n)))).reshape(-1) for n in names]
-        )
-
-    g, r = flat(grads, reference), flat(reference, grads)
-    return float((g - r).norm() / r.norm())
+    names = set(grads) | set(reference)
+    difference = torch.stack([(grads.get(n, 0) - reference.get(n, 0)).norm() for n in names])
+    return float(difference.norm() / torch.stack([r.norm() for r in reference.values()]).norm())
 
 
 def norm_ratio(grads: dict[str, Tensor], reference: dict[str, Tensor]) -> float:
@@ -152,8 +138,6 @@ class Case:
 
 
 def training_arguments(output_dir: str, **overrides: Any):
-    from transformers import TrainingArguments
-
     values: dict[str, Any] = {
         "output_dir": output_dir,
         "use_cpu": True,
@@ -176,10 +160,6 @@ def training_arguments(output_dir: str, **overrides: Any):
 
 def _trainer(case: Case, output_dir: str, **kwargs: Any):
     """The case's trainer, keeping what ``training_step`` returns for each micro-batch."""
-    from transformers import Trainer
-
-    from bert_reduce.hf import ExactMLMTrainer
-
     if case.exact:
         kwargs["fused_head"] = case.fused_head
 
@@ -261,8 +241,6 @@ def fast_cpu_runs() -> Iterator[None]:
     two fighting for its cores; and Trainer's ``accelerator.free_memory()`` after training
     collects the garbage of the whole test session, most of a short run's time.
     """
-    from accelerate.utils import memory
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -290,8 +268,6 @@ def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> l
 def _distributed_body(jobs: Sequence[Job], output_dir: str, path: str) -> None:
     """:func:`_run_all` on a gloo process; OMP_NUM_THREADS stops accelerate resizing torch's
     thread pool."""
-    from tests.helpers.dist_utils import join_existing_group
-
     join_existing_group()
     os.environ["OMP_NUM_THREADS"] = "1"
     _run_all(jobs, output_dir, path)
@@ -303,8 +279,6 @@ def run_jobs(jobs: Sequence[Job], processes: int = 1) -> list[dict[str, Any]]:
     With ``processes > 1``, all jobs run in one pair of processes, one after the other (the
     imports are paid once); rank 0's results come back.
     """
-    from tests.helpers.dist_utils import run_distributed
-
     with tempfile.TemporaryDirectory() as tmp:
         if processes == 1:
             return _run_all(jobs, tmp, None)

@@ -15,7 +15,6 @@ import torch
 from torch import Tensor, nn
 
 VOCAB, SEQ_LEN, HIDDEN, MASK_ID = 32, 8, 16, 3
-# Two layers, no dropout, on the CPU.
 CONFIG: dict[str, Any] = {
     "num_layers": 2,
     "hidden_size": HIDDEN,

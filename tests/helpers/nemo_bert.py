@@ -90,11 +90,8 @@ class MLMDataset(Dataset):
     def __len__(self) -> int:
         return len(self.loss_mask)
 
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
+    def __getitem__(self, index: int | slice) -> dict[str, Tensor]:
         return {key: value[index] for key, value in self.data.items()}
-
-    def batch(self, start: int, stop: int) -> dict[str, Tensor]:
-        return {key: value[start:stop] for key, value in self.data.items()}
 
 
 def train_dataset(steps: int) -> MLMDataset:
@@ -223,22 +220,11 @@ def _plain_data_step(dataloader_iter: Iterator[Any]) -> dict[str, Tensor]:
 
 
 @functools.cache
-def reference_val_loss() -> float:
-    """After :data:`STEPS` reference steps: the mean NLL over every masked validation token."""
-    with single_process_megatron(), megatron_on_cpu():
-        model = _reference_model(STEPS)[0]
-        with torch.no_grad():
-            batch = val_dataset(VAL_SAMPLES).batch(0, VAL_SAMPLES)
-            logits, _ = model(batch["text"], batch["attention_mask"])
-    mask = batch["loss_mask"]
-    return F.cross_entropy(logits[mask].double(), batch["labels"][mask]).item()
-
-
-@functools.cache
 def reference_training(
     steps: int = STEPS, adam_lr: float | None = None
-) -> tuple[list[float], dict[str, Tensor]]:
-    """Plain PyTorch, one process: the losses of each step and the final weights.
+) -> tuple[list[float], dict[str, Tensor], float]:
+    """Plain PyTorch, one process: the losses of each step, the final weights and then the
+    mean NLL over every masked validation token.
 
     Each step is one whole global batch: ``F.cross_entropy`` over its masked tokens (fp64 on
     the fp32 logits), backward, ``clip_grad_norm_(CLIP_GRAD)``, ``SGD(LR, MOMENTUM)`` (or, with
@@ -246,37 +232,36 @@ def reference_training(
     decay: what Megatron's ``adam`` is without Apex/TE).
     """
     with single_process_megatron(), megatron_on_cpu():
-        model, losses = _reference_model(steps, adam_lr)
+        model = build_bert(tiny_bert_config(), SEQ_LEN)
+        if adam_lr is None:
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        else:
+            optimizer = torch.optim.AdamW(
+                model.parameters(), lr=adam_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+            )
+        data, losses = train_dataset(steps), []
+        for step in range(steps):
+            loss = _mean_nll(model, data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH])
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
+            optimizer.step()
+            losses.append(loss.item())
+        with torch.no_grad():
+            val_loss = _mean_nll(model, val_dataset(VAL_SAMPLES).data).item()
         params = global_named_parameters(model)
-    return losses, {name: p.detach().clone() for name, p in params.items()}
+    return losses, {name: p.detach().clone() for name, p in params.items()}, val_loss
 
 
-def _reference_model(steps: int, adam_lr: float | None = None) -> tuple[BertModel, list[float]]:
-    model = build_bert(tiny_bert_config(), SEQ_LEN)
-    if adam_lr is None:
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    else:
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=adam_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
-        )
-    data = train_dataset(steps)
-    losses = []
-    for step in range(steps):
-        batch = data.batch(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-        logits, _ = model(batch["text"], batch["attention_mask"])
-        mask = batch["loss_mask"]
-        loss = F.cross_entropy(logits[mask].double(), batch["labels"][mask])
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
-        optimizer.step()
-        losses.append(loss.item())
-    return model, losses
+def _mean_nll(model: BertModel, batch: dict[str, Tensor]) -> Tensor:
+    logits, _ = model(batch["text"], batch["attention_mask"])
+    mask = batch["loss_mask"]
+    return F.cross_entropy(logits[mask].double(), batch["labels"][mask])
 
 
 def assert_matches_reference(results: list[dict[str, Any]], reference: tuple) -> None:
     """Every rank logged the reference's losses and holds its weights (fp32 tolerances)."""
-    ref_losses, ref_params = reference
+    ref_losses, ref_params = reference[:2]
     seen = set()
     for result in results:
         # Every rank, first pipeline stage included, logged the exact loss of every step.
@@ -295,22 +280,27 @@ def assert_matches_reference(results: list[dict[str, Any]], reference: tuple) ->
 
 
 class ResultSaver(pl.Callback):
-    """Keeps NeMo's logged ``reduced_train_loss``; saves ``<out_dir>/rank<r>.pt``: parameters
-    by global name, pipeline and data-parallel ranks, losses (at the end, or on :meth:`save`)."""
+    """Keeps NeMo's logged ``reduced_train_loss`` and its own ``val_loss`` of each validation
+    step (logged from ``validation_step``); saves ``<out_dir>/rank<r>.pt``: parameters by
+    global name, pipeline and data-parallel ranks, losses (at the end, and on :meth:`save`)."""
 
-    def __init__(self, out_dir: str, on_train_end: bool = True) -> None:
+    def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
-        self.save_on_train_end = on_train_end
         self.losses: list[float] = []
+        self.step_means: list[float] = []
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["reduced_train_loss"]))
 
     @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module, outputs, *args) -> None:
+        if not trainer.sanity_checking:
+            self.step_means.append(float(outputs))
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.save_on_train_end:
-            self.save(trainer, pl_module)
+        self.save(trainer, pl_module)
 
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, **extra: Any) -> None:
         bert = next(m for m in pl_module.modules() if isinstance(m, BertModel))
@@ -325,54 +315,35 @@ class ResultSaver(pl.Callback):
         torch.save(result, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 
-class StepMeanRecorder(pl.Callback):
-    """NeMo's own ``val_loss`` (logged from ``validation_step``): one value per validation step."""
-
-    def __init__(self) -> None:
-        self.step_means: list[float] = []
-
-    @override
-    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module, outputs, *args) -> None:
-        if not trainer.sanity_checking:
-            self.step_means.append(float(outputs))
-
-
-def nemo_trainer(world_size: int, steps: int, pp: int = 1, tp: int = 1, **kwargs: Any):
-    """A NeMo 2 trainer with the Megatron flags the exact per-token reduction needs."""
+def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, validation) -> None:
+    saver = ResultSaver(out_dir)
+    callbacks: list[pl.Callback] = [saver]
+    options: dict[str, Any] = {**TRAINER_OPTIONS, "logger": False}
+    if validation is not None:
+        perplexity, logger = NeMoValidationPerplexityCallback(), RecordingLogger()
+        callbacks.append(perplexity)
+        options |= {
+            "logger": logger,
+            "limit_val_batches": None,
+            "val_check_interval": STEPS,
+            "num_sanity_val_steps": 2,  # Lightning's default: not counted, must not disturb it
+        }
+    # The Megatron flags the exact per-token reduction needs.
     strategy = nl.MegatronStrategy(
         pipeline_model_parallel_size=pp,
         tensor_model_parallel_size=tp,
         ddp=DistributedDataParallelConfig(average_in_collective=False),
         ckpt_load_strictness="log_all",
     )
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": world_size,
-        "strategy": strategy,
-        "max_steps": steps,
-        **TRAINER_OPTIONS,
-        "logger": False,
-        "plugins": nl.MegatronMixedPrecision(precision="32"),
-        **kwargs,
-    }
-    return nl.Trainer(**options)
-
-
-def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, validation) -> None:
-    saver = ResultSaver(out_dir, on_train_end=False)
-    callbacks: list[pl.Callback] = [saver]
-    options: dict[str, Any] = {}
-    if validation is not None:
-        perplexity = NeMoValidationPerplexityCallback()
-        step_means, logger = StepMeanRecorder(), RecordingLogger()
-        callbacks += [perplexity, step_means]
-        options = {
-            "logger": logger,
-            "limit_val_batches": None,
-            "val_check_interval": STEPS,
-            "num_sanity_val_steps": 2,  # Lightning's default: not counted, must not disturb it
-        }
-    trainer = nemo_trainer(world_size, STEPS, pp, tp, callbacks=callbacks, **options)
+    trainer = nl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=STEPS,
+        plugins=nl.MegatronMixedPrecision(precision="32"),
+        callbacks=callbacks,
+        **options,
+    )
     config = tiny_bert_config(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp)
     model = TinyBertMLM(config, output=output)
     sgd = OptimizerConfig(**SGD_OPTIONS, use_distributed_optimizer=False)  # as the reference
@@ -392,7 +363,7 @@ def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, vali
             extra["val_result"] = perplexity.result._asdict()
             real = isinstance(tracker, RealSampleTracker)
             extra["real_on_rank"] = sum(tracker.is_real) if real else None
-            extra["nemo_step_means"] = step_means.step_means
+            extra["nemo_step_means"] = saver.step_means
         extra["logged"] = logger.values
         extra["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     saver.save(trainer, model, **extra)
@@ -411,7 +382,7 @@ def fit(
 
 def assert_exact_validation(results: list[dict[str, Any]]) -> None:
     """Every rank logged the one-pass ``val_loss`` and ``val_ppl`` once, the same values."""
-    reference = reference_val_loss()
+    reference = reference_training()[2]
     mask = val_dataset(VAL_SAMPLES).loss_mask
     values = set()
     for rank in results:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.lightning import ValidationPerplexityCallback
 from bert_reduce.reports import reduce_reports
-from tests.helpers.reference import reference_loss
+from tests.helpers.mode_reference import reference_mode_loss
 
 SEQ_LEN, VOCAB, HIDDEN = 8, 11, 6
 # Masking probability per sample: uneven masked counts per batch, and samples with none.
@@ -92,23 +92,25 @@ class TinyMLM(pl.LightningModule):
 def reference(model: TinyMLM, dataset: MLMSamples) -> tuple[Tensor, Tensor, int]:
     """``(mean NLL, perplexity, masked tokens)`` of the whole set in one pass, fp64.
 
-    The mean is ``F.cross_entropy`` over every masked token (``TokenPerplexity`` against
-    ``torchmetrics``' perplexity: tests/test_metrics.py).
+    The mean is ``F.cross_entropy`` over every masked token, weighted by a float ``loss_mask``
+    (``TokenPerplexity`` against ``torchmetrics``' perplexity: tests/test_metrics.py).
     """
     with torch.no_grad():
         logits_sbv = model({"input_ids": dataset.input_ids})["token_logits"]
-    loss = reference_loss(logits_sbv, dataset.labels, dataset.loss_mask)
+    loss = reference_mode_loss(logits_sbv, dataset.labels, dataset.loss_mask, "per_token")
     return loss, loss.exp(), int(dataset.loss_mask.sum())
 
 
 def assert_matches_reference(
     callback: ValidationPerplexityCallback, model: TinyMLM, data: MLMSamples
 ) -> None:
-    """The callback's last result is the one-pass reference's: count, loss and perplexity."""
-    ref_loss, ref_ppl, ref_count = reference(model, data)
+    """The callback's last result is the one-pass reference's: denominator (the sum of the
+    weights), loss and perplexity."""
+    ref_loss, ref_ppl, _ = reference(model, data)
     result = callback.result
     assert result is not None
-    assert int(result.denominator) == ref_count
+    denominator = data.loss_mask.sum().to(torch.float64)
+    torch.testing.assert_close(result.denominator, denominator, rtol=1e-15, atol=0)
     torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(result.perplexity, ref_ppl, rtol=1e-12, atol=0)
 

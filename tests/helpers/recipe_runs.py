@@ -22,29 +22,25 @@ from tests.helpers.dist_utils import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_VAL = 37  # prime: divides no micro-batch size nor 2 ranks
-TINY = [
-    "model.dropout=0.0",
+_SMALL = [
     "data.global_batch_size=16",
-    "data.num_train_sequences=80",
+    "data.num_train_sequences=80",  # 5 steps per epoch
     f"data.num_val_sequences={NUM_VAL}",
-    "data.max_length=512",  # lengths vary: micro-batches and ranks pad differently
     "trainer.num_sanity_val_steps=0",
     "trainer.enable_progress_bar=false",
     "plot=false",
 ]
-CHECKPOINTED = [  # the default model (dropout 0.1), tiny data, validation every 4 steps and a
-    # checkpoint every 5: the runs that are killed and resumed (test_fault_tolerance.py,
-    # test_slurm_requeue_example.py)
-    "data.global_batch_size=16",
-    "data.num_train_sequences=80",  # 5 steps per epoch: 12 steps cross two epoch boundaries
-    f"data.num_val_sequences={NUM_VAL}",
+# data.max_length=512: lengths vary, micro-batches and ranks pad differently.
+TINY = [*_SMALL, "model.dropout=0.0", "data.max_length=512"]
+# The default model (dropout 0.1), validation every 4 steps and a checkpoint every 5 (12 steps
+# cross two epoch boundaries): the runs that are killed and resumed (test_fault_tolerance.py,
+# test_slurm_requeue_example.py)
+CHECKPOINTED = [
+    *_SMALL,
     "trainer.val_check_interval=4",
     "callbacks.checkpoint.every_n_train_steps=5",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
     "tensorboard=false",
-    "plot=false",
 ]
 # A warning as Python prints it ("file.py:12: UserWarning: ..." or, for Lightning's own,
 # "file.py:12: message"), and Lightning's advertisements.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -30,6 +32,15 @@ def make_mlm_batch(
         mask[row] = False
     labels = torch.where(mask, labels, -100)
     return logits.to(dtype), labels, mask
+
+
+def assert_close_by_name(actual: Mapping[str, Tensor], expected: Mapping[str, Tensor], **tol):
+    """The same names, and each tensor of ``actual`` close to ``expected``'s (``tol``)."""
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(
+            actual[name], expected[name], **tol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def reference_loss(logits_sbv: Tensor, labels_bs: Tensor, mask_bs: Tensor) -> Tensor:

@@ -17,28 +17,17 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class TinyModule(pl.LightningModule):
-    """``y = w x + b`` by SGD; counts its training steps; optional hooks run inside steps.
+    """``y = w x + b`` by SGD; counts its training steps; calls ``in_validation_step(module)``
+    at the start of every validation step."""
 
-    Args:
-        in_training_step: Called as ``f(module)`` at the start of every training step.
-        in_validation_step: Called as ``f(module)`` at the start of every validation step.
-    """
-
-    def __init__(
-        self,
-        in_training_step: Callable[[TinyModule], None] | None = None,
-        in_validation_step: Callable[[TinyModule], None] | None = None,
-    ) -> None:
+    def __init__(self, in_validation_step: Callable[[TinyModule], None] | None = None) -> None:
         super().__init__()
         self.layer = nn.Linear(4, 1)
         self.training_steps = 0
-        self.in_training_step = in_training_step
         self.in_validation_step = in_validation_step
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         self.training_steps += 1
-        if self.in_training_step is not None:
-            self.in_training_step(self)
         inputs, targets = batch
         loss = nn.functional.mse_loss(self.layer(inputs), targets)
         self.log("train_loss", loss)
@@ -54,10 +43,10 @@ class TinyModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def tiny_loader(num_samples: int = 12, batch_size: int = 2) -> DataLoader:
+def tiny_loader(num_samples: int = 12) -> DataLoader:
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(num_samples, 4, generator=generator)
-    return DataLoader(TensorDataset(inputs, inputs.sum(1, keepdim=True)), batch_size=batch_size)
+    return DataLoader(TensorDataset(inputs, inputs.sum(1, keepdim=True)), batch_size=2)
 
 
 class RecordingLogger(Logger):

@@ -180,20 +180,17 @@ def latin1_fasta(tmp: Path) -> str:
     return str(load_sequences(path))
 
 
-def narrow_labels(dtype: torch.dtype) -> Callable[[Path], str]:
-    def probe(tmp: Path) -> str:
-        logits, labels = LOGITS, LABELS
-        mask = torch.ones_like(labels, dtype=torch.bool)
-        loss = BERTMLMLossWithReduction()
-        got, count, _ = loss.forward(
+def narrow_labels(tmp: Path) -> str:
+    logits, labels = LOGITS, LABELS
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    reference = F.cross_entropy(logits.permute(1, 2, 0), labels, reduction="sum")
+    for dtype in (torch.int16, torch.uint8):
+        got, count, _ = BERTMLMLossWithReduction().forward(
             {"labels": labels.to(dtype), "loss_mask": mask}, {"token_logits": logits}
         )
-        reference = F.cross_entropy(logits.permute(1, 2, 0), labels, reduction="sum")
         torch.testing.assert_close(got, reference, rtol=1e-12, atol=0)
         assert int(count) == labels.numel()
-        return "accepted: the same loss as int64 labels (read as int64)"
-
-    return probe
+    return "accepted: the same loss as int64 labels (read as int64)"
 
 
 def negative_weight(check_labels: bool) -> Callable[[Path], str]:
@@ -354,10 +351,7 @@ PROBES = probes(
     ),
 ) + probes(
     LIBRARY,
-    (
-        "int16 / uint8 labels",
-        lambda t: (narrow_labels(torch.int16)(t), narrow_labels(torch.uint8)(t))[0],
-    ),
+    ("int16 / uint8 labels", narrow_labels),
     ("a negative weight in `loss_mask`", negative_weight(False)),
     (
         "a negative weight in `loss_mask`, `check_labels=True`",
@@ -454,13 +448,6 @@ PROBES = probes(
 )
 
 
-def outcome(probe: Probe, tmp: Path) -> str | BaseException:
-    try:
-        return probe.run(tmp)
-    except Exception as error:  # the outcome to check and to document
-        return error
-
-
 def describe(result: str | BaseException, tmp: Path) -> str:
     """The table's cell: the sentence, or ``Error: message`` with the temporary paths hidden."""
     if not isinstance(result, BaseException):
@@ -473,7 +460,11 @@ def describe(result: str | BaseException, tmp: Path) -> str:
     return f"`{type(result).__name__}`: {message}"
 
 
-def render(outcomes: list[tuple[Probe, str | BaseException, Path]]) -> str:
+Outcomes = list[tuple[Probe, str | BaseException, Path]]
+"""Each probe, what its run returned or raised, and its temporary directory."""
+
+
+def render(outcomes: Outcomes) -> str:
     lines = [
         "# Bad inputs and what they get",
         "",
@@ -488,24 +479,25 @@ def render(outcomes: list[tuple[Probe, str | BaseException, Path]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_probes(root: Path) -> list[tuple[Probe, str | BaseException, Path]]:
-    results = []
+def run_probes(root: Path) -> Outcomes:
+    results: Outcomes = []
     for number, probe in enumerate(PROBES):
         tmp = root / f"probe{number:02d}"
         tmp.mkdir()
-        results.append((probe, outcome(probe, tmp), tmp))
+        try:
+            results.append((probe, probe.run(tmp), tmp))
+        except Exception as error:  # the outcome to check and to document
+            results.append((probe, error, tmp))
     return results
 
 
 @pytest.fixture(scope="module")
-def outcomes(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> list[tuple[Probe, str | BaseException, Path]]:
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Outcomes:
     return run_probes(tmp_path_factory.mktemp("probes"))
 
 
 @pytest.mark.parametrize("number", range(len(PROBES)), ids=[p.bad_input for p in PROBES])
-def test_probe(outcomes: list[tuple[Probe, str | BaseException, Path]], number: int) -> None:
+def test_probe(outcomes: Outcomes, number: int) -> None:
     probe, result, _ = outcomes[number]
     if probe.error is None:
         assert isinstance(result, str), result  # an error where a result was due
@@ -514,7 +506,7 @@ def test_probe(outcomes: list[tuple[Probe, str | BaseException, Path]], number: 
     assert re.search(probe.match, str(result)), str(result)
 
 
-def test_errors_doc_is_up_to_date(outcomes: list[tuple[Probe, str | BaseException, Path]]) -> None:
+def test_errors_doc_is_up_to_date(outcomes: Outcomes) -> None:
     assert DOC.read_text() == render(outcomes), (
         "docs/errors.md is stale: python -m tests.integration.test_bad_inputs"
     )

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.cross_entropy import cross_entropy_loss_sum
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.mode_reference import checked_reduce
@@ -21,8 +22,6 @@ pytestmark = pytest.mark.slow
 
 
 def _tensor_parallel_body(megatron: bool) -> None:
-    from bert_reduce import BERTMLMLossWithReduction
-
     # Megatron's tensor-parallel group, or (no Megatron) the group passed in.
     tp_group = None if megatron else dist.group.WORLD
     tp_rank = dist.get_rank()

@@ -22,7 +22,7 @@ from bert_reduce import (
 from bert_reduce.lightning import ValidationPerplexityCallback
 from bert_reduce.reports import reduce_reports
 from tests.helpers.mode_reference import reference_mode_loss
-from tests.helpers.perplexity_helpers import MLMSamples, TinyMLM, loader
+from tests.helpers.perplexity_helpers import MLMSamples, TinyMLM, assert_matches_reference, loader
 from tests.helpers.reference import make_mlm_batch
 from tests.helpers.tiny_lightning import quiet_trainer as trainer
 
@@ -94,12 +94,4 @@ def test_validation_callback_reports_the_weighted_mean_and_its_exp(kind) -> None
     model = TinyMLM(seed=2)
     callback = ValidationPerplexityCallback()
     trainer([callback]).validate(model, loader(data, 4), verbose=False)
-    with torch.no_grad():
-        logits = model({"input_ids": data.input_ids})["token_logits"]
-    expected = reference_mode_loss(logits, data.labels, data.loss_mask, "per_token")
-    assert callback.result is not None
-    torch.testing.assert_close(callback.result.loss, expected, rtol=1e-12, atol=0)
-    torch.testing.assert_close(callback.result.perplexity, expected.exp(), rtol=1e-12, atol=0)
-    torch.testing.assert_close(
-        callback.result.denominator, data.loss_mask.sum().to(torch.float64), rtol=1e-15, atol=0
-    )
+    assert_matches_reference(callback, model, data)

@@ -28,6 +28,9 @@ from tests.helpers.hf_esm import esm_batch, tiny_esm_config
 
 pytest.importorskip("transformers")
 
+from transformers import EsmForMaskedLM
+
+from bert_reduce.hf import lm_head_inputs
 from tests.helpers import hf_trainer as H
 
 pytestmark = pytest.mark.slow
@@ -57,8 +60,6 @@ def _wrap(model: torch.nn.Module, kind: str, wrapper: str, mesh: DeviceMesh | No
 
 def _step(model, micro_batches, head: str, **loss_kwargs) -> torch.Tensor:
     """One training step of ``micro_batches`` through the loss; returns the step's loss."""
-    from bert_reduce.hf import lm_head_inputs
-
     loss_fn = GlobalBatchLoss(**loss_kwargs)
     # outputs.loss goes around the loss: begin() then has no micro-batch of its own.
     loss_fn.begin([] if head == "outputs.loss" else micro_batches)
@@ -73,7 +74,7 @@ def _step(model, micro_batches, head: str, **loss_kwargs) -> torch.Tensor:
     return loss_fn.end()
 
 
-def _body(out_path: str) -> None:
+def _body() -> None:
     torch.set_default_dtype(torch.float64)
     rank = dist.get_rank()
     batches = {r: esm_batch(ROWS[r][0], SEQ_LEN, ROWS[r][1], seed=r) for r in ROWS}
@@ -82,7 +83,6 @@ def _body(out_path: str) -> None:
     micro_batches = [{k: v[rows] for k, v in mine.items()} for rows in (slice(0, 2), slice(2, 4))]
     for mb in micro_batches:
         mb["num_scored"] = count_scored(mb)  # what NumScoredCollator adds, on the host
-    errors = {}
     for kind in ("esm", "bert"):
         reference = _model(kind)
         logits = reference(
@@ -111,18 +111,18 @@ def _body(out_path: str) -> None:
                 # whole row): ~1e-22 of round-off on both sides, measured against 1e-6.
                 scale = max(float(ref.abs().max()), 1e-6)
                 worst = max(worst, float((grad - ref).abs().max()) / scale)
-            errors[f"{kind} {wrapper} {head}"] = worst
+            if head == "outputs.loss":  # Hugging Face's mean over the steps: a mean of means
+                assert worst > 0.1, worst
+            else:
+                assert worst < 1e-10, (kind, wrapper, head, worst)
     _refused_wrappings(micro_batches[0])
-    errors["unequal counts"] = _unequal_counts_message(mine)
-    torch.save(errors, f"{out_path}.{rank}")
+    message = _unequal_counts_message(mine)
+    assert "different numbers of micro-batches ({0: 2, 1: 1} by rank" in message, message
+    assert f"this rank, {rank}, holds {2 if rank == 0 else 1}" in message
 
 
 def _refused_wrappings(mb: dict) -> None:
     """Wrappings under which the loss could not read the output layer: named, not crashed."""
-    from transformers import EsmForMaskedLM
-
-    from bert_reduce.hf import lm_head_inputs
-
     inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
     # An untied head in a unit of its own: FSDP2 would free its weight before the loss.
     untied = EsmForMaskedLM(tiny_esm_config(tie_word_embeddings=False))
@@ -148,15 +148,5 @@ def _unequal_counts_message(batch: dict) -> str:
     return "no error"
 
 
-def test_ddp_and_fsdp2_equal_one_process_and_unequal_fsdp2_counts_raise(tmp_path) -> None:
-    out_path = str(tmp_path / "errors.pt")
-    run_distributed(_body, 2, out_path, megatron=False)
-    for rank, mine in ((0, 2), (1, 1)):
-        errors = torch.load(f"{out_path}.{rank}")
-        message = errors.pop("unequal counts")
-        assert "different numbers of micro-batches ({0: 2, 1: 1} by rank" in message, message
-        assert f"this rank, {rank}, holds {mine}" in message
-        assert errors.pop("esm fsdp2 outputs.loss") > 0.1
-        assert len(errors) == 7
-        for case, error in errors.items():
-            assert error < 1e-10, (case, error)
+def test_ddp_and_fsdp2_equal_one_process_and_unequal_fsdp2_counts_raise() -> None:
+    run_distributed(_body, 2, megatron=False)

@@ -22,7 +22,8 @@ from torch import nn
 from bert_reduce import BERTMLMLossWithReduction
 from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.megatron_cpu import GradSyncShell, megatron_on_cpu, single_process_megatron
-from tests.helpers.mode_reference import checked_reduce, reference_mode_loss
+from tests.helpers.mode_reference import checked_reduce, float_weights, reference_mode_loss
+from tests.helpers.reference import assert_close_by_name
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
 EMPTY_ROWS = (2, 3, 6)  # the 4 x 2 split has an empty micro-batch, 8 x 1 has three
@@ -76,14 +77,10 @@ def global_batch(weighted: bool = False, seq_len: int = SEQ_LEN) -> dict[str, to
     labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, seq_len), generator=gen)
     mask = torch.rand(GLOBAL_BATCH, seq_len, generator=gen) < torch.linspace(0.1, 0.6, 8)[:, None]
     mask[list(EMPTY_ROWS)] = False
-    loss_mask: torch.Tensor = mask
-    if weighted:
-        choices = torch.tensor([0.25, 0.5, 1.0, 1.75], dtype=torch.float64)
-        loss_mask = torch.where(mask, choices[torch.randint(0, 4, mask.shape, generator=gen)], 0)
     return {
         "input_ids": input_ids,
         "labels": torch.where(mask, labels, -100),
-        "loss_mask": loss_mask,
+        "loss_mask": float_weights(mask, dyadic=True) if weighted else mask,
     }
 
 
@@ -150,14 +147,6 @@ def reference_grads(
     return {name: param.grad for name, param in model.named_parameters()}, loss.detach()
 
 
-def assert_grads_close(actual: dict, expected: dict, **tol) -> None:
-    assert actual.keys() == expected.keys()
-    for name in actual:
-        torch.testing.assert_close(
-            actual[name], expected[name], **tol, msg=lambda m, name=name: f"{name}: {m}"
-        )
-
-
 @pytest.fixture
 def megatron_one_rank() -> Iterator[None]:
     with single_process_megatron():
@@ -168,9 +157,9 @@ def every_split(ref: dict | None = None, **kwargs) -> list[tuple]:
     """:func:`schedule_step` under each of ``SPLITS``: the same gradients, and ``ref``'s."""
     by_split = [schedule_step(list(range(GLOBAL_BATCH)), size, **kwargs) for _, size in SPLITS]
     for grads, _, _ in by_split:
-        assert_grads_close(grads, by_split[0][0], **SPLIT_TOL)
+        assert_close_by_name(grads, by_split[0][0], **SPLIT_TOL)
         if ref is not None:
-            assert_grads_close(grads, ref, **FP32_TOL)
+            assert_close_by_name(grads, ref, **FP32_TOL)
     return by_split
 
 
@@ -190,7 +179,7 @@ def test_calculate_per_token_loss_false_gives_the_mean_of_micro_batch_means(
     rows = [[0, 1], [2, 3], [4, 5], [6, 7]]
     grads, _, _ = schedule_step(list(range(GLOBAL_BATCH)), 2, calculate_per_token_loss=False)
     mean_of_means, _ = reference_grads(rows)
-    assert_grads_close(grads, mean_of_means, **FP32_TOL)
+    assert_close_by_name(grads, mean_of_means, **FP32_TOL)
     global_mean, _ = reference_grads()
     assert not torch.allclose(grads["head.weight"], global_mean["head.weight"], rtol=1e-2)
 
@@ -218,8 +207,8 @@ def _dp2_body(
     # Rank 0 holds rows 0-4 as 5 x 1 (rows 2 and 3 empty), rank 1 rows 5-7 as 1 x 3.
     rows, size = ([0, 1, 2, 3, 4], 1) if rank == 0 else ([5, 6, 7], 3)
     grads, loss, _ = schedule_step(rows, size)
-    assert_grads_close(grads, expected, **SPLIT_TOL)
-    assert_grads_close(grads, ref, **FP32_TOL)
+    assert_close_by_name(grads, expected, **SPLIT_TOL)
+    assert_close_by_name(grads, ref, **FP32_TOL)
     # reduce() all-reduces the reports over both ranks: the global mean, not rank-local.
     torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
 
@@ -254,7 +243,7 @@ def _cp2_body(ref: dict[str, torch.Tensor], ref_loss: torch.Tensor) -> None:
     assert len(seen) == 4
     for count, mask in seen:
         assert type(count) is int and count == int(mask.sum()), (count, mask)
-    assert_grads_close(grads, ref, **FP32_TOL)
+    assert_close_by_name(grads, ref, **FP32_TOL)
     torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
 
 

@@ -16,9 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank
+from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank, unreduced_token_loss_fn
+from bert_reduce import distributed as brd
 from bert_reduce.context_parallel import slice_for_context_parallel
+from bert_reduce.distributed import all_reduce_sum_, loss_reduction_group
 from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.mode_reference import checked_reduce
 from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
@@ -41,8 +44,6 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 def _ranks() -> tuple[int, int, int, int, int, int]:
     """(dp_rank, dp_size, tp_rank, tp_size, cp_rank, cp_size) from Megatron or plain DDP."""
-    from bert_reduce import distributed as brd
-
     if brd.megatron_is_initialized():
         from megatron.core import parallel_state as ps
 
@@ -113,8 +114,6 @@ def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
         return
     # What Megatron's finalize_model_grads does with calculate_per_token_loss=True:
     # grad = d(sum of local loss sums) / global_num_tokens, counted over DP x CP.
-    from bert_reduce.distributed import all_reduce_sum_, loss_reduction_group
-
     global_tokens = all_reduce_sum_(local_tokens.clone(), loss_reduction_group())
     assert int(global_tokens) == int(mask.sum())
     with count_collectives() as calls:  # no group: no reduction, not the default group's
@@ -132,10 +131,6 @@ def _loss_checks() -> None:
 
 
 def _megatron_cross_entropy_checks() -> None:
-    import torch.nn.functional as F
-
-    from bert_reduce import BERTMLMLossWithReduction, unreduced_token_loss_fn
-
     _, _, tp_rank, tp_size, _, _ = _ranks()
     logits, labels, _ = make_mlm_batch(3, 8, VOCAB, mask_prob=1.0, dtype=torch.float32)
     ref = F.cross_entropy(logits.double().permute(1, 2, 0), labels, reduction="none")

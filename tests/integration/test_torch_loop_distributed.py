@@ -19,9 +19,18 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from bert_reduce import GlobalBatchLoss
+from bert_reduce import GlobalBatchLoss, get_batch_on_this_cp_rank, pack_batch
+from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
+from bert_reduce.normalization import sequence_normalizers
 from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
-from tests.helpers.mode_reference import mode_kwargs, reference_mode_loss
+from tests.helpers.mode_reference import (
+    float_weights,
+    mode_kwargs,
+    reference_mode_loss,
+    reference_mode_loss_and_grad,
+)
+from tests.helpers.packed_batch import ragged_padded_batch
+from tests.helpers.reference import RAGGED_LENGTHS
 from tests.helpers.sync_guard import count_collectives
 
 pytestmark = pytest.mark.slow
@@ -60,8 +69,7 @@ def global_batch(num_rows: int, empty_rows: tuple[int, ...], seed: int = 0):
     labels = torch.randint(0, VOCAB, (num_rows, SEQ_LEN), generator=gen)
     mask = torch.rand(num_rows, SEQ_LEN, generator=gen) < 0.35
     mask[list(empty_rows)] = False
-    weights = torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.1, 0)
-    return input_ids, torch.where(mask, labels, -100), mask, weights
+    return input_ids, torch.where(mask, labels, -100), mask, float_weights(mask)
 
 
 def reference_grads(model: nn.Module, input_ids, labels, loss_mask, mode: str):
@@ -136,33 +144,26 @@ def _train_step_body(wrapper: str) -> None:
 
 def _context_parallel_body(packed: bool) -> None:
     """CP=2 over the 2 ranks: each holds its load-balanced shard of every sequence."""
-    from bert_reduce import get_batch_on_this_cp_rank, pack_batch
-    from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
-    from bert_reduce.normalization import sequence_normalizers
-    from tests.helpers.mode_reference import reference_mode_loss_and_grad
-    from tests.helpers.packed_batch import ragged_padded_batch
-    from tests.helpers.reference import RAGGED_LENGTHS as lengths
-
     rank = dist.get_rank()
     logits, batch, _ = ragged_padded_batch(weighted=True)  # sequence 2 scores nothing
     labels, weights = batch["labels"], batch["loss_mask"]
     mask = weights != 0
+
+    def shard_of(batch: dict) -> dict:
+        if packed:
+            batch = pack_batch(batch, RAGGED_LENGTHS, pad_to_multiple_of=4)
+            return get_packed_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
+        return get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
+
     for mode, loss_mask in (("per_token", mask), ("per_sequence", weights), ("constant", mask)):
         ref_loss, ref_grad = reference_mode_loss_and_grad(
             logits, labels, loss_mask, mode, **mode_kwargs(mode)
         )
         batch = {"labels": torch.where(loss_mask != 0, labels, -100), "loss_mask": loss_mask}
-        if packed:
-            batch = pack_batch(
-                {**batch, "logits": logits.transpose(0, 1)}, lengths, pad_to_multiple_of=4
-            )
-            shard = get_packed_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
-        else:
+        if not packed:
             weight, start = sequence_normalizers(loss_mask)
-            batch.update(
-                sequence_weight=weight, sequence_start=start, logits=logits.transpose(0, 1)
-            )
-            shard = get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
+            batch.update(sequence_weight=weight, sequence_start=start)
+        shard = shard_of({**batch, "logits": logits.transpose(0, 1)})
         leaf = shard.pop("logits").detach().clone().requires_grad_(True)
         loss_fn = GlobalBatchLoss(
             normalization=mode, context_parallel_size=2, gradient_sync="sum", **mode_kwargs(mode)
@@ -171,12 +172,7 @@ def _context_parallel_body(packed: bool) -> None:
         loss_fn(leaf, shard).backward()
         torch.testing.assert_close(loss_fn.end(), ref_loss, rtol=1e-12, atol=0)
         # This rank's slice of the reference gradient, laid out as its shard.
-        full = {"logits": ref_grad.transpose(0, 1)}
-        if packed:
-            full = pack_batch({**full, "labels": labels}, lengths, pad_to_multiple_of=4)
-            expected = get_packed_batch_on_this_cp_rank(full, cp_size=2, cp_rank=rank)["logits"]
-        else:
-            expected = get_batch_on_this_cp_rank(full, cp_size=2, cp_rank=rank)["logits"]
+        expected = shard_of({"logits": ref_grad.transpose(0, 1), "labels": labels})["logits"]
         torch.testing.assert_close(leaf.grad, expected, rtol=1e-10, atol=1e-15)
 
 

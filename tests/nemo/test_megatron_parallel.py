@@ -32,10 +32,11 @@ from examples.nemo2_esm2_loss import (
     nemo_trainer,
 )
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.megatron_bert import mlm_batch
 from tests.helpers.megatron_cpu import GradSync, megatron_on_cpu, single_process_megatron
-from tests.helpers.reference import reference_loss
+from tests.helpers.reference import assert_close_by_name, reference_loss
 
-GLOBAL_BATCH, SEQ_LEN, VOCAB, MASK_ID = 8, 16, 33, 32
+GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 16, 33
 EMPTY_ROW = 3
 # Micro-batches as global row indices: unequal sizes and masked counts, one with no masked
 # token at all (row EMPTY_ROW alone).
@@ -68,16 +69,8 @@ class _RecordingModule(GradSync, MLMLightningModule):
 
 
 def _global_batch() -> dict[str, Tensor]:
-    """An ESM-2-style MLM batch: [b, s] masked input ids, labels and loss mask."""
-    gen = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, MASK_ID, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
-    loss_mask = torch.rand(GLOBAL_BATCH, SEQ_LEN, generator=gen) < 0.25
-    loss_mask[EMPTY_ROW] = False
-    return {
-        "text": torch.where(loss_mask, MASK_ID, tokens),
-        "labels": torch.where(loss_mask, tokens, -100),
-        "loss_mask": loss_mask,
-    }
+    """An MLM batch: [b, s] masked input ids (``text``), labels and loss mask."""
+    return mlm_batch(GLOBAL_BATCH, 11, SEQ_LEN, mask_prob=0.25, empty_rows=(EMPTY_ROW,))
 
 
 def _module(val_drop_last: bool = True) -> _RecordingModule:
@@ -129,29 +122,14 @@ def _run(
     return loss, recorder.reports
 
 
-def _reference(
-    module: MLMLightningModule, batch: dict[str, Tensor], rows: list[int] | None = None
-) -> tuple[Tensor, list[Tensor]]:
-    """F.cross_entropy over the masked tokens of ``rows`` (all by default), and its gradients."""
+def _reference(module: MLMLightningModule, batch: dict[str, Tensor]) -> tuple[Tensor, dict]:
+    """F.cross_entropy over the masked tokens of the whole batch, and its gradients."""
     model = copy.deepcopy(module.module)
     assert model is not None
-    model.zero_grad(set_to_none=True)
-    rows = list(range(GLOBAL_BATCH)) if rows is None else rows
-    logits = model(batch["text"][rows])["token_logits"]
-    loss = reference_loss(logits, batch["labels"][rows], batch["loss_mask"][rows])
-    return loss.detach(), list(torch.autograd.grad(loss, list(model.parameters())))
-
-
-def _grads(module: MLMLightningModule) -> list[Tensor]:
-    assert module.module is not None
-    return [param.grad for param in module.module.parameters()]  # type: ignore[misc]
-
-
-def _assert_close_grads(actual: list[Tensor], expected: list[Tensor]) -> None:
-    assert len(actual) == len(expected)
-    for got, want in zip(actual, expected, strict=True):
-        assert got is not None
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    logits = model(batch["text"])["token_logits"]
+    loss = reference_loss(logits, batch["labels"], batch["loss_mask"])
+    names, params = zip(*model.named_parameters(), strict=True)
+    return loss.detach(), dict(zip(names, torch.autograd.grad(loss, params), strict=True))
 
 
 def test_megatron_loss_reduction_is_nemos_class() -> None:
@@ -174,7 +152,8 @@ def _step_is_the_global_batch_in_one_pass(micro_batches: list[list[int]], step: 
     assert len({id(loss) for loss in losses}) == len(micro_batches) + 1
     assert losses[-1].batch is None
     if step == "train":
-        _assert_close_grads(_grads(module), ref_grads)
+        grads = {name: param.grad for name, param in module.module.named_parameters()}
+        assert_close_by_name(grads, ref_grads, rtol=1e-5, atol=1e-7)
         assert all(set(report) == {"loss_sum_and_microbatch_size"} for report in reports)
     else:
         assert all(param.grad is None for param in module.parameters())
