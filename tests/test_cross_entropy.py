@@ -8,7 +8,7 @@ import torch
 
 from bert_reduce._vocab_parallel import resolve_capacity
 from bert_reduce.cross_entropy import cross_entropy_loss_sum
-from tests.helpers.reference import make_mlm_batch, weighted_reference
+from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
 from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
 # Small chunks, so that every test also crosses chunk boundaries.
@@ -50,7 +50,7 @@ def test_matches_dense_cross_entropy_fp64(capacity, in_place, weighted, batch) -
     loss, count, grad = run(
         logits, labels, mask, capacity=capacity, in_place=in_place, chunk_elements=CHUNK
     )
-    ref_loss, ref_grad = weighted_reference(logits, labels, mask)
+    ref_loss, ref_grad = reference_loss_and_grad(logits, labels, mask, "sum")
     assert ref_loss.isfinite()
     assert loss.dtype == torch.float64 and grad.dtype == torch.float64
     # The denominator is the sum of the weights (token_denominator): the count for a 0/1 mask.
@@ -87,7 +87,7 @@ def test_non_contiguous_logits_and_caller_logits_untouched(capacity) -> None:
         leaf_view[:, rows], labels[rows], mask[rows], capacity=capacity, chunk_elements=CHUNK
     )
     loss_sum.backward()
-    ref_loss, ref_grad = weighted_reference(view, labels[rows], mask[rows])
+    ref_loss, ref_grad = reference_loss_and_grad(view, labels[rows], mask[rows], "sum")
     torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
     torch.testing.assert_close(leaf_view.grad[:, rows], ref_grad, rtol=1e-12, atol=1e-15)
     assert torch.equal(leaf_view.detach(), before)
@@ -102,7 +102,7 @@ def test_in_place_writes_the_gradient_into_the_logits() -> None:
     loss_sum, _ = cross_entropy_loss_sum(buffer, labels, mask, capacity=0.5, in_place=True)
     loss_sum.backward()
     assert grads[0].data_ptr() == buffer.data_ptr()
-    _, ref_grad = weighted_reference(logits, labels, mask)
+    _, ref_grad = reference_loss_and_grad(logits, labels, mask, "sum")
     torch.testing.assert_close(buffer.detach(), ref_grad.float(), rtol=1e-5, atol=1e-7)
 
 
@@ -110,7 +110,7 @@ def test_in_place_writes_the_gradient_into_the_logits() -> None:
 def test_bf16_accumulates_in_fp32(in_place) -> None:
     logits, labels, mask = make_mlm_batch(4, 32, 33)
     loss, _, grad = run(logits.bfloat16(), labels, mask, capacity=0.5, in_place=in_place)
-    ref_loss, ref_grad = weighted_reference(logits.bfloat16(), labels, mask)
+    ref_loss, ref_grad = reference_loss_and_grad(logits.bfloat16(), labels, mask, "sum")
     assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-2, atol=1e-3)

@@ -24,7 +24,7 @@ from bert_reduce.hf import ExactMLMTrainer, lm_head_inputs
 from bert_reduce.hf.exact_trainer import split_model_inputs
 from tests.helpers import hf_trainer as H
 from tests.helpers.megatron_cpu import single_process_megatron
-from tests.helpers.mode_reference import reference_mode_loss
+from tests.helpers.reference import reference_loss
 
 CONSTANT = 20
 OPTIONS = {
@@ -115,7 +115,7 @@ def test_every_integration_takes_every_option_and_gives_the_reference_sums(
 
     weights = scored_weights(batch).double()
     mode = LossOptions(**options).normalization.value
-    expected = reference_mode_loss(
+    expected = reference_loss(
         logits.transpose(0, 1), batch["labels"], weights, mode, constant_per_sequence=CONSTANT
     )
     tolerance = 1e-6 if megatron else 1e-12

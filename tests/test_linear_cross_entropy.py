@@ -15,7 +15,7 @@ from bert_reduce import (
     linear_cross_entropy_token_losses,
 )
 from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
-from tests.helpers.linear_reference import linear_reference, make_head_batch
+from tests.helpers.reference import linear_reference, make_head_batch
 from tests.helpers.sync_guard import HostSyncError, count_collectives, forbid_host_syncs
 
 CAPACITIES = ["all", "nonzero", 15, 0.5, 1.0]

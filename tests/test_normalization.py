@@ -12,25 +12,17 @@ from bert_reduce.normalization import (
     sequence_normalizers,
     token_loss_sum,
 )
-from tests.helpers.mode_reference import (
-    MODES,
-    float_weights,
-    mode_kwargs,
-    reference_mode_loss,
-    run_mode_microbatches,
-)
-from tests.helpers.reference import make_mlm_batch
+from tests.helpers.mode_reference import MODES, float_weights, mode_kwargs, run_mode_microbatches
+from tests.helpers.reference import make_mlm_batch, reference_loss
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 
 def test_modes_differ_so_the_split_tests_can_fail() -> None:
     # Every mode under any split: tests/integration/test_properties.py, against these values.
     logits, labels, mask = make_mlm_batch(8, 10, 7, empty_rows=(0, 3, 4), mask_prob=0.3)
-    values = [
-        reference_mode_loss(logits, labels, mask, mode, **mode_kwargs(mode)) for mode in MODES
-    ]
+    values = [reference_loss(logits, labels, mask, mode, **mode_kwargs(mode)) for mode in MODES]
     assert len({round(float(v), 6) for v in values}) == 3
-    weighted = reference_mode_loss(logits, labels, float_weights(mask), "per_token")
+    weighted = reference_loss(logits, labels, float_weights(mask), "per_token")
     assert not torch.isclose(weighted, values[0])
 
 

@@ -8,18 +8,14 @@ from bert_reduce.context_parallel import (
     get_packed_batch_on_this_cp_rank,
 )
 from bert_reduce.packing import unpack_sequences
-from tests.helpers.mode_reference import (
-    MODES,
-    checked_reduce,
-    mode_kwargs,
-    reference_mode_loss,
-    reference_mode_loss_and_grad,
-)
+from tests.helpers.mode_reference import MODES, checked_reduce, mode_kwargs
 from tests.helpers.packed_batch import pack_with_logits, ragged_padded_batch
 from tests.helpers.reference import (
     RAGGED_LENGTHS,
     RAGGED_SEQ_LEN,
     RAGGED_VOCAB,
+    reference_loss,
+    reference_loss_and_grad,
 )
 from tests.helpers.sync_guard import forbid_host_syncs
 
@@ -73,7 +69,7 @@ def test_pack_errors() -> None:
 @pytest.mark.parametrize("multiple", [1, 4])
 def test_packed_loss_and_grad_equal_unpacked_reference(mode, weighted, multiple) -> None:
     logits, batch, _ = ragged_padded_batch(weighted)
-    ref_loss, ref_grad = reference_mode_loss_and_grad(
+    ref_loss, ref_grad = reference_loss_and_grad(
         logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode)
     )
     packed = pack_with_logits(batch, logits, multiple)
@@ -102,7 +98,5 @@ def test_packed_batch_without_cu_seqlens_would_be_wrong() -> None:
         loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
         loss_fn.setup({"labels": packed["labels"], "loss_mask": packed["loss_mask"]})
         _, _, report = loss_fn({"token_logits": packed["logits"].transpose(0, 1)})
-        ref = reference_mode_loss(
-            logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode)
-        )
+        ref = reference_loss(logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode))
         assert not torch.isclose(checked_reduce([report]), ref)

@@ -8,9 +8,13 @@ from bert_reduce import (
     BERTMLMLossWithReduction,
     MegatronLossReduction,
 )
-from tests.helpers.linear_reference import make_head_batch
 from tests.helpers.mode_reference import run_mode_microbatches as run_microbatches
-from tests.helpers.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
+from tests.helpers.reference import (
+    make_head_batch,
+    make_mlm_batch,
+    reference_loss,
+    reference_loss_and_grad,
+)
 
 
 @pytest.mark.parametrize("sizes", [[1, 3, 2, 2], [5, 1, 1, 1], [2, 2, 2, 2], [8]])

@@ -10,19 +10,15 @@ import torch
 
 from bert_reduce import GlobalBatchLoss
 from bert_reduce.packing import pack_batch, unpack_sequences
-from tests.helpers.linear_reference import make_head_batch
-from tests.helpers.mode_reference import (
-    MODES,
-    float_weights,
-    mode_kwargs,
-    reference_mode_loss,
-    reference_mode_loss_and_grad,
-)
+from tests.helpers.mode_reference import MODES, float_weights, mode_kwargs
 from tests.helpers.packed_batch import ragged_padded_batch
 from tests.helpers.reference import (
     RAGGED_LENGTHS,
     RAGGED_SEQ_LEN,
+    make_head_batch,
     make_mlm_batch,
+    reference_loss,
+    reference_loss_and_grad,
 )
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
@@ -81,7 +77,7 @@ def test_every_output_mode_layout_and_split_equals_reference(
     )
     refs = [t.clone().requires_grad_(True) for t in inputs]
     ref_logits = torch.nn.functional.linear(*refs) if len(refs) == 3 else refs[0]
-    ref_loss = reference_mode_loss(ref_logits, labels, loss_mask, mode, **mode_kwargs(mode))
+    ref_loss = reference_loss(ref_logits, labels, loss_mask, mode, **mode_kwargs(mode))
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
     for grad, ref in zip(grads, refs, strict=True):
@@ -189,7 +185,7 @@ def test_hf_packed_batch_equals_unpacked_in_every_mode(mode, keys, multiple) -> 
     logits, batch, _ = ragged_padded_batch(weights)
     loss_mask = batch["loss_mask"]
     labels = torch.where(loss_mask != 0, batch["labels"], -100)
-    ref_loss, ref_grad = reference_mode_loss_and_grad(
+    ref_loss, ref_grad = reference_loss_and_grad(
         logits, labels, loss_mask, mode, **mode_kwargs(mode)
     )
     hf = hf_packed(labels, loss_mask, logits, keys, multiple)

@@ -14,7 +14,6 @@ from typing import ClassVar
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
@@ -27,8 +26,7 @@ from bert_reduce.lightning import ExactMLMModule, GlobalBatchSampler, ShardedEva
 from bert_reduce.num_scored import NumScoredCollator
 from bert_reduce.reduction import BERTMLMLossWithReduction
 from tests.helpers.dist_utils import full, join_existing_group
-from tests.helpers.mode_reference import reference_mode_loss
-from tests.helpers.reference import assert_close_by_name
+from tests.helpers.reference import assert_close_by_name, reference_loss
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 from tests.helpers.tiny_lightning import quiet_trainer
 
@@ -63,23 +61,28 @@ class TinyMLM(nn.Module):
         return {"token_logits": logits.transpose(0, 1)}  # [s, b, v]
 
 
-class UnevenMaskDataset(Dataset[dict[str, Tensor]]):
-    def __init__(self, seed: int = 0) -> None:
+class MLMSamples(Dataset[dict[str, Tensor]]):
+    """The first ``size`` samples, masked ``MASK_COUNTS`` times: ``input_ids`` (``MASK_ID`` where
+    masked), ``labels`` (-100 where unscored), ``loss_mask``."""
+
+    def __init__(self, size: int = len(MASK_COUNTS), seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, MASK_ID, (len(MASK_COUNTS), SEQ_LEN), generator=gen)
-        self.masks = torch.zeros(len(MASK_COUNTS), SEQ_LEN, dtype=torch.bool)
+        tokens = torch.randint(0, MASK_ID, (len(MASK_COUNTS), SEQ_LEN), generator=gen)[:size]
+        masks = torch.zeros(len(MASK_COUNTS), SEQ_LEN, dtype=torch.bool)
         for row, count in enumerate(MASK_COUNTS):
-            self.masks[row, torch.randperm(SEQ_LEN, generator=gen)[:count]] = True
+            masks[row, torch.randperm(SEQ_LEN, generator=gen)[:count]] = True
+        self.loss_mask = masks[:size]
+        self.input_ids = torch.where(self.loss_mask, MASK_ID, tokens)
+        self.labels = torch.where(self.loss_mask, tokens, -100)
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self.input_ids.size(0)
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        mask = self.masks[index]
         return {
-            "input_ids": torch.where(mask, MASK_ID, self.tokens[index]),
-            "labels": torch.where(mask, self.tokens[index], -100),
-            "loss_mask": mask,
+            "input_ids": self.input_ids[index],
+            "labels": self.labels[index],
+            "loss_mask": self.loss_mask[index],
         }
 
 
@@ -102,14 +105,14 @@ def reference_train(
     """One process, the whole global batch per step, F.cross_entropy over its masked tokens."""
     model = initial_model()
     opt = optimizer(model.parameters())
-    dataset = UnevenMaskDataset()
+    dataset = MLMSamples()
     losses = []
     for step in range(STEPS):
         batch = default_collate(
             [dataset[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)]
         )
         logits, mask = model(batch)["token_logits"], batch["loss_mask"]
-        loss = reference_mode_loss(
+        loss = reference_loss(
             logits, batch["labels"], mask, mode, constant_per_sequence=CONSTANT_PER_SEQUENCE
         )
         opt.zero_grad()
@@ -233,10 +236,10 @@ def lightning_train(
     if model_dtype is None:
         model_dtype = torch.float64 if precision == "64-true" else torch.float32
     model = initial_model().to(model_dtype)
-    dataset = UnevenMaskDataset()
+    dataset = MLMSamples()
     sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, micro_batch_size, shuffle=False)
     val_loader = DataLoader(
-        UnevenMaskDataset(seed=VAL_SEED), batch_sampler=ShardedEvalBatchSampler(val_size, 2)
+        MLMSamples(seed=VAL_SEED), batch_sampler=ShardedEvalBatchSampler(val_size, 2)
     )
     recorder = _Record()
     common = {
@@ -296,12 +299,11 @@ def reference_val_totals(params: ParamDict, val_size: int) -> Tensor:
     """(sum of masked-token losses, masked-token count) over the validation set, fp64."""
     model = initial_model()
     model.load_state_dict(params)
-    dataset = UnevenMaskDataset(seed=VAL_SEED)
+    dataset = MLMSamples(seed=VAL_SEED)
     batch = default_collate([dataset[i] for i in range(val_size)])
-    with torch.no_grad():
-        logits = model(batch)["token_logits"].transpose(0, 1)
     mask = batch["loss_mask"]
-    loss_sum = F.cross_entropy(logits[mask], batch["labels"][mask], reduction="sum")
+    with torch.no_grad():
+        loss_sum = reference_loss(model(batch)["token_logits"], batch["labels"], mask, "sum")
     return torch.stack([loss_sum, mask.sum().to(torch.float64)])
 
 

@@ -20,7 +20,6 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from accelerate.utils import memory
 from torch import Tensor, nn
 from transformers import (
@@ -35,6 +34,7 @@ from transformers import (
 from bert_reduce.hf import ExactMLMTrainer
 from tests.helpers.dist_utils import join_existing_group, run_distributed
 from tests.helpers.hf_esm import TINY_SIZES, esm_batch, tiny_esm_config
+from tests.helpers.reference import reference_loss
 
 SEQ_LEN = 16
 # One global batch of 8: heavily masked samples first, an empty last micro-batch for every
@@ -82,10 +82,7 @@ def cross_entropy_mean(model: nn.Module, rows: Sequence[dict[str, Tensor]]) -> T
     in one pass; 0 if there are none."""
     batch = stack(rows)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    scored = batch["labels"] != -100
-    if not scored.any():
-        return logits.sum() * 0
-    return F.cross_entropy(logits[scored].double(), batch["labels"][scored])
+    return reference_loss(logits.transpose(0, 1), batch["labels"], batch["labels"] != -100)
 
 
 def reference_step(kind: str, rows: Sequence[dict[str, Tensor]]) -> dict[str, Any]:

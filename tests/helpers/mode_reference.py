@@ -1,8 +1,5 @@
-"""Independent references for the normalization modes, on the full unsplit ``[b, s]`` batch.
-
-Per-token losses come from ``F.cross_entropy``; sequences are looped over in Python, so nothing
-here shares code with bert_reduce.
-"""
+"""The normalization modes' options and weights, and bert_reduce driven over micro-batches, to
+compare with ``tests.helpers.reference``."""
 
 from __future__ import annotations
 
@@ -10,12 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.reports import reduce_reports
-from tests.helpers.reference import loss_and_grad
 
 MODES = ("per_token", "per_sequence", "constant")
 
@@ -49,48 +44,6 @@ def checked_reduce(reports: Sequence[Any]) -> Tensor:
     assert reduced.dtype == torch.float32
     assert torch.equal(reduced, exact.to(torch.float32))
     return exact
-
-
-def reference_mode_loss(
-    logits_sbv: Tensor,
-    labels: Tensor,
-    mask: Tensor,
-    mode: str,
-    *,
-    lengths: Sequence[int] | None = None,
-    constant_per_sequence: int | None = None,
-) -> Tensor:
-    """The global loss of ``mode`` over the ``[b, s]`` batch, fp64; 0.0 when nothing counts.
-
-    ``lengths`` (per row) only matter to ``constant``: every row is one sequence either way.
-    """
-    logits = logits_sbv.to(torch.float64).transpose(0, 1)
-    b, s, v = logits.shape
-    per_token = F.cross_entropy(
-        logits.reshape(b * s, v), labels.clamp(min=0).reshape(b * s), reduction="none"
-    ).view(b, s)
-    weights = mask.to(torch.float64)
-    zero = per_token.sum() * 0
-    if mode == "per_token":
-        total = weights.sum()
-        return (weights * per_token).sum() / total if total != 0 else zero
-    if mode == "per_sequence":
-        means = [
-            (weights[row] * per_token[row]).sum() / weights[row].sum()
-            for row in range(b)
-            if weights[row].sum() != 0
-        ]
-        return torch.stack(means).mean() if means else zero
-    if mode == "constant":
-        assert constant_per_sequence is not None
-        return (weights * per_token).sum() / (constant_per_sequence * b)
-    raise AssertionError(mode)
-
-
-def reference_mode_loss_and_grad(
-    logits_sbv: Tensor, labels: Tensor, mask: Tensor, mode: str, **kwargs
-) -> tuple[Tensor, Tensor]:
-    return loss_and_grad(reference_mode_loss, logits_sbv, labels, mask, mode, **kwargs)
 
 
 def run_mode_microbatches(

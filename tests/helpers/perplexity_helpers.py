@@ -10,46 +10,23 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch import Tensor
+from torch.utils.data import DataLoader
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.lightning import ValidationPerplexityCallback
 from bert_reduce.reports import reduce_reports
-from tests.helpers.mode_reference import reference_mode_loss
+from tests.helpers import exact_training
+from tests.helpers.exact_training import MLMSamples
+from tests.helpers.reference import reference_loss
 
-SEQ_LEN, VOCAB, HIDDEN = 8, 11, 6
-# Masking probability per sample: uneven masked counts per batch, and samples with none.
-MASK_PROBS = (0.5, 0.1, 0.0, 0.9, 0.3, 0.7, 0.0, 0.2, 0.6, 0.4, 0.8, 0.15, 0.05)
 # The validation set: 11 samples in batches of 4 (3 + ... per rank), a size that divides neither
-# the batch size nor the number of ranks.
+# the batch size nor the number of ranks; uneven masked counts per batch, and samples with none.
 SIZE, BATCH = 11, 4
 
 
-class MLMSamples(Dataset[dict[str, Tensor]]):
-    """``size`` samples of ``input_ids``, ``labels`` (-100 where unscored), ``loss_mask``."""
-
-    def __init__(self, size: int, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.input_ids = torch.randint(0, VOCAB, (size, SEQ_LEN), generator=gen)
-        probs = torch.tensor([MASK_PROBS[i % len(MASK_PROBS)] for i in range(size)])
-        self.loss_mask = torch.rand(size, SEQ_LEN, generator=gen) < probs[:, None]
-        targets = torch.randint(0, VOCAB, (size, SEQ_LEN), generator=gen)
-        self.labels = torch.where(self.loss_mask, targets, -100)
-
-    def __len__(self) -> int:
-        return self.input_ids.size(0)
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        return {
-            "input_ids": self.input_ids[index],
-            "labels": self.labels[index],
-            "loss_mask": self.loss_mask[index],
-        }
-
-
 class TinyMLM(pl.LightningModule):
-    """Embedding + linear head in fp64, ``token_logits`` in ``[s, b, v]`` as Megatron's.
+    """exact_training's fp64 ``TinyMLM``, ``token_logits`` in ``[s, b, v]`` as Megatron's.
 
     ``validation_step`` returns the loss report (the callback's contract) and, to compare with
     NeMo 2, logs ``nemo_val_loss`` the way NeMo's ``MegatronStrategy.validation_step`` logs
@@ -61,13 +38,11 @@ class TinyMLM(pl.LightningModule):
     def __init__(self, lr: float = 0.0, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.embed = nn.Embedding(VOCAB, HIDDEN, dtype=torch.float64)
-        self.head = nn.Linear(HIDDEN, VOCAB, dtype=torch.float64)
+        self.model = exact_training.TinyMLM().double()
         self.lr = lr
 
     def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        hidden = self.embed(batch["input_ids"].transpose(0, 1))
-        return {"token_logits": self.head(torch.tanh(hidden))}
+        return self.model(batch)
 
     def _loss(self, batch: Mapping[str, Tensor], validation: bool) -> tuple[Tensor, Any]:
         loss_fn = BERTMLMLossWithReduction(validation_step=validation, send_val_output=False)
@@ -97,7 +72,7 @@ def reference(model: TinyMLM, dataset: MLMSamples) -> tuple[Tensor, Tensor, int]
     """
     with torch.no_grad():
         logits_sbv = model({"input_ids": dataset.input_ids})["token_logits"]
-    loss = reference_mode_loss(logits_sbv, dataset.labels, dataset.loss_mask, "per_token")
+    loss = reference_loss(logits_sbv, dataset.labels, dataset.loss_mask, "per_token")
     return loss, loss.exp(), int(dataset.loss_mask.sum())
 
 

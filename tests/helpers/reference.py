@@ -1,4 +1,6 @@
-"""Independent references: ``torch.nn.functional.cross_entropy`` on the full, unsplit batch."""
+"""Independent fp64 references: ``F.cross_entropy`` (after ``F.linear`` for the fused head) on
+the full, unsplit batch. Nothing here uses bert_reduce.
+"""
 
 from __future__ import annotations
 
@@ -43,12 +45,6 @@ def assert_close_by_name(actual: Mapping[str, Tensor], expected: Mapping[str, Te
         )
 
 
-def reference_loss(logits_sbv: Tensor, labels_bs: Tensor, mask_bs: Tensor) -> Tensor:
-    """Mean cross-entropy over the masked tokens, in one pass, fp64."""
-    logits_bsv = logits_sbv.to(torch.float64).transpose(0, 1)
-    return F.cross_entropy(logits_bsv[mask_bs], labels_bs[mask_bs])
-
-
 def loss_and_grad(loss_fn, logits_sbv: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
     """``loss_fn(logits, *args, **kwargs)`` on the logits in fp64 and its gradient w.r.t. them
     (zeros if the loss does not depend on them)."""
@@ -59,25 +55,96 @@ def loss_and_grad(loss_fn, logits_sbv: Tensor, *args, **kwargs) -> tuple[Tensor,
     return loss.detach(), logits.grad if logits.grad is not None else torch.zeros_like(logits)
 
 
-def reference_loss_and_grad(logits_sbv: Tensor, labels_bs: Tensor, mask_bs: Tensor):
-    """The reference loss and its gradient w.r.t. the ``[s, b, v]`` logits, fp64."""
-    return loss_and_grad(reference_loss, logits_sbv, labels_bs, mask_bs)
+def token_losses(logits_sbv: Tensor, labels: Tensor, scored: Tensor) -> Tensor:
+    """``F.cross_entropy`` of each ``scored`` ``[b, s]`` position, 0 elsewhere, fp64."""
+    logits_bsv = logits_sbv.to(torch.float64).transpose(0, 1)
+    per_token = F.cross_entropy(logits_bsv[scored], labels[scored], reduction="none")
+    return torch.zeros(labels.shape, dtype=torch.float64).index_put((scored,), per_token)
 
 
-def weighted_reference(logits_sbv: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``sum(w * F.cross_entropy)`` over the scored tokens and its gradient, fp64.
+def reference_loss(
+    logits_sbv: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    mode: str = "per_token",
+    *,
+    constant_per_sequence: int | None = None,
+) -> Tensor:
+    """The global loss of ``mode`` over the ``[b, s]`` batch, fp64; 0.0 when nothing counts.
 
-    ``logits_sbv`` are ``[s, b, v]``; ``w`` is the ``[b, s]`` ``mask`` (0/1 or float weights).
+    ``mask`` weighs each token (0/1 or float weights); every row is one sequence. ``"sum"`` is
+    the weighted sum of the token losses, the numerator of every mode.
     """
+    weights = mask.to(torch.float64)
+    weighted = weights * token_losses(logits_sbv, labels, mask != 0)
+    total = weighted.sum()  # 0 when nothing counts
+    if mode == "sum":
+        return total
+    if mode == "per_token":
+        return total / weights.sum() if weights.sum() != 0 else total
+    if mode == "per_sequence":
+        rows = weights.sum(1) != 0
+        return (weighted[rows].sum(1) / weights[rows].sum(1)).mean() if rows.any() else total
+    if mode == "constant":
+        assert constant_per_sequence is not None
+        return total / (constant_per_sequence * len(weights))
+    raise AssertionError(mode)
 
-    def weighted_sum(logits: Tensor) -> Tensor:
-        scored = mask != 0
-        per_token = F.cross_entropy(
-            logits.transpose(0, 1)[scored], labels[scored], reduction="none"
-        )
-        return (per_token * mask[scored].to(torch.float64)).sum()
 
-    return loss_and_grad(weighted_sum, logits_sbv)
+def reference_loss_and_grad(
+    logits_sbv: Tensor, labels: Tensor, mask: Tensor, mode: str = "per_token", **kwargs
+) -> tuple[Tensor, Tensor]:
+    """:func:`reference_loss` and its gradient w.r.t. the ``[s, b, v]`` logits, fp64."""
+    return loss_and_grad(reference_loss, logits_sbv, labels, mask, mode, **kwargs)
+
+
+def make_head_batch(
+    b: int = 4,
+    s: int = 9,
+    h: int = 6,
+    v: int = 13,
+    *,
+    mask_prob: float = 0.3,
+    empty_rows: tuple[int, ...] = (),
+    layout: str = "sb",
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fp64 hidden (``[s, b, h]`` or ``[b, s, h]``), ``[v, h]`` weight, ``[v]`` bias, labels, mask.
+
+    Unscored labels are -100, so that nothing can rely on them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shape = (s, b, h) if layout == "sb" else (b, s, h)
+    hidden = torch.randn(shape, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
+    bias = torch.randn(v, generator=gen, dtype=torch.float64)
+    mask = torch.rand(b, s, generator=gen) < mask_prob
+    for row in empty_rows:
+        mask[row] = False
+    labels = torch.where(mask, torch.randint(0, v, (b, s), generator=gen), -100)
+    return hidden, weight, bias, labels, mask
+
+
+def linear_reference(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    coef: Tensor,
+    layout: str = "sb",
+) -> tuple[Tensor, ...]:
+    """The fused head's reference: :func:`token_losses` of ``F.linear(hidden, weight, bias)``.
+
+    Returns the fp64 ``[b, s]`` losses (0 where ``coef == 0``) and the gradients of
+    ``sum(coef * losses)`` w.r.t. hidden, weight and bias (``None`` without bias).
+    """
+    leaves = [t.detach().to(torch.float64).requires_grad_(True) for t in (hidden, weight)]
+    bias_leaf = None if bias is None else bias.detach().to(torch.float64).requires_grad_(True)
+    logits = F.linear(leaves[0], leaves[1], bias_leaf)
+    losses = token_losses(logits if layout == "sb" else logits.transpose(0, 1), labels, coef != 0)
+    (losses * coef.to(torch.float64)).sum().backward()
+    grads = [leaf.grad for leaf in leaves] + [None if bias_leaf is None else bias_leaf.grad]
+    return losses.detach(), *grads
 
 
 RAGGED_LENGTHS = (5, 12, 1, 9, 12, 3)

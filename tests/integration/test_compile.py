@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from bert_reduce import BERTMLMLossWithReduction, pack_batch
-from tests.helpers.linear_reference import make_head_batch
-from tests.helpers.mode_reference import MODES, mode_kwargs, reference_mode_loss
+from tests.helpers.mode_reference import MODES, mode_kwargs
+from tests.helpers.reference import make_head_batch, reference_loss
 
 # Compiling takes seconds per graph: the whole module runs in CI, outside the fast set.
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ def run_micro_batches(
             torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-14, msg=f"{name}, {count}")
         ref_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
         logits = F.linear(*ref_leaves)
-        ref = reference_mode_loss(logits, plain["labels"], plain["loss_mask"], mode, **options)
+        ref = reference_loss(logits, plain["labels"], plain["loss_mask"], mode, **options)
         ref.backward()
         torch.testing.assert_close(got[0], ref.detach(), rtol=1e-10, atol=0)
         for a, ref_leaf in zip(got[1:], ref_leaves, strict=True):

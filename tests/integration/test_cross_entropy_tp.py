@@ -15,7 +15,7 @@ from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.cross_entropy import cross_entropy_loss_sum
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.mode_reference import checked_reduce
-from tests.helpers.reference import make_mlm_batch, weighted_reference
+from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def _tensor_parallel_body(megatron: bool) -> None:
     cols = slice(tp_rank * shard, (tp_rank + 1) * shard)
     logits, labels, mask = make_mlm_batch(3, 10, vocab, mask_prob=0.4, seed=3)
     weights = mask * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
-    ref_loss, ref_grad = weighted_reference(logits, labels, weights)
+    ref_loss, ref_grad = reference_loss_and_grad(logits, labels, weights, "sum")
     for capacity in ["all", "nonzero", 0.6]:
         for in_place in (False, True):
             leaf = logits[..., cols].clone().requires_grad_(True)
@@ -62,7 +62,7 @@ def _tensor_parallel_body(megatron: bool) -> None:
         BERTMLMLossWithReduction().reduce([report])
     assert dict(forward_calls) == {"all_reduce": 1} and dict(reduce_calls) == {}
     reduced = checked_reduce([report])
-    ref_sum, ref_sum_grad = weighted_reference(logits, labels, mask)
+    ref_sum, ref_sum_grad = reference_loss_and_grad(logits, labels, mask, "sum")
     # Both TP ranks belong to one data-parallel rank: reduce sums over DP x CP only.
     torch.testing.assert_close(reduced, ref_sum / num_tokens, rtol=1e-13, atol=0)
     grad = logits.grad[..., cols]

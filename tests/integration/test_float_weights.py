@@ -21,9 +21,8 @@ from bert_reduce import (
 )
 from bert_reduce.lightning import ValidationPerplexityCallback
 from bert_reduce.reports import reduce_reports
-from tests.helpers.mode_reference import reference_mode_loss
 from tests.helpers.perplexity_helpers import MLMSamples, TinyMLM, assert_matches_reference, loader
-from tests.helpers.reference import make_mlm_batch
+from tests.helpers.reference import make_mlm_batch, reference_loss
 from tests.helpers.tiny_lightning import quiet_trainer as trainer
 
 SPLIT = (slice(0, 3), slice(3, 4), slice(4, 6))
@@ -48,7 +47,7 @@ def test_every_path_gives_the_weighted_mean(kind) -> None:
     weights = _weighted(mask, kind)
     if kind == "fractional":
         assert float(weights.sum()) % 1 > 0.01  # rounding it to an integer would show
-    expected = reference_mode_loss(logits, labels, weights, "per_token")
+    expected = reference_loss(logits, labels, weights, "per_token")
 
     # (Megatron-Core's kernels, at fp32, on float weights: tests/test_engine.py.)
     results: dict[str, Tensor] = {}

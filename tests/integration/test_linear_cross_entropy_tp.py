@@ -15,8 +15,8 @@ import torch.distributed as dist
 from bert_reduce import BERTMLMLossWithReduction, linear_cross_entropy_token_losses
 from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.linear_reference import linear_reference, make_head_batch
 from tests.helpers.megatron_cpu import megatron_on_cpu
+from tests.helpers.reference import linear_reference, make_head_batch
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 CHUNKS = {"chunk_rows": 4, "chunk_vocab": 3}

@@ -25,9 +25,9 @@ from torch import nn
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.megatron import output_layer_inputs
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.linear_reference import linear_reference, make_head_batch
 from tests.helpers.megatron_bert import HIDDEN, SEQ_LEN, VOCAB, mlm_batch, tiny_bert
 from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
+from tests.helpers.reference import linear_reference, make_head_batch
 
 pytestmark = pytest.mark.slow
 

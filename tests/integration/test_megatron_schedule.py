@@ -22,8 +22,8 @@ from torch import nn
 from bert_reduce import BERTMLMLossWithReduction
 from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.megatron_cpu import GradSyncShell, megatron_on_cpu, single_process_megatron
-from tests.helpers.mode_reference import checked_reduce, float_weights, reference_mode_loss
-from tests.helpers.reference import assert_close_by_name
+from tests.helpers.mode_reference import checked_reduce, float_weights
+from tests.helpers.reference import assert_close_by_name, reference_loss
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB, HIDDEN = 8, 10, 11, 6
 EMPTY_ROWS = (2, 3, 6)  # the 4 x 2 split has an empty micro-batch, 8 x 1 has three
@@ -135,9 +135,7 @@ def reference_grads(
 
     def mean_loss(rows: list[int]) -> torch.Tensor:
         logits = model(batch["input_ids"][rows])["token_logits"]
-        return reference_mode_loss(
-            logits, batch["labels"][rows], batch["loss_mask"][rows], "per_token"
-        )
+        return reference_loss(logits, batch["labels"][rows], batch["loss_mask"][rows], "per_token")
 
     if per_micro_batch_rows is None:
         loss = mean_loss(list(range(GLOBAL_BATCH)))

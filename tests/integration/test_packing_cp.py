@@ -15,14 +15,9 @@ from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
 from bert_reduce.packing import unpack_sequences
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.mode_reference import (
-    MODES,
-    checked_reduce,
-    mode_kwargs,
-    reference_mode_loss_and_grad,
-)
+from tests.helpers.mode_reference import MODES, checked_reduce, mode_kwargs
 from tests.helpers.packed_batch import pack_with_logits, ragged_padded_batch
-from tests.helpers.reference import RAGGED_SEQ_LEN
+from tests.helpers.reference import RAGGED_SEQ_LEN, reference_loss_and_grad
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +29,7 @@ def _cp2_packed_body() -> None:
     logits, batch, _ = ragged_padded_batch(weighted=True)
     packed = pack_with_logits(batch, logits, 4)
     for mode in MODES:
-        ref_loss, ref_grad = reference_mode_loss_and_grad(
+        ref_loss, ref_grad = reference_loss_and_grad(
             logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode, RAGGED_SEQ_LEN)
         )
         token_logits = packed["logits"].transpose(0, 1).detach().requires_grad_(True)

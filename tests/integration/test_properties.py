@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank, pack_batch
 from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
 from bert_reduce.normalization import sequence_normalizers
-from tests.helpers.mode_reference import MODES, reference_mode_loss_and_grad
+from tests.helpers.mode_reference import MODES
+from tests.helpers.reference import reference_loss_and_grad
 
 # 60 random batches, each under a random split: seconds; the module runs in CI, outside the
 # fast set.
@@ -105,7 +106,7 @@ def test_any_split_equals_the_unsplit_batch(data, batch, mode, cp_size, packed) 
     logits, labels, loss_mask, lengths = batch
     seq_len = labels.shape[1]
     kwargs = {"constant_per_sequence": seq_len} if mode == "constant" else {}
-    ref_loss, ref_grad = reference_mode_loss_and_grad(logits, labels, loss_mask, mode, **kwargs)
+    ref_loss, ref_grad = reference_loss_and_grad(logits, labels, loss_mask, mode, **kwargs)
 
     leaf = logits.detach().clone().requires_grad_(True)
     logits_bsv = leaf.transpose(0, 1)

@@ -23,14 +23,9 @@ from bert_reduce import GlobalBatchLoss, get_batch_on_this_cp_rank, pack_batch
 from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
 from bert_reduce.normalization import sequence_normalizers
 from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
-from tests.helpers.mode_reference import (
-    float_weights,
-    mode_kwargs,
-    reference_mode_loss,
-    reference_mode_loss_and_grad,
-)
+from tests.helpers.mode_reference import float_weights, mode_kwargs
 from tests.helpers.packed_batch import ragged_padded_batch
-from tests.helpers.reference import RAGGED_LENGTHS
+from tests.helpers.reference import RAGGED_LENGTHS, reference_loss, reference_loss_and_grad
 from tests.helpers.sync_guard import count_collectives
 
 pytestmark = pytest.mark.slow
@@ -75,7 +70,7 @@ def global_batch(num_rows: int, empty_rows: tuple[int, ...], seed: int = 0):
 def reference_grads(model: nn.Module, input_ids, labels, loss_mask, mode: str):
     model = copy.deepcopy(model)
     logits = model(input_ids).transpose(0, 1)
-    loss = reference_mode_loss(logits, labels, loss_mask, mode, **mode_kwargs(mode))
+    loss = reference_loss(logits, labels, loss_mask, mode, **mode_kwargs(mode))
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -156,7 +151,7 @@ def _context_parallel_body(packed: bool) -> None:
         return get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=rank)
 
     for mode, loss_mask in (("per_token", mask), ("per_sequence", weights), ("constant", mask)):
-        ref_loss, ref_grad = reference_mode_loss_and_grad(
+        ref_loss, ref_grad = reference_loss_and_grad(
             logits, labels, loss_mask, mode, **mode_kwargs(mode)
         )
         batch = {"labels": torch.where(loss_mask != 0, labels, -100), "loss_mask": loss_mask}

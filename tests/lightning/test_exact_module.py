@@ -60,7 +60,7 @@ def test_lower_precisions_train_close_to_the_fp64_reference(
 
 def test_per_sample_counts_survive_the_batch_transfer_and_split_into_ints() -> None:
     """Lightning moves the tensors (to "meta", standing in for an accelerator), not the counts."""
-    dataset = et.UnevenMaskDataset()
+    dataset = et.MLMSamples()
     batch = NumScoredCollator(default_collate, per_sample=True)([dataset[i] for i in range(8)])
     module = ExactMLMModule(et.initial_model(), micro_batch_size=2)
     moved = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
@@ -104,7 +104,7 @@ def test_module_needs_an_optimizer() -> None:
 
 def _fit(module: ExactMLMModule, max_steps: int, **sampler_options) -> pl.Trainer:
     """A quiet CPU fit of ``module`` on global batches of 8 in micro-batches of 1."""
-    dataset = et.UnevenMaskDataset()
+    dataset = et.MLMSamples()
     sampler = GlobalBatchSampler(len(dataset), 8, 1, **sampler_options)
     trainer = quiet_trainer(max_steps=max_steps, use_distributed_sampler=False)
     trainer.fit(module, train_dataloaders=DataLoader(dataset, batch_sampler=sampler))
