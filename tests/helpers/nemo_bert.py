@@ -17,7 +17,6 @@ from typing import Any
 import lightning.pytorch as pl
 import nemo_run as run
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.bert.bert_model import BertModel
@@ -44,6 +43,7 @@ from examples.nemo2_recipe import mlm_pretrain_recipe
 from tests.helpers.dist_utils import load_rank_results, run_launched
 from tests.helpers.megatron_bert import CONFIG, build_bert, global_named_parameters, mlm_batch
 from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
+from tests.helpers.reference import reference_loss
 from tests.helpers.tiny_lightning import RecordingLogger
 
 SEQ_LEN = 12
@@ -255,8 +255,7 @@ def reference_training(
 
 def _mean_nll(model: BertModel, batch: dict[str, Tensor]) -> Tensor:
     logits, _ = model(batch["text"], batch["attention_mask"])
-    mask = batch["loss_mask"]
-    return F.cross_entropy(logits[mask].double(), batch["labels"][mask])
+    return reference_loss(logits.transpose(0, 1), batch["labels"], batch["loss_mask"])
 
 
 def assert_matches_reference(results: list[dict[str, Any]], reference: tuple) -> None:

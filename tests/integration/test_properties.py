@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank, pack_batch
 from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
 from bert_reduce.normalization import sequence_normalizers
-from tests.helpers.mode_reference import MODES
-from tests.helpers.reference import reference_loss_and_grad
+from tests.helpers.mode_reference import MODES, float_weights
+from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
 
 # 60 random batches, each under a random split: seconds; the module runs in CI, outside the
 # fast set.
@@ -39,16 +39,11 @@ def global_batches(draw):
     mask_prob = draw(st.sampled_from([0.0, 0.15, 0.5, 1.0]))
     empty_rows = draw(st.sets(st.integers(0, batch_size - 1)))
     weighted = draw(st.booleans())
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(seq_len, batch_size, VOCAB, generator=gen, dtype=torch.float64) * 2
-    labels = torch.randint(0, VOCAB, (batch_size, seq_len), generator=gen)
-    real = torch.arange(seq_len) < torch.tensor(lengths)[:, None]
-    mask = (torch.rand(batch_size, seq_len, generator=gen) < mask_prob) & real
-    mask[list(empty_rows)] = False
-    loss_mask = mask
-    if weighted:
-        weights = torch.rand(batch_size, seq_len, generator=gen, dtype=torch.float64) * 3 + 0.05
-        loss_mask = torch.where(mask, weights, 0)
+    logits, labels, mask = make_mlm_batch(
+        batch_size, seq_len, VOCAB, mask_prob=mask_prob, empty_rows=tuple(empty_rows), seed=seed
+    )
+    mask &= torch.arange(seq_len) < torch.tensor(lengths)[:, None]
+    loss_mask = float_weights(mask, seed) if weighted else mask
     return logits, torch.where(mask, labels, -100), loss_mask, lengths
 
 
