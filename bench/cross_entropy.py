@@ -263,8 +263,7 @@ def measure(
     """One whole run: memory in fresh processes, then the interleaved timings; the table."""
     load_before = _load()
     peaks = {
-        variant: peak_memory(variant, configs, args.mask_prob, args.threads)
-        for variant in VARIANTS
+        variant: peak_memory(variant, configs, args.mask_prob, args.threads) for variant in VARIANTS
     }
     print(f"torch {torch.__version__}, {args.threads} threads, {args.mask_prob:.0%} masked")
     print(f"load average before: {load_before}")

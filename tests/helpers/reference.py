@@ -45,16 +45,6 @@ def assert_close_by_name(actual: Mapping[str, Tensor], expected: Mapping[str, Te
         )
 
 
-def loss_and_grad(loss_fn, logits_sbv: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-    """``loss_fn(logits, *args, **kwargs)`` on the logits in fp64 and its gradient w.r.t. them
-    (zeros if the loss does not depend on them)."""
-    logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
-    loss = loss_fn(logits, *args, **kwargs)
-    if loss.requires_grad:
-        loss.backward()
-    return loss.detach(), logits.grad if logits.grad is not None else torch.zeros_like(logits)
-
-
 def token_losses(logits_sbv: Tensor, labels: Tensor, scored: Tensor) -> Tensor:
     """``F.cross_entropy`` of each ``scored`` ``[b, s]`` position, 0 elsewhere, fp64."""
     logits_bsv = logits_sbv.to(torch.float64).transpose(0, 1)
@@ -95,7 +85,10 @@ def reference_loss_and_grad(
     logits_sbv: Tensor, labels: Tensor, mask: Tensor, mode: str = "per_token", **kwargs
 ) -> tuple[Tensor, Tensor]:
     """:func:`reference_loss` and its gradient w.r.t. the ``[s, b, v]`` logits, fp64."""
-    return loss_and_grad(reference_loss, logits_sbv, labels, mask, mode, **kwargs)
+    logits = logits_sbv.detach().to(torch.float64).requires_grad_(True)
+    loss = reference_loss(logits, labels, mask, mode, **kwargs)
+    loss.backward()
+    return loss.detach(), logits.grad
 
 
 def make_head_batch(
