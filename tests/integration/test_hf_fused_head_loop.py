@@ -16,7 +16,6 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -25,6 +24,7 @@ from bert_reduce import GlobalBatchLoss
 from bert_reduce.num_scored import count_scored
 from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
+from tests.helpers.reference import reference_loss
 
 pytest.importorskip("transformers")
 
@@ -88,8 +88,7 @@ def _body() -> None:
         logits = reference(
             input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]
         ).logits
-        scored = whole["labels"] != -100
-        ref_loss = F.cross_entropy(logits[scored], whole["labels"][scored])
+        ref_loss = reference_loss(logits.transpose(0, 1), whole["labels"], whole["labels"] != -100)
         ref_loss.backward()
         ref_grads = full_grads(reference)
         # The fused head under each wrapper; the logits and outputs.loss beside it under FSDP2.
