@@ -22,10 +22,8 @@ __all__ = [
     "AUTO",
     "DATAMODULE_STATE_KEY",
     "ResumePoint",
-    "find_resume_checkpoint",
-    "later_checkpoints",
     "move_aside",
-    "read_resume_step",
+    "resume_point",
 ]
 
 AUTO = "auto"
@@ -79,33 +77,6 @@ def _resume_step(path: Path, checkpoint: Any, global_batch_size: int) -> int:
     return int(checkpoint["global_step"])
 
 
-def read_resume_step(path: str | Path, global_batch_size: int) -> int:
-    """The optimizer steps done in a ``train.py`` checkpoint, after checking it can resume.
-
-    Args:
-        path: The ``resume=`` checkpoint.
-        global_batch_size: This run's ``data.global_batch_size``.
-
-    Returns:
-        The checkpoint's ``global_step``.
-
-    Raises:
-        FileNotFoundError: If ``path`` is not a file.
-        ValueError: If it is empty, not a (readable) PyTorch checkpoint, not a ``train.py``
-            checkpoint, or was trained with another global batch size.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"resume={path}: no such checkpoint file.{_others(path)}")
-    try:
-        checkpoint = _load(path)
-    except ValueError as error:
-        raise ValueError(
-            f"resume={path}: {error}. Resume from another checkpoint.{_others(path)}"
-        ) from error
-    return _resume_step(path, checkpoint, global_batch_size)
-
-
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a run resumes: ``resume=<file>``'s checkpoint, or the one ``resume=auto`` found.
@@ -113,60 +84,70 @@ class ResumePoint:
     Attributes:
         path: The checkpoint to resume from; ``None``: start from step 0.
         step: Its ``global_step`` (0 without a checkpoint).
-        damaged: The checkpoints that did not load, each with the reason.
+        damaged: ``resume=auto``: the checkpoints that did not load, each with the reason.
+        superseded: A named checkpoint of the run directory: that directory's loadable
+            checkpoints of more steps, of the continuation this run abandons (docs/recipe.md,
+            "Preemptible clusters": why they go aside).
     """
 
     path: Path | None
     step: int
     damaged: tuple[tuple[Path, str], ...] = ()
+    superseded: tuple[Path, ...] = ()
 
 
-def _loadable(checkpoint_dir: Path) -> tuple[list[tuple[Path, Any]], list[tuple[Path, str]]]:
-    """The ``*.ckpt`` of ``checkpoint_dir`` that load, and those that do not with the reason."""
-    loaded, damaged = [], []
-    for path in sorted(checkpoint_dir.glob("*.ckpt")):
-        try:
-            loaded.append((path, _load(path)))
-        except ValueError as error:
-            damaged.append((path, str(error)))
-    return loaded, damaged
-
-
-def find_resume_checkpoint(checkpoint_dir: Path, global_batch_size: int) -> ResumePoint:
-    """The newest intact checkpoint of ``checkpoint_dir``, for ``resume=auto``. Reads only.
+def resume_point(
+    resume: str | Path | None, checkpoint_dir: Path, global_batch_size: int
+) -> ResumePoint | None:
+    """Where a run resumes, after checking that it can. Reads only.
 
     Args:
+        resume: ``cfg.resume``: a checkpoint, ``"auto"`` or ``None``.
         checkpoint_dir: The run's checkpoint directory (may not exist yet).
         global_batch_size: This run's ``data.global_batch_size``.
 
     Returns:
-        The loadable checkpoint of the most steps (``last.ckpt`` among equals), or none; and
-        the files that did not load.
+        ``None`` without ``resume``. For ``resume=auto``, the loadable checkpoint of the most
+        steps (``last.ckpt`` among equals), or none, and the files that did not load; for a
+        named checkpoint of ``checkpoint_dir``, the later ones.
 
     Raises:
-        ValueError: If a checkpoint that loads is not a ``train.py`` checkpoint or was trained
-            with another global batch size (a configuration to fix, not a damaged file).
+        FileNotFoundError: If the named checkpoint is not a file.
+        ValueError: If the named checkpoint is empty or not a (readable) PyTorch checkpoint;
+            or if it, or one of ``resume=auto``'s that loads, is not a ``train.py``
+            checkpoint or was trained with another global batch size (a configuration to
+            fix, not a damaged file).
     """
-    loaded, damaged = _loadable(checkpoint_dir)
+    if resume is None:
+        return None
+    if resume != AUTO:
+        path = Path(resume)
+        if not path.is_file():
+            raise FileNotFoundError(f"resume={path}: no such checkpoint file.{_others(path)}")
+        try:
+            checkpoint = _load(path)
+        except ValueError as error:
+            raise ValueError(
+                f"resume={path}: {error}. Resume from another checkpoint.{_others(path)}"
+            ) from error
+        step = _resume_step(path, checkpoint, global_batch_size)
+        if path.resolve().parent != checkpoint_dir.resolve():
+            return ResumePoint(path, step)
+    loaded, damaged = [], []
+    for other in sorted(checkpoint_dir.glob("*.ckpt")):
+        try:
+            loaded.append((other, _load(other)))
+        except ValueError as error:
+            damaged.append((other, str(error)))
+    if resume != AUTO:
+        later = (p for p, c in loaded if isinstance(c, dict) and c.get("global_step", -1) > step)
+        return ResumePoint(path, step, superseded=tuple(later))
     steps = [
         (_resume_step(path, checkpoint, global_batch_size), path.name == LAST_NAME, path)
         for path, checkpoint in loaded
     ]
     step, _, path = max(steps, default=(0, False, None))
     return ResumePoint(path, step, tuple(damaged))
-
-
-def later_checkpoints(checkpoint_dir: Path, step: int) -> list[Path]:
-    """The checkpoints of ``checkpoint_dir`` that load and hold more than ``step`` steps.
-
-    Those of the continuation a run resumed from an earlier step abandons (docs/recipe.md,
-    "Preemptible clusters": why they go aside). Reads only.
-    """
-    return [
-        path
-        for path, checkpoint in _loadable(checkpoint_dir)[0]
-        if isinstance(checkpoint, dict) and int(checkpoint.get("global_step", -1)) > step
-    ]
 
 
 def move_aside(path: Path, reason: str = "damaged") -> Path:

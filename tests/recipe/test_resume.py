@@ -8,13 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_reduce.recipe.resume import (
-    ResumePoint,
-    find_resume_checkpoint,
-    later_checkpoints,
-    move_aside,
-    read_resume_step,
-)
+from bert_reduce.recipe.resume import ResumePoint, move_aside, resume_point
 from tests.helpers.recipe_runs import recipe_checkpoint
 
 
@@ -23,33 +17,36 @@ def cut(path: Path, size: int = 1000) -> Path:
     return path
 
 
-def test_a_foreign_checkpoint_is_named(tmp_path: Path) -> None:
+def test_a_named_checkpoint_is_checked_and_its_later_ones_superseded(tmp_path: Path) -> None:
     # A missing, empty, garbage, truncated or other-batch-size file: the probes of
     # tests/integration/test_bad_inputs.py, through train.py.
-    recipe_checkpoint(tmp_path / "step000005.ckpt")
+    assert resume_point(None, tmp_path, 16) is None
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {}}, path)
     with pytest.raises(ValueError, match=r"not a checkpoint written by train\.py") as raised:
-        read_resume_step(path, 16)
+        resume_point(path, tmp_path, 16)
     assert f"resume={path}" in str(raised.value)
-    assert read_resume_step(tmp_path / "step000005.ckpt", 16) == 7
+    for step in (5, 10):
+        recipe_checkpoint(tmp_path / f"step{step:06d}.ckpt", step=step)
+    cut(recipe_checkpoint(tmp_path / "step000020.ckpt", step=20), 30)  # not loadable: left
+    five = tmp_path / "step000005.ckpt"
+    assert resume_point(five, tmp_path / "other", 16) == ResumePoint(five, 5)
+    assert resume_point(five, tmp_path, 16) == ResumePoint(
+        five, 5, superseded=(tmp_path / "step000010.ckpt",)
+    )
 
 
 def test_auto_takes_the_checkpoint_of_the_most_steps(tmp_path: Path) -> None:
-    assert find_resume_checkpoint(tmp_path / "missing", 16) == ResumePoint(None, 0)
+    assert resume_point("auto", tmp_path / "missing", 16) == ResumePoint(None, 0)
     recipe_checkpoint(tmp_path / "step000005.ckpt", step=5)
     recipe_checkpoint(tmp_path / "step000010.ckpt", step=10)
     recipe_checkpoint(tmp_path / "last.ckpt", step=10)
-    assert find_resume_checkpoint(tmp_path, 16) == ResumePoint(tmp_path / "last.ckpt", 10)
+    assert resume_point("auto", tmp_path, 16) == ResumePoint(tmp_path / "last.ckpt", 10)
     # A kill between a step's two renames: its periodic checkpoint is in place, last.ckpt not.
     recipe_checkpoint(tmp_path / "step000015.ckpt", step=15)
-    assert find_resume_checkpoint(tmp_path, 16) == ResumePoint(tmp_path / "step000015.ckpt", 15)
-    cut(recipe_checkpoint(tmp_path / "step000020.ckpt", step=20), 30)  # not loadable: left
-    assert later_checkpoints(tmp_path, 5) == [
-        tmp_path / "last.ckpt", tmp_path / "step000010.ckpt", tmp_path / "step000015.ckpt",
-    ]  # fmt: skip
+    assert resume_point("auto", tmp_path, 16) == ResumePoint(tmp_path / "step000015.ckpt", 15)
     with pytest.raises(ValueError, match=r"data\.global_batch_size=16, this run has"):
-        find_resume_checkpoint(tmp_path, 32)  # a configuration to fix, not a damaged file
+        resume_point("auto", tmp_path, 32)  # a configuration to fix, not a damaged file
 
 
 def test_auto_skips_damaged_checkpoints(tmp_path: Path) -> None:
@@ -58,14 +55,14 @@ def test_auto_skips_damaged_checkpoints(tmp_path: Path) -> None:
     recipe_checkpoint(tmp_path / "step000015.ckpt", step=15)
     cut(recipe_checkpoint(tmp_path / "last.ckpt", step=15), 200)
     (tmp_path / "notes.txt").write_text("not a checkpoint name")
-    found = find_resume_checkpoint(tmp_path, 16)
+    found = resume_point("auto", tmp_path, 16)
     assert (found.path, found.step) == (tmp_path / "step000015.ckpt", 15)
     assert [path.name for path, _ in found.damaged] == ["last.ckpt", "step000010.ckpt"]
     assert "not a readable PyTorch checkpoint" in found.damaged[0][1]
     # None intact: start from step 0.
     for path in tmp_path.glob("step*.ckpt"):
         path.write_bytes(b"")
-    found = find_resume_checkpoint(tmp_path, 16)
+    found = resume_point("auto", tmp_path, 16)
     assert (found.path, found.step, len(found.damaged)) == (None, 0, 4)
     assert "empty" in found.damaged[1][1]
 
