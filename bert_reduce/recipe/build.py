@@ -31,8 +31,13 @@ from bert_reduce.recipe.datamodule import ESMDataModule
 from bert_reduce.recipe.files import AtomicCheckpointIO
 from bert_reduce.recipe.module import ESM2MLMModule
 from bert_reduce.recipe.plot import plot_metrics
-from bert_reduce.recipe.resume import AUTO, ResumePoint, move_aside, resume_point
-from bert_reduce.recipe.run_directory import RunDirectory
+from bert_reduce.recipe.run_directory import (
+    AUTO,
+    ResumePoint,
+    RunDirectory,
+    move_aside,
+    resume_point,
+)
 
 __all__ = [
     "TrainingStopped",
