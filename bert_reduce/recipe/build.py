@@ -31,20 +31,12 @@ from bert_reduce.recipe.datamodule import ESMDataModule
 from bert_reduce.recipe.files import AtomicCheckpointIO
 from bert_reduce.recipe.module import ESM2MLMModule
 from bert_reduce.recipe.plot import plot_metrics
-from bert_reduce.recipe.resume import (
+from bert_reduce.recipe.run_directory import (
     AUTO,
     ResumePoint,
-    find_resume_checkpoint,
-    later_checkpoints,
+    RunDirectory,
     move_aside,
-    read_resume_step,
-)
-from bert_reduce.recipe.run_directory import (
-    RunDirectoryLock,
-    check_run_directory,
-    remove_leftovers,
-    remove_outputs,
-    save_config_keeping_previous,
+    resume_point,
 )
 
 __all__ = [
@@ -242,9 +234,8 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
     ignore_warnings_wrong_for_the_recipe(cfg)
     global_batch_size = cfg.data.global_batch_size
     checkpoint_dir = _checkpoint_dir(cfg, run_dir)
-    point = None  # resume=auto's is found once rank 0 holds the run directory
-    if cfg.resume is not None and not auto:
-        point = ResumePoint(Path(cfg.resume), read_resume_step(cfg.resume, global_batch_size))
+    # resume=auto's point is found once rank 0 holds the run directory.
+    point = None if auto else resume_point(cfg.resume, checkpoint_dir, global_batch_size)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: ESMDataModule = build_from_config(cfg.data)
     module = build_module(cfg)
@@ -256,20 +247,16 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         # resume=auto they find the same checkpoint (RunCheckpoint checks that every rank
         # starts at the same step); damaged files are skipped, whether moved aside yet or not.
         if auto:
-            point = find_resume_checkpoint(checkpoint_dir, global_batch_size)
+            point = resume_point(cfg.resume, checkpoint_dir, global_batch_size)
         return _fit(cfg, trainer, module, datamodule, run_dir, point)
     datamodule.setup("fit")  # bad data fails here, before the run directory is touched
-    with RunDirectoryLock(run_dir) as lock:
-        if auto:
-            point = find_resume_checkpoint(checkpoint_dir, global_batch_size)
-        previous = check_run_directory(run_dir, checkpoint_dir, cfg.resume, cfg.overwrite)
-        lock.record_holder()
-        remove_outputs(previous)
-        for path in remove_leftovers(run_dir, checkpoint_dir):
-            log.info("Removed %s, a temporary file that an interrupted run left.", path)
+    with RunDirectory(run_dir, checkpoint_dir) as directory:
+        # Again for a named checkpoint: its later ones are those of the directory as locked.
+        point = resume_point(cfg.resume, checkpoint_dir, global_batch_size)
+        directory.start(cfg.resume, cfg.overwrite)
         if point is not None:
             _resume_from(point, trainer, checkpoint_dir, auto)
-        save_config_keeping_previous(OmegaConf.to_yaml(cfg, resolve=True), run_dir / "config.yaml")
+        directory.save_config(OmegaConf.to_yaml(cfg, resolve=True))
         return _fit(cfg, trainer, module, datamodule, run_dir, point)
 
 
@@ -277,7 +264,7 @@ def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, 
     """Move aside what a resume from ``point`` must not meet again; trim the later metrics.
 
     ``resume=auto``: the damaged checkpoints (its later ones, or it would have taken them); a
-    named checkpoint of this run: the later ones (:func:`~.resume.later_checkpoints`).
+    named checkpoint of this run: the later ones (:attr:`.ResumePoint.superseded`).
     """
     where = f"{point.path} (step {point.step})" if point.path else "step 0 (no intact checkpoint)"
     for path, reason in point.damaged:
@@ -298,8 +285,8 @@ def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, 
             f"resume=auto: no checkpoint in {checkpoint_dir}: starting from step 0; the rows "
             f"of {csv_logger.metrics_file} are replaced as the steps are trained again."
         )
-    elif point.path is not None and point.path.resolve().parent == checkpoint_dir.resolve():
-        for path in later_checkpoints(checkpoint_dir, point.step):
+    else:
+        for path in point.superseded:
             moved = move_aside(path, "superseded")
             log.warning(
                 "%s is after step %d, which this run resumes from and trains again: kept as %s.",

@@ -238,6 +238,6 @@ class ESMDataModule(pl.LightningDataModule):
         """``{"global_batch_size": ...}``: checkpoints count global batches of this size.
 
         A resume with another size is refused before training starts, by
-        :func:`bert_reduce.recipe.resume.read_resume_step` and ``find_resume_checkpoint``.
+        :func:`bert_reduce.recipe.run_directory.resume_point`.
         """
         return {"global_batch_size": self.config.global_batch_size}

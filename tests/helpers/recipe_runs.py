@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from bert_reduce.recipe.config import register_configs
-from bert_reduce.recipe.resume import DATAMODULE_STATE_KEY
+from bert_reduce.recipe.run_directory import DATAMODULE_STATE_KEY
 from tests.helpers.dist_utils import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -36,7 +36,7 @@ from bert_reduce.recipe.build import run
 from bert_reduce.recipe.config import DataConfig
 from bert_reduce.recipe.data import load_sequences
 from bert_reduce.recipe.datamodule import ESMDataModule
-from bert_reduce.recipe.run_directory import LOCK_NAME, RunDirectoryError, RunDirectoryLock
+from bert_reduce.recipe.run_directory import LOCK_NAME, RunDirectory, RunDirectoryError
 from bert_reduce.reports import REPORT_KEY
 from tests.helpers.recipe_runs import (
     CHECKPOINTED,
@@ -137,8 +137,8 @@ def auto_resume_all_damaged(tmp: Path) -> str:
 
 
 def concurrent_run(tmp: Path) -> str:
-    with RunDirectoryLock(tmp / "run") as lock:
-        lock.record_holder()
+    with RunDirectory(tmp / "run") as directory:
+        directory.start()
         return train(tmp)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_reduce.recipe.run_directory import RunDirectoryError, RunDirectoryLock
+from bert_reduce.recipe.run_directory import RunDirectory, RunDirectoryError
 from tests.helpers.checkpoints import checkpoint_names, step_of
 from tests.helpers.dist_utils import HANG_GUARD_S
 from tests.helpers.recipe_runs import (
@@ -109,7 +109,7 @@ def test_end_of_run_checkpoint_then_signals_then_resume_give_the_uninterrupted_r
     wait_until(lambda: f"pid {process.pid} on host" in lock.read_text(), process)
     # What a second run into the directory meets first: the lock, naming the running one.
     held = rf"Another run is running in {re.escape(str(tmp_path))}: pid {process.pid} on host"
-    with pytest.raises(RunDirectoryError, match=held), RunDirectoryLock(tmp_path):
+    with pytest.raises(RunDirectoryError, match=held), RunDirectory(tmp_path):
         pass
     wait_until((tmp_path / "checkpoints" / "step000005.ckpt").is_file, process)
     stopped = stop_with(signal.SIGTERM, process, tmp_path, uninterrupted)
