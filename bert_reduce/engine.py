@@ -5,27 +5,13 @@ Every integration calls :func:`loss_terms` (or, for per-token losses, :func:`tok
 through its loss instance), :class:`bert_reduce.GlobalBatchLoss`,
 :class:`bert_reduce.hf.ExactMLMTrainer` and :meth:`bert_reduce.TokenPerplexity.update_from_logits`.
 Each decides only when to reduce the terms, how to scale the gradients and what to log.
-
-For one micro-batch:
-
-1. the scored weights (:func:`scored_weights`): ``loss_mask`` (or 1), 0 where the label is
-   ``ignore_index``;
-2. the model output (:mod:`bert_reduce.forward_output`): logits in either layout, per-token
-   losses, or the output layer's inputs;
-3. the kernel: the masked cross-entropy on logits, the fused masked-only head on hidden states
-   (:func:`bert_reduce.linear_cross_entropy_loss_sum`), or Megatron-Core's vocab-parallel
-   cross-entropy on every position; which rows they compute is ``capacity`` or the batch's
-   ``num_scored`` (``docs/fast_path.md``);
-4. the normalization mode's ``(numerator, denominator)``
-   (:func:`bert_reduce.normalization.token_loss_sum`), its sequences found by
-   :func:`bert_reduce.packing.batch_sequence_normalizers`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -59,7 +45,7 @@ from bert_reduce.packing import batch_sequence_normalizers
 
 CrossEntropy = Literal["masked", "megatron", "megatron_fused"]
 """The kernel on logits; see :attr:`LossOptions.cross_entropy`."""
-CROSS_ENTROPY: tuple[CrossEntropy, ...] = ("masked", "megatron", "megatron_fused")
+CROSS_ENTROPY: tuple[CrossEntropy, ...] = get_args(CrossEntropy)
 
 
 @dataclass(frozen=True)
@@ -69,8 +55,7 @@ class LossOptions:
     Attributes:
         normalization: What the summed loss is divided by: ``"per_token"`` (default),
             ``"per_sequence"`` or ``"constant"`` (``docs/normalization.md``).
-        constant_per_sequence: The ``"constant"`` mode's denominator per sequence (e.g. the
-            maximum sequence length); required, and positive, in that mode.
+        constant_per_sequence: As in :func:`bert_reduce.normalization.token_loss_sum`.
         weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
         capacity: Which rows the kernels compute when the batch has no ``num_scored``
             (``docs/fast_path.md``); ``None`` (default): each kernel's own default.
