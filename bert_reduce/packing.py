@@ -1,8 +1,7 @@
 """Packed sequences (THD): a ``[b, s]`` BERT batch as one ``[1, T]`` row with ``cu_seqlens``.
 
 Packing, its padded boundaries for context parallelism and the data-pipeline place it
-belongs to: ``docs/packing.md``. :func:`batch_sequence_normalizers` is the one lookup of
-where a batch's sequences start, for every loss path.
+belongs to: ``docs/packing.md``.
 """
 
 from __future__ import annotations
@@ -31,23 +30,6 @@ padded before real ones; ``cu_seq_lens_q*`` are Hugging Face's names."""
 _PACKING_HINT_PREFIXES = ("cu_seq", "max_length_", "max_seqlen", "seq_idx")
 
 _PAD_VALUES: dict[str, int | float] = {"labels": -100}
-
-
-def _lengths_from_attention_mask(attention_mask: Tensor) -> Tensor:
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            "Without lengths, batch['attention_mask'] must be a [b, s] padding mask, got shape "
-            f"{tuple(attention_mask.shape)}."
-        )
-    valid = attention_mask != 0
-    lengths = valid.sum(dim=1)
-    positions = torch.arange(valid.size(1), device=valid.device)
-    if not torch.equal(valid, positions < lengths[:, None]):
-        raise ValueError(
-            "batch['attention_mask'] must be right-padded (ones, then zeros) to derive lengths; "
-            "pass lengths explicitly otherwise."
-        )
-    return lengths
 
 
 def _token_indices(lengths: Sequence[int], starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -123,7 +105,19 @@ def pack_batch(
     if lengths is None:
         if "attention_mask" not in batch:
             raise ValueError("pack_batch needs lengths or a [b, s] batch['attention_mask'].")
-        lengths = _lengths_from_attention_mask(batch["attention_mask"])
+        valid = batch["attention_mask"] != 0
+        if valid.dim() != 2:
+            raise ValueError(
+                "Without lengths, batch['attention_mask'] must be a [b, s] padding mask, got "
+                f"shape {tuple(valid.shape)}."
+            )
+        lengths = valid.sum(dim=1)
+        positions = torch.arange(valid.size(1), device=valid.device)
+        if not torch.equal(valid, positions < lengths[:, None]):
+            raise ValueError(
+                "batch['attention_mask'] must be right-padded (ones, then zeros) to derive "
+                "lengths; pass lengths explicitly otherwise."
+            )
     try:
         # operator.index, not int(): a float length (2.7) must not be truncated silently.
         lengths_list = [operator.index(n) for n in lengths]
