@@ -4,8 +4,7 @@ The names here are the handful a user needs; helpers live in their modules
 (:mod:`bert_reduce.functional`, :mod:`bert_reduce.reports`, :mod:`bert_reduce.normalization`,
 :mod:`bert_reduce.context_parallel`, :mod:`bert_reduce.packing`, :mod:`bert_reduce.lightning`).
 They are imported on first use, so ``import bert_reduce`` stays quick and loads neither NeMo nor
-Megatron-Core nor Lightning until something needs them. Every integration takes the same loss
-options, the fields of :class:`LossOptions`.
+Megatron-Core nor Lightning until something needs them.
 
 The loss functions are named by what they take, then what they return:
 
@@ -15,9 +14,6 @@ The loss functions are named by what they take, then what they return:
 * ``_token_losses`` (``[b, s]`` per-token losses, 0 where unscored), ``_loss_sum``
   (``(loss_sum, denominator)`` of a normalization mode, per token by default), and
   ``_weighted_sum`` (a 0-dim ``sum(w * loss)`` for caller-given weights).
-
-NeMo's and BioNeMo's names ``masked_token_loss`` and ``unreduced_token_loss_fn`` stay exported
-for code ported from them (``docs/bionemo.md``); the documentation teaches the names above.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Gradient accumulation in a loop of one's own: each step's micro-batches, counted first.
-
-:meth:`bert_reduce.GlobalBatchLoss.begin` needs all of a step's micro-batches before the
-first forward, while a loader (and Accelerate's ``accelerator.accumulate()`` loop) hands
-them over one at a time. :func:`accumulation_steps` groups them.
-"""
+"""Gradient accumulation in a loop of one's own: each step's micro-batches, counted first."""
 
 from __future__ import annotations
 

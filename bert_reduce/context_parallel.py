@@ -1,10 +1,9 @@
 """Context-parallel (CP) slicing: which sequence positions each CP rank holds.
 
-One rule for padded and packed batches, Megatron-Core's load-balanced split: each sequence is
-cut into ``2 * cp_size`` equal chunks and rank ``r`` holds chunks ``r`` and
-``2 * cp_size - 1 - r`` (``docs/packing.md``). A batch's ``num_scored`` is never sliced: on
-the host it is counted again for the shard; on a device the whole micro-batch's count is
-kept, an upper bound for the shard (exact, for about ``cp_size`` times the shard's rows).
+One rule for padded and packed batches: ``docs/packing.md#the-context-parallel-slicing-rule``.
+A batch's ``num_scored`` is never sliced: on the host it is counted again for the shard; on a
+device the whole micro-batch's count is kept, an upper bound for the shard (exact, for about
+``cp_size`` times the shard's rows).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ def packed_context_parallel_indices(
 ) -> Tensor:
     """Positions of a row of sequences held by one context-parallel rank; no host sync.
 
-    The module docstring's rule, applied to each sequence
+    The rule of ``docs/packing.md``, applied to each sequence
     ``[cu_seqlens_padded[i], cu_seqlens_padded[i + 1])``.
 
     Args:
@@ -88,7 +87,7 @@ def context_parallel_indices(
 
 
 def slice_for_context_parallel(tensor: Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> Tensor:
-    """This context-parallel rank's shard of ``tensor`` along ``seq_dim`` (see above)."""
+    """This context-parallel rank's shard of ``tensor`` along ``seq_dim``."""
     if cp_size == 1:
         return tensor
     index = context_parallel_indices(tensor.size(seq_dim), cp_size, cp_rank, tensor.device)
@@ -96,11 +95,7 @@ def slice_for_context_parallel(tensor: Tensor, seq_dim: int, cp_size: int, cp_ra
 
 
 def _recounted(sliced: dict[str, Any]) -> dict[str, Any]:
-    """``sliced``, its ``num_scored`` counted again from its host ``loss_mask``/``labels``.
-
-    Per-sample counts (a tuple or list, or a ``[b]`` tensor) stay per-sample; a batch on a
-    device keeps its count as given.
-    """
+    """``sliced``, a host batch's ``num_scored`` counted again (per sample if it was so)."""
     scored = sliced.get("loss_mask", sliced.get("labels"))
     if NUM_SCORED_KEY in sliced and isinstance(scored, Tensor) and scored.device.type == "cpu":
         num_scored = sliced[NUM_SCORED_KEY]

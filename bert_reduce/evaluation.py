@@ -1,7 +1,6 @@
 """Exact evaluation in a loop of one's own: every sample counted once, every rank in step.
 
-:func:`eval_batches` refuses a loader that repeats samples and gives the short ranks batches
-that score nothing, so that every rank runs as many forwards (``docs/pytorch_loop.md``).
+Usage: ``docs/pytorch_loop.md#validation``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Token perplexity from ``(loss_sum, denominator)``: a pure-torch core and a torchmetrics shell.
 
-``exp(mean NLL over every scored token)`` from the ``(loss_sum, denominator)`` the loss
-reduction produces, added up first and divided once (``docs/perplexity.md``); given logits,
-the loss's own engine (:func:`bert_reduce.engine.loss_terms`). An empty set gives 1.0.
+Sums added up first, divided once: ``docs/perplexity.md``.
 """
 
 from __future__ import annotations
@@ -43,9 +41,8 @@ def perplexity_from_sums(loss_sum: Tensor, denominator: Tensor) -> Tensor:
 class TokenPerplexity(Metric):
     """Perplexity over every scored token seen, from summed ``(loss_sum, denominator)``.
 
-    Two fp64 states summed across processes: ``exp(total NLL / total denominator)`` however the
-    tokens were split; the ``update`` methods read nothing on the host and run no collective,
-    ``compute`` syncs once (``docs/perplexity.md``).
+    Two fp64 states summed across processes, so exact however the tokens were split; its host
+    syncs and collectives: ``docs/perplexity.md``.
 
     Example:
         >>> metric = TokenPerplexity()

@@ -1,11 +1,7 @@
 """Normalization modes: what the summed masked-token loss is divided by, exactly, under any split.
 
 The modes (``per_token``, ``per_sequence``, ``constant``) and why each stays exact under
-micro-batches, context-parallel shards and packing: ``docs/normalization.md``. A sequence's
-totals travel as two ``[b, s]`` tensors (:func:`sequence_normalizers`) computed once on the
-unsliced batch and sliced with it. :func:`token_loss_sum` turns per-token losses into a
-mode's ``(numerator, denominator)``; :func:`normalization_weights` gives each token's
-coefficient before any loss exists, for the fused head.
+micro-batches, context-parallel shards and packing: ``docs/normalization.md``.
 """
 
 from __future__ import annotations
@@ -69,10 +65,7 @@ def checked_normalization(
 def sequence_normalizers(
     loss_mask: Tensor, cu_seqlens: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Per-token sequence totals and sequence markers, from an unsliced batch.
-
-    Computed before context-parallel slicing or micro-batch splitting, then sliced with the
-    batch. No host sync.
+    """Per-token sequence totals and sequence markers, from an unsliced batch; no host sync.
 
     Args:
         loss_mask: ``[b, s]`` bool, integer or float weights. Without ``cu_seqlens`` each row
@@ -128,10 +121,9 @@ def token_loss_sum(
 ) -> tuple[Tensor, Tensor]:
     """``[b, s]`` per-token losses and mask -> ``(loss_sum, denominator)`` in a mode.
 
-    The pair of one micro-batch (or shard) in a mode of ``docs/normalization.md``: sums over
-    every micro-batch and rank, divided once, give the global value. The numerator carries the
-    gradient; unscored positions never reach it, even when their loss is NaN or inf. No host
-    sync, no collective.
+    The pair of one micro-batch (or shard) in a mode of ``docs/normalization.md``. The
+    numerator carries the gradient; unscored positions never reach it, even when their loss is
+    NaN or inf. No host sync, no collective.
 
     Args:
         per_token_loss: ``[b, s]`` per-token losses (any float dtype).

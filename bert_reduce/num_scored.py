@@ -5,9 +5,8 @@ sync (``docs/fast_path.md``), so the count is made while the mask is still on th
 collator, or a data step before the batch moves) and carried as host data that no device
 transfer touches (Lightning's and NeMo's ``move_data_to_device``, Hugging Face's
 ``_prepare_inputs`` and ``.to(device)`` loops leave it alone; its forms: :data:`NumScored`).
-Scored is the loss's own rule: ``loss_mask != 0``, else ``labels != ignore_index``. A count
-above the true one costs unscored rows of work; one below makes the loss NaN (checked on the
-device), never silently wrong.
+Scored is the loss's own rule: ``loss_mask != 0``, else ``labels != ignore_index``. Too high a
+count costs unscored rows of work; too low, a NaN loss (never a silently wrong one).
 """
 
 from __future__ import annotations

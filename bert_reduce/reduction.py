@@ -1,8 +1,4 @@
-"""NeMo 2 / Megatron-Core loss reduction for BERT masked-language modelling.
-
-Each micro-batch reports ``(loss_sum, num_tokens)``; nothing is averaged until the whole step
-is in (:class:`BERTMLMLossWithReduction`; the Megatron settings: ``docs/megatron.md``).
-"""
+"""NeMo 2 / Megatron-Core loss reduction for BERT masked-language modelling."""
 
 from __future__ import annotations
 
@@ -42,10 +38,9 @@ except ImportError:
     class MegatronLossReduction(nn.Module, Generic[DataT, ReductionT]):  # type: ignore[no-redef]
         """NeMo 2's loss-reduction contract, for when NeMo is not installed.
 
-        ``setup(batch)`` stores the micro-batch; calling the module on the model's output then
-        reaches ``forward(batch, forward_out)``; ``reduce(reports)`` turns the reports of every
-        micro-batch of a step into one scalar. With NeMo installed, this name is NeMo's own
-        class, so NeMo's ``isinstance`` checks pass.
+        Calling the module on the model's output reaches ``forward(batch, forward_out)``, with
+        the batch of :meth:`setup`. With NeMo installed, this name is NeMo's own class, so
+        NeMo's ``isinstance`` checks pass.
         """
 
         def __init__(self) -> None:
@@ -76,19 +71,17 @@ def _detached(mapping: Mapping[str, Any]) -> dict[str, Any]:
 class BERTMLMLossWithReduction(MegatronLossReduction):
     """Masked-language-model loss over the masked tokens, exact under any split of the batch.
 
-    ``forward`` returns a micro-batch's ``(loss_sum, num_tokens, report)`` and ``reduce`` the
-    exact global mean, with the Megatron-Core settings of ``docs/megatron.md``; ``forward``
-    runs no collective but the vocab-parallel kernel's and syncs only where
-    ``docs/fast_path.md`` says. No state is kept between calls.
+    ``forward`` returns a micro-batch's ``(loss_sum, num_tokens, report)``, ``reduce`` the exact
+    global mean; the Megatron-Core settings, collectives and host syncs: ``docs/megatron.md``.
+    No state is kept between calls.
 
     Args:
         validation_step: Whether this instance serves validation (selects which
             ``send_*_output`` applies).
         val_drop_last: Accepted for BioNeMo compatibility; the reduction is exact either way.
         send_train_output: In training, also return the detached batch and model outputs.
-        send_val_output: In validation, also return the detached batch and model outputs.
-            Off by default: NeMo keeps every report of a validation step until ``reduce``,
-            so each would hold its micro-batch's logits.
+        send_val_output: In validation, also return the detached batch and model outputs
+            (off by default: why, ``docs/megatron.md``).
         forward_out_key: ``key`` of :func:`bert_reduce.engine.loss_terms`.
         layout: As in :func:`bert_reduce.engine.loss_terms`: ``"sb"`` (default) or ``"bs"``.
         check_labels: As in :func:`bert_reduce.engine.loss_terms`; for debugging (without it,
@@ -172,11 +165,8 @@ class BERTMLMLossWithReduction(MegatronLossReduction):
     def reduce(self, losses_reduced_per_micro_batch: Sequence[LossReport]) -> Tensor:
         """Exact mean loss over every masked token of the global batch, as a float32 scalar.
 
-        The sums stay fp64 (:func:`bert_reduce.reports.reduce_reports`, over the default
-        loss-reduction group); only the quotient is cast. float32 because NeMo broadcasts the
-        last pipeline stage's value into a float32 ``torch.tensor(0.0)`` on the other stages
-        (``_sync_from_last_pipeline_stage``), and gloo aborts on the size mismatch (8 bytes vs
-        4); every stage then logs the same dtype.
+        :func:`bert_reduce.reports.reduce_reports` over the default loss-reduction group, in
+        fp64; only the quotient is cast (why: ``docs/nemo.md``).
 
         Returns:
             A 0-dim float32 tensor (0.0 when the global batch has no scored token).

@@ -1,9 +1,7 @@
 """The report format: what one micro-batch hands to the reduction, defined once.
 
-Every producer reports a micro-batch as a ``[2]`` fp64 ``(loss_sum, denominator)`` under
-:data:`REPORT_KEY` (fp64: counts exact to 2**53); every consumer adds reports up with
-:func:`sum_reports` and divides once (``docs/guarantees.md``). NeMo 2's and BioNeMo's key,
-:data:`NEMO_REPORT_KEY`, is read as an alias; their validation reports with
+Every consumer adds reports up with :func:`sum_reports` and divides once
+(``docs/guarantees.md``; fp64: counts exact to 2**53). NeMo's validation reports with
 ``val_drop_last=False``, already summed over data-parallel ranks, scale sum and denominator
 alike and so leave every ratio unchanged.
 """

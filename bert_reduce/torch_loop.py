@@ -1,8 +1,4 @@
-"""The exact masked-LM loss for a hand-written PyTorch training step (DDP, FSDP2, CP, packing).
-
-:class:`GlobalBatchLoss` counts first and divides once (``docs/pytorch_loop.md``; the
-algebra, ``docs/guarantees.md``).
-"""
+"""The exact masked-LM loss for a hand-written PyTorch training step (DDP, FSDP2, CP, packing)."""
 
 from __future__ import annotations
 
@@ -29,10 +25,8 @@ _DEFAULT_GROUP: Any = object()
 class GlobalBatchLoss:
     """Exact masked-LM loss of a global batch, fed micro-batch by micro-batch in your own loop.
 
-    In a step, ``begin(micro_batches)`` with this rank's share of one global batch, then
-    ``loss_fn(output, mb).backward()`` for each micro-batch, then ``end()`` and the optimizer
-    step (``docs/pytorch_loop.md``, with DDP's and FSDP2's gradient sync). A micro-batch holds
-    ``labels`` and optionally ``loss_mask`` (:func:`bert_reduce.engine.scored_weights`).
+    The step, with DDP's and FSDP2's gradient sync: ``docs/pytorch_loop.md`` (and the Example);
+    the algebra: ``docs/guarantees.md``.
 
     Args:
         group: The ranks whose micro-batches make up the global batch; ``None`` for none. By
@@ -46,9 +40,8 @@ class GlobalBatchLoss:
         context_parallel_size: As in :func:`bert_reduce.engine.loss_terms` (1: no context
             parallelism; above, ``docs/normalization.md``).
         equal_micro_batch_counts: Require every rank of ``group`` to run as many micro-batches
-            as the others (FSDP2, whose every forward all-gathers): the all-reduce of
-            :meth:`begin` also carries the counts, read on the host (one sync per step). Off
-            by default: DDP runs any number per rank.
+            as the others (FSDP2; ``docs/pytorch_loop.md``): :meth:`begin` then reads the
+            counts on the host (one sync per step). Off by default: DDP runs any number.
         **options: :class:`bert_reduce.LossOptions`' fields.
 
     Raises:
