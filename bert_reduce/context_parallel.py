@@ -195,13 +195,11 @@ def get_packed_batch_on_this_cp_rank(
             f"{2 * cp_size}; pack with pad_to_multiple_of={2 * cp_size}."
         )
     total = int(bounds[-1])
-    index: Tensor | None = None
+    index = packed_context_parallel_indices(bounds, total, cp_size, cp_rank)
     sliced: dict[str, Any] = {}
     for key, value in batch.items():
         if key not in _PACKED_BOUNDARY_KEYS and isinstance(value, Tensor) and value.dim() >= 2:
             if tuple(value.shape[:2]) == (1, total):
-                if index is None:
-                    index = packed_context_parallel_indices(bounds, total, cp_size, cp_rank)
                 value = value.index_select(1, index.to(value.device))
         sliced[key] = value
     return _recounted(sliced)
