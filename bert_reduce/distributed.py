@@ -1,12 +1,9 @@
 """Which process groups the loss reduces over, and the one all-reduce.
 
-With Megatron-Core's parallel state initialized, the groups are Megatron's: tensor parallel
-for the vocab-sharded cross-entropy, data x context parallel for the token sums. Without it
-(one process, plain ``torch.distributed``, Lightning DDP), TP = CP = 1 and the sums reduce
-over the default process group when there is one.
-
-Megatron-Core is never imported from here: if its parallel state is in use, the module is
-already in ``sys.modules``; looking it up there keeps ``import bert_reduce`` fast.
+Megatron-Core's groups when its parallel state is initialized, else TP = CP = 1
+(``docs/megatron.md``). Megatron-Core is never imported from here: if its parallel state is in
+use, the module is already in ``sys.modules``; looking it up there keeps ``import bert_reduce``
+fast.
 """
 
 from __future__ import annotations

@@ -59,9 +59,8 @@ class LossOptions:
         weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
         capacity: Which rows the kernels compute when the batch has no ``num_scored``
             (``docs/fast_path.md``); ``None`` (default): each kernel's own default.
-        cross_entropy: The kernel: ``"masked"`` (default; the library's, on logits or as the
-            fused head on hidden states), ``"megatron"`` (Megatron-Core's vocab-parallel
-            cross-entropy on every position) or ``"megatron_fused"`` (its fused kernel, one
+        cross_entropy: The kernel: ``"masked"`` (default), ``"megatron"`` (Megatron-Core's
+            vocab-parallel cross-entropy) or ``"megatron_fused"`` (its fused kernel, one
             all-reduce fewer under TP): ``docs/megatron.md#cross-entropy-kernels``.
         ignore_index: Label of unscored positions (Hugging Face's ``-100``): such a position
             weighs 0 whatever ``loss_mask`` says. ``None``: only ``loss_mask`` decides (a

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -33,7 +33,7 @@ HIDDEN_LAYOUT_KEY = "hidden_layout"
 Layout = Literal["bs", "sb"]
 """``"bs"``: batch first (``[b, s, v]`` logits, ``[b, s, h]`` hidden states; Hugging Face);
 ``"sb"``: sequence first (``[s, b, v]``, ``[s, b, h]``; Megatron)."""
-LAYOUTS: tuple[Layout, ...] = ("bs", "sb")
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 
 FORWARD_OUT_LAYOUTS: dict[str, str] = {
     "token_logits": "[s, b, v] logits",

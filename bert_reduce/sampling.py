@@ -1,9 +1,7 @@
 """Batch samplers that hand every step the same global batch, whatever the number of ranks.
 
-:class:`GlobalBatchSampler` for training, :class:`ShardedEvalBatchSampler` for validation, and
-checks that a loader's sampler does either. Pass them as ``DataLoader(dataset,
-batch_sampler=...)``; with Lightning, with ``Trainer(use_distributed_sampler=False)``
-(``docs/lightning.md``).
+Pass them as ``DataLoader(dataset, batch_sampler=...)``; with Lightning, with
+``Trainer(use_distributed_sampler=False)`` (``docs/lightning.md``).
 """
 
 from __future__ import annotations

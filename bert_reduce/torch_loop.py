@@ -33,8 +33,7 @@ class GlobalBatchLoss:
             default :func:`bert_reduce.distributed.loss_reduction_group`, at every :meth:`begin`.
         layout: As in :func:`bert_reduce.engine.loss_terms`: ``"bs"`` (default) or ``"sb"``.
         gradient_sync: How the data-parallel wrapper combines the ranks' gradients:
-            ``"mean"`` (DDP's and FSDP2's default) or ``"sum"`` (e.g. FSDP2 with
-            ``set_gradient_divide_factor(1.0)``, or a hand-written all-reduce).
+            ``"mean"`` (DDP's and FSDP2's default) or ``"sum"`` (``docs/pytorch_loop.md``).
         gradient_average_size: With ``gradient_sync="mean"``, how many ranks the gradients
             are averaged over; the size of ``group`` by default.
         context_parallel_size: As in :func:`bert_reduce.engine.loss_terms` (1: no context
