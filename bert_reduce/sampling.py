@@ -185,10 +185,8 @@ def check_sampler_placement(dataloaders: Iterable[object], world_size: int, rank
 
 def _placed(dataloader: object) -> tuple[str, int, int] | None:
     """``(name, samples placed on all ranks, ranks)`` of a sampler that evens out the ranks."""
-    samplers = [getattr(dataloader, "sampler", None)]
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    samplers.append(getattr(batch_sampler, "sampler", None))
-    for sampler in samplers:
+    for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
         # Lightning's UnrepeatedDistributedSampler sets total_size to the dataset's size.
         if isinstance(sampler, DistributedSampler):
             return "DistributedSampler", sampler.total_size, sampler.num_replicas
@@ -204,10 +202,9 @@ def _placed(dataloader: object) -> tuple[str, int, int] | None:
 def check_no_repeated_samples(dataloaders: DataLoader | Iterable[DataLoader] | None) -> None:
     """Raise ``ValueError`` if a distributed sampler repeats or drops evaluation samples.
 
-    ``DistributedSampler`` (Lightning's default under DDP) and the batch sampler of
-    ``accelerator.prepare`` (``even_batches=True``) even out ranks by repeating or dropping
-    samples, which the sums would count twice or miss (``docs/perplexity.md``); the error
-    names the samplers that place every sample on exactly one rank.
+    ``DistributedSampler`` (Lightning's default under DDP) and ``accelerator.prepare``'s batch
+    sampler (``even_batches=True``) repeat or drop samples to even out ranks
+    (``docs/perplexity.md``): the sums would count them twice or miss them.
 
     Args:
         dataloaders: A dataloader, a collection of them (as ``trainer.val_dataloaders``), or
