@@ -25,8 +25,9 @@ _DEFAULT_GROUP: Any = object()
 class GlobalBatchLoss:
     """Exact masked-LM loss of a global batch, fed micro-batch by micro-batch in your own loop.
 
-    The step, with DDP's and FSDP2's gradient sync: ``docs/pytorch_loop.md`` (and the Example);
-    the algebra: ``docs/guarantees.md``.
+    A micro-batch holds ``labels`` and optionally ``loss_mask``
+    (:func:`bert_reduce.engine.scored_weights`); the step, with DDP's and FSDP2's gradient
+    sync: ``docs/pytorch_loop.md`` (the algebra: ``docs/guarantees.md``).
 
     Args:
         group: The ranks whose micro-batches make up the global batch; ``None`` for none. By
