@@ -111,10 +111,8 @@ def test_sampler_placement_is_checked_through_one_wrapper() -> None:
 
 
 def test_check_no_repeated_samples_names_the_sampler() -> None:
+    # A padding DistributedSampler: the function's doctest, and tests/test_evaluation.py.
     data = list(range(11))
-    padded = DataLoader(data, sampler=DistributedSampler(data, 2, 0, shuffle=False))
-    with pytest.raises(ValueError, match=r"DistributedSampler repeats 1 of the 11 samples"):
-        check_no_repeated_samples(padded)
     dropping = DistributedSampler(data, 2, 1, shuffle=False, drop_last=True)
     with pytest.raises(ValueError, match=r"drops 1 of the 11 samples to give each of 2 ranks"):
         check_no_repeated_samples([DataLoader(data, sampler=dropping)])
