@@ -39,22 +39,13 @@ def bionemo_collated(per_sample: bool = False) -> dict:
     return NumScoredCollator(default_collate, per_sample=per_sample)(samples)
 
 
-def hf_tokenizer(tmp_path):
-    """A real ``EsmTokenizer`` over the ESM alphabet, from a local vocabulary file."""
-    from transformers import EsmTokenizer
-
-    from bert_reduce.recipe.tokenizer import ESMTokenizer
-
-    vocab = tmp_path / "vocab.txt"
-    vocab.write_text("\n".join(ESMTokenizer().vocab) + "\n")
-    return EsmTokenizer(vocab_file=str(vocab))
-
-
-def test_hugging_face_collator_counts_its_labels(tmp_path) -> None:
+def test_hugging_face_collator_counts_its_labels() -> None:
     pytest.importorskip("transformers")
     from transformers import DataCollatorForLanguageModeling
 
-    tokenizer = hf_tokenizer(tmp_path)
+    from examples.hf_trainer_esm2 import build_tokenizer, parse_args
+
+    tokenizer = build_tokenizer(parse_args([]))  # a real EsmTokenizer over the ESM alphabet
     samples = [tokenizer(s) for s in ("MKVLAAGIWMKVL", "MSTNPKPQRKTKRNTNRRPQ", "MAL")]
     collate = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3, seed=0)
     batch = NumScoredCollator(collate)(samples)

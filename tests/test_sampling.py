@@ -39,10 +39,6 @@ def test_same_global_batches_whatever_the_ranks_and_micro_batches(epoch: int) ->
         assert _global_batches(world_size, micro_batch_size, epoch) == reference
 
 
-def test_order_depends_on_seed_and_epoch_only() -> None:
-    assert _global_batches(1, 12, epoch=0) != _global_batches(1, 12, epoch=1)
-
-
 def test_lightning_sets_the_epoch_through_the_dataloader() -> None:
     pytest.importorskip("lightning")
     from lightning.fabric.utilities.data import _set_sampler_epoch
@@ -115,10 +111,8 @@ def test_sampler_placement_is_checked_through_one_wrapper() -> None:
 
 
 def test_check_no_repeated_samples_names_the_sampler() -> None:
+    # A padding DistributedSampler: the function's doctest, and tests/test_evaluation.py.
     data = list(range(11))
-    padded = DataLoader(data, sampler=DistributedSampler(data, 2, 0, shuffle=False))
-    with pytest.raises(ValueError, match=r"DistributedSampler repeats 1 of the 11 samples"):
-        check_no_repeated_samples(padded)
     dropping = DistributedSampler(data, 2, 1, shuffle=False, drop_last=True)
     with pytest.raises(ValueError, match=r"drops 1 of the 11 samples to give each of 2 ranks"):
         check_no_repeated_samples([DataLoader(data, sampler=dropping)])

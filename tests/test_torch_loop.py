@@ -10,7 +10,7 @@ import torch
 
 from bert_reduce import GlobalBatchLoss
 from bert_reduce.packing import pack_batch, unpack_sequences
-from tests.helpers.mode_reference import MODES, float_weights, mode_kwargs
+from tests.helpers.mode_reference import MODES, float_weights, mode_kwargs, run_mode_microbatches
 from tests.helpers.packed_batch import ragged_padded_batch
 from tests.helpers.reference import (
     RAGGED_LENGTHS,
@@ -85,13 +85,14 @@ def test_every_output_mode_layout_and_split_equals_reference(
 
 
 def test_empty_micro_batches_and_an_empty_step_give_zero_loss_and_zero_grad() -> None:
+    # GlobalBatchLoss, and BERTMLMLossWithReduction's reports and gradient as Megatron takes them.
     logits, labels, mask = make_mlm_batch(4, 6, 5, empty_rows=(0, 1, 2, 3))
     for mode in MODES:
-        loss, (grad,) = run_steps(
-            (logits,), labels, mask, [1, 3], normalization=mode, **mode_kwargs(mode)
-        )
-        assert float(loss) == 0.0
-        assert torch.equal(grad, torch.zeros_like(grad))
+        options = {"normalization": mode, **mode_kwargs(mode)}
+        loss, (grad,) = run_steps((logits,), labels, mask, [1, 3], **options)
+        megatron = run_mode_microbatches(logits, labels, mask, [1, 3], **options)
+        for value in (loss, grad, *megatron):
+            assert torch.equal(value, torch.zeros_like(value)), mode
     loss_fn = GlobalBatchLoss(group=None)
     assert float(loss_fn.begin([])) == 0.0
     assert float(loss_fn.end()) == 0.0

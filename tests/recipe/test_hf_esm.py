@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from bert_reduce.recipe.build import build_from_config
 from bert_reduce.recipe.config import HFEsm2ModelConfig
 from tests.helpers.recipe_runs import compose_config
+from tests.helpers.reference import assert_close_by_name
 
 pytest.importorskip("transformers")
 
@@ -65,9 +66,7 @@ def test_pretrained_path_loads_a_local_checkpoint(tmp_path: Path) -> None:
     assert loaded.model.config.hidden_size == 16  # the checkpoint's shape, not the config's
     # In training mode, as a model built from a config (from_pretrained returns eval mode).
     assert all(module.training for module in loaded.modules())
-    expected = saved.state_dict()
-    for name, value in loaded.state_dict().items():
-        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+    assert_close_by_name(loaded.state_dict(), saved.state_dict(), rtol=0, atol=0)
 
 
 def test_clear_errors() -> None:

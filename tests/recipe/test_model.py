@@ -11,7 +11,7 @@ from bert_reduce.recipe.model import ESM2Model, RotaryEmbedding
 SMALL = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, ffn_size=64)
 
 
-def test_output_layout_and_tied_head() -> None:
+def test_output_layout_tied_head_and_fused_head_outputs_in_training_only() -> None:
     model = ESM2Model(SMALL)
     ids = torch.randint(4, 24, (3, 7))
     logits = model(ids, logits=True)["token_logits"]
@@ -21,6 +21,13 @@ def test_output_layout_and_tied_head() -> None:
     assert untied.lm_decoder.weight is not untied.embed_tokens.weight
     names = {name for name, _ in model.named_parameters()}
     assert "lm_decoder.weight" not in names  # tied: one parameter, counted once
+    fused = model(ids)
+    assert set(fused) == {"hidden_states", "hidden_layout", "output_weight", "output_bias"}
+    assert fused["hidden_layout"] == "bs" and fused["hidden_states"].shape == (3, 7, 32)
+    # The loss and gradients of these outputs are the logits': test_module.py.
+    assert fused["output_weight"] is model.embed_tokens.weight
+    assert set(model.eval()(ids)) == {"token_logits"}
+    assert set(ESM2Model(replace(SMALL, fused_head=False))(ids)) == {"token_logits"}
 
 
 def test_padding_does_not_change_real_positions() -> None:
@@ -109,15 +116,3 @@ def test_packed_row_equals_padded_batch(pad_to_multiple_of: int) -> None:
     # Without the boundaries, the row is one long sequence: the check above can fail.
     merged = model(packed["input_ids"])["token_logits"]
     assert not torch.allclose(merged[: lengths[0], 0], padded[: lengths[0], 0])
-
-
-def test_fused_head_outputs_in_training_logits_in_eval() -> None:
-    model = ESM2Model(SMALL)
-    ids = torch.randint(4, 24, (3, 7))
-    fused = model(ids)
-    assert set(fused) == {"hidden_states", "hidden_layout", "output_weight", "output_bias"}
-    assert fused["hidden_layout"] == "bs" and fused["hidden_states"].shape == (3, 7, 32)
-    # The loss and gradients of these outputs are the logits': test_module.py.
-    assert fused["output_weight"] is model.embed_tokens.weight
-    assert set(model.eval()(ids)) == {"token_logits"}
-    assert set(ESM2Model(replace(SMALL, fused_head=False))(ids)) == {"token_logits"}

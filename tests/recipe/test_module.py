@@ -11,6 +11,7 @@ from bert_reduce.recipe.config import ModelConfig
 from bert_reduce.recipe.data import MLMCollator, MLMDataset, PackedMicroBatchCollator
 from bert_reduce.recipe.model import ESM2Model
 from bert_reduce.recipe.module import ESM2MLMModule
+from tests.helpers.reference import assert_close_by_name
 from tests.helpers.sync_guard import forbid_host_syncs
 
 # No dropout: the fused and the logits forward passes must see the same network.
@@ -53,9 +54,7 @@ def test_fused_head_gives_the_gradients_of_the_logits(mode, packed) -> None:
     model.fused_head = False
     dense_loss, dense_grads = gradients(model, batch, mode)
     torch.testing.assert_close(fused_loss, dense_loss, rtol=1e-12, atol=0)
-    assert fused_grads.keys() == dense_grads.keys()
-    for name, grad in fused_grads.items():
-        torch.testing.assert_close(grad, dense_grads[name], rtol=1e-10, atol=1e-13, msg=name)
+    assert_close_by_name(fused_grads, dense_grads, rtol=1e-10, atol=1e-13)
 
 
 def test_counts_stay_host_ints_through_lightnings_own_batch_transfer() -> None:

@@ -4,7 +4,6 @@ resume, overwrite, the lock, and the config history."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -54,8 +53,6 @@ def test_auto_takes_the_checkpoint_of_the_most_steps(tmp_path: Path) -> None:
     # A kill between a step's two renames: its periodic checkpoint is in place, last.ckpt not.
     recipe_checkpoint(tmp_path / "step000015.ckpt", step=15)
     assert resume_point("auto", tmp_path, 16) == ResumePoint(tmp_path / "step000015.ckpt", 15)
-    with pytest.raises(ValueError, match=r"data\.global_batch_size=16, this run has"):
-        resume_point("auto", tmp_path, 32)  # a configuration to fix, not a damaged file
 
 
 def test_auto_skips_damaged_checkpoints(tmp_path: Path) -> None:
@@ -106,18 +103,11 @@ def test_a_used_directory_is_refused_unless_resumed_or_overwritten(tmp_path: Pat
     checkpoints = used_run(tmp_path / "used")
     run_dir = checkpoints.parent
     (run_dir / LOCK_NAME).write_text("pid 1 on host h, started ...\n")
-    with pytest.raises(RunDirectoryError, match="already holds a run") as error:
-        start(run_dir)
-    message = str(error.value)
-    assert "checkpoints/last.ckpt, config.yaml, metrics.csv" in message
-    assert f"resume={checkpoints / 'last.ckpt'}" in message and "overwrite=true" in message
+    # A new run, or overwrite=true with resume= of this run or resume=auto: the probes of
+    # tests/integration/test_bad_inputs.py (through train.py, the directory left unchanged).
     # Resuming from another directory's checkpoint does not continue this run either.
     with pytest.raises(RunDirectoryError, match="already holds a run"):
         start(run_dir, tmp_path / "x" / "last.ckpt")
-    with pytest.raises(RunDirectoryError, match="overwrite=true would delete"):
-        start(run_dir, checkpoints / "last.ckpt", True)
-    with pytest.raises(RunDirectoryError, match="resume=auto continues the run"):
-        start(run_dir, "auto", True)
     # Refused: nothing changed, the lock file included.
     assert (run_dir / LOCK_NAME).read_text() == "pid 1 on host h, started ...\n"
     for resume in ("auto", checkpoints / "last.ckpt", checkpoints / "step000005.ckpt"):
@@ -127,18 +117,6 @@ def test_a_used_directory_is_refused_unless_resumed_or_overwritten(tmp_path: Pat
     start(run_dir, None, True)
     assert sorted(p.name for p in run_dir.rglob("*")) == [LOCK_NAME, "checkpoints", "notes.txt"]
     assert (run_dir / "notes.txt").read_text() == "mine"  # not the recipe's: kept
-
-
-def test_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:
-    with RunDirectory(tmp_path) as directory:
-        directory.start()
-        with (
-            pytest.raises(RunDirectoryError, match=f"pid {os.getpid()} on host"),
-            RunDirectory(tmp_path),
-        ):
-            pass
-    with RunDirectory(tmp_path):  # released
-        pass
 
 
 def test_config_history_is_kept(tmp_path: Path) -> None:
