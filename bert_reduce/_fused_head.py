@@ -70,17 +70,15 @@ _PAIR_SLICE = 1024
 _BLOCK_ELEMENTS = 1 << 18
 
 COMPILE_BUCKETS = 16
-"""Under ``torch.compile``, row counts share a graph per 1/16 of the positions."""
 
 
 def compile_bucket(count: int, positions: int) -> int:
     """``count`` rounded up to a multiple of ``ceil(positions / 16)``, at most ``positions``.
 
     Under ``torch.compile`` the number of row chunks follows this bucket rather than the
-    count itself (:func:`row_chunks`), so that one graph serves every count of a bucket:
-    dynamo compiles the first count as a constant, then makes it a dynamic integer whose
-    guards only compare it with the bucket's bounds. Micro-batches masked at 9% to 21% of
-    the positions then run in at most 3 graphs after the first.
+    count itself (:func:`row_chunks`), so that one graph serves every count of a bucket
+    (``docs/fast_path.md``): dynamo compiles the first count as a constant, then makes it a
+    dynamic integer whose guards only compare it with the bucket's bounds.
     """
     granule = -(-positions // COMPILE_BUCKETS)
     # Floor divisions and min only: on a symbolic count (dynamo's dynamic ints) the bucket
@@ -545,7 +543,6 @@ def head_rows(
         raise ValueError(
             f"chunk_rows and chunk_vocab must be positive, got {chunk_rows} and {chunk_vocab}."
         )
-    # Flat row r follows hidden's memory order: r = i_s * b + i_b ("sb"), i_b * s + i_s ("bs").
     targets, per_row, selection = flat_rows(
         labels, per_position, layout == "sb", capacity, num_scored
     )

@@ -2,12 +2,8 @@
 
 :mod:`bert_reduce.cross_entropy` (logits) and :mod:`bert_reduce._fused_head` (hidden states
 and the output weight) compute the same loss on the same rows; only how they obtain a chunk
-of logits differs. Written once here: which rows a call computes (:func:`flat_rows`), where
-each target falls in this rank's vocabulary shard (:func:`shard_targets`), the per-row
-statistics every shard contributes, completed by ONE all-reduce (:func:`combine_shard_stats`:
-the global log-sum-exp is the log-sum-exp of the shards'), the rows' losses and the
-backward's coefficients, and the sequence-parallel gather. Megatron-Core is only consulted
-(through :mod:`bert_reduce.distributed`) when its parallel state is initialized.
+of logits differs. Megatron-Core is only consulted (through :mod:`bert_reduce.distributed`)
+when its parallel state is initialized.
 """
 
 from __future__ import annotations

@@ -115,11 +115,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         in_place: bool,
         tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
-        """``[b, s]`` losses of the selected rows, 0 elsewhere (:func:`cross_entropy_token_losses`).
-
-        ``targets`` and ``scored`` are ``[rows]``, aligned with ``rows``; a selected row that is
-        not scored gets loss 0 and no gradient.
-        """
+        """:func:`cross_entropy_token_losses` on ``rows``, with their ``[rows]`` targets, scored."""
         _, tp_size, tp_rank = vp.tensor_parallel_placement(tp_group)
         acc = accumulation_dtype(logits.dtype)
         seq_len, batch_size, shard = logits.shape
@@ -249,7 +245,6 @@ def cross_entropy_token_losses(
             "in_place=True would write the gradient into a leaf tensor's data; pass the "
             "non-leaf logits of the model instead."
         )
-    # Flat row r = i_s * b + i_b follows the [s, b, v] memory order of the logits.
     targets, scored, selection = vp.flat_rows(labels, loss_mask, True, capacity, num_scored)
     rows = _Rows(logits.shape, selection, chunk_elements)
     return _CrossEntropyTokenLosses.apply(logits, targets, scored != 0, rows, in_place, tp_group)
@@ -318,11 +313,8 @@ def unreduced_token_loss_fn(
 ) -> Tensor:
     """``[s, b, v]`` logits and ``[b, s]`` labels -> ``[b, s]`` cross-entropy of every position.
 
-    BioNeMo's name and signature, for code ported from it (``docs/bionemo.md``). Under
-    Megatron-Core's parallel state this is Megatron's vocab-parallel cross-entropy (what
-    ``cross_entropy="megatron"`` runs), on a private fp32 copy so that the caller's logits
-    are never modified; without it, :func:`cross_entropy_token_losses` with every position
-    scored. A label outside the full vocabulary (``-100``) gives NaN at its position.
+    BioNeMo's name and signature, for code ported from it; what it runs with and without
+    Megatron-Core's parallel state: ``docs/bionemo.md``.
 
     Args:
         logits: ``[s, b, v]`` logits (this rank's vocab shard under tensor parallelism).
@@ -331,7 +323,8 @@ def unreduced_token_loss_fn(
             (its gradient is computed in bf16). Needs Megatron's parallel state.
 
     Returns:
-        ``[b, s]`` per-token losses in fp32 (fp64 for fp64 logits without Megatron).
+        ``[b, s]`` per-token losses in fp32 (fp64 for fp64 logits without Megatron), NaN where
+        a label is outside the full vocabulary (``-100``).
 
     Raises:
         ValueError: On mismatched shapes, or the fused kernel without Megatron's parallel
