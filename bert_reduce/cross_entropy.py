@@ -20,9 +20,9 @@ from bert_reduce import distributed
 from bert_reduce._vocab_parallel import Capacity
 from bert_reduce.functional import (
     accumulation_dtype,
-    check_logits_and_labels,
     check_same_device,
     check_same_shape,
+    check_token_tensor,
 )
 from bert_reduce.normalization import Normalization, token_loss_sum
 
@@ -231,7 +231,7 @@ def cross_entropy_token_losses(
         >>> losses
         tensor([[1.3863, 0.0000, 1.3863]])
     """
-    check_logits_and_labels(logits, labels)
+    check_token_tensor(logits, labels, "token_logits", "sbv")
     check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
     check_same_device(loss_mask, labels, ("loss_mask", "labels"))
     if chunk_elements is None:  # chunks whose fp32 copy is 1/32 of the logits' bytes, not tiny
@@ -334,7 +334,7 @@ def unreduced_token_loss_fn(
         >>> unreduced_token_loss_fn(torch.zeros(2, 1, 4), torch.tensor([[0, -100]]))
         tensor([[1.3863,    nan]])
     """
-    check_logits_and_labels(logits, labels)
+    check_token_tensor(logits, labels, "token_logits", "sbv")
     if not distributed.megatron_is_initialized():
         if cross_entropy_loss_fusion:
             raise ValueError(
