@@ -345,11 +345,9 @@ def _add_weight_gradient(
 def _input_gradients(
     grads: Gradients,
     dtype: torch.dtype,
-    index: Tensor | None,
-    positions: int,
     scale: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(hidden, weight, bias)`` gradients in the inputs' dtype, times ``scale`` if given.
+    """``(rows, weight, bias)`` gradients in the inputs' dtype, times ``scale`` if given.
 
     ``grads`` is consumed: where the accumulation dtype is the inputs', its buffers are scaled
     in place and returned.
@@ -367,13 +365,11 @@ def _input_gradients(
                 grad = grad.mul_(scale) if grad.dtype == dtype else grad * scale
             grad = grad.to(dtype)
         out.append(grad)
-    if out[0] is not None and index is not None:
-        out[0] = out[0].new_zeros(positions, out[0].size(1)).index_copy_(0, index, out[0])
     return out[0], out[1], out[2]
 
 
 class TokenLosses(torch.autograd.Function):
-    """``[positions]`` losses of a flat ``[positions, h]`` ``hidden``; backward recomputes."""
+    """``[positions]`` losses of the selected ``[rows, h]`` ``hidden``; backward recomputes."""
 
     @staticmethod
     def forward(
@@ -384,14 +380,12 @@ class TokenLosses(torch.autograd.Function):
         rows: HeadRows,
         tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
-        selection, positions = rows.selection, hidden.size(0)
-        rows_hidden, sharded, plan = rows.prepare(hidden, weight, tp_group)
-        acc = accumulation_dtype(hidden.dtype)
-        lse, loss = stats_pass(rows_hidden, weight, bias, sharded, plan, acc, tp_group)
-        losses, scored = scatter_losses(loss, rows.per_row != 0, selection, positions)
-        ctx.plan, ctx.positions = plan, positions
+        selection, acc = rows.selection, accumulation_dtype(hidden.dtype)
+        lse, loss = stats_pass(hidden, weight, bias, rows.sharded, rows.plan, acc, tp_group)
+        losses, scored = scatter_losses(loss, rows.per_row != 0, selection, rows.positions)
+        ctx.plan = rows.plan
         ctx.save_for_backward(
-            rows_hidden, weight, bias, lse, *sharded, scored, selection.index, selection.overflow
+            hidden, weight, bias, lse, *rows.sharded, scored, selection.index, selection.overflow
         )
         return losses
 
@@ -405,8 +399,7 @@ class TokenLosses(torch.autograd.Function):
             rows_hidden, weight, bias, ShardedTargets(*sharded), coef, ctx.plan,
             ctx.needs_input_grad[:3], lse,
         )  # fmt: skip
-        grads = _input_gradients(grads, rows_hidden.dtype, index, ctx.positions)
-        return *grads, None, None
+        return *_input_gradients(grads, rows_hidden.dtype), None, None
 
 
 class WeightedSum(torch.autograd.Function):
@@ -423,7 +416,7 @@ class WeightedSum(torch.autograd.Function):
     ) -> Tensor:
         """``coef``, the rows' weights in the accumulation dtype, 0 on unweighted rows."""
         coef = rows.per_row.to(accumulation_dtype(hidden.dtype))
-        rows_hidden, sharded, plan = rows.prepare(hidden, weight, tp_group)
+        sharded, plan = rows.sharded, rows.plan
         poison = None
         if rows.selection.overflow is not None:
             # More scored rows than selected: the sum and every gradient are NaN.
@@ -431,56 +424,44 @@ class WeightedSum(torch.autograd.Function):
             coef = coef * poison
         needs = ctx.needs_input_grad[:3]
         if rows.single_pass:
-            loss_sum, grads = gradient_pass(rows_hidden, weight, bias, sharded, coef, plan, needs)
+            loss_sum, grads = gradient_pass(hidden, weight, bias, sharded, coef, plan, needs)
         else:
-            lse, loss = stats_pass(rows_hidden, weight, bias, sharded, plan, coef.dtype, tp_group)
+            lse, loss = stats_pass(hidden, weight, bias, sharded, plan, coef.dtype, tp_group)
             loss_sum = torch.where(coef != 0, coef * loss, 0).sum()
             grads = Gradients(None, None, None, None)
             if any(needs):
-                _, grads = gradient_pass(rows_hidden, weight, bias, sharded, coef, plan, needs, lse)
+                _, grads = gradient_pass(hidden, weight, bias, sharded, coef, plan, needs, lse)
         if poison is not None:
             loss_sum = loss_sum * poison
-        ctx.positions, ctx.dtype = hidden.size(0), hidden.dtype
-        ctx.save_for_backward(*grads, rows.selection.index, poison)
+        ctx.dtype = hidden.dtype
+        ctx.save_for_backward(*grads, poison)
         return loss_sum
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_sum: Tensor) -> tuple[Tensor | None, ...]:
         # The loss is linear in what the forward accumulated: scale, no recomputation.
-        *grads, index, poison = ctx.saved_tensors
+        *grads, poison = ctx.saved_tensors
         scale = grad_sum.to(accumulation_dtype(ctx.dtype))
         if poison is not None:
             scale = scale * poison
-        grads = _input_gradients(Gradients(*grads), ctx.dtype, index, ctx.positions, scale)
-        return *grads, None, None
+        return *_input_gradients(Gradients(*grads), ctx.dtype, scale), None, None
 
 
 class HeadRows(NamedTuple):
-    """The flat rows one call computes, and its chunks.
+    """The rows one call computes (of its flat ``positions``), and its chunks.
 
-    ``hidden`` is ``[positions, h]`` (gathered under sequence parallelism); ``targets`` (int64)
-    and ``per_row`` (mask or weights) are the selected rows'.
+    ``hidden`` is the selected rows' ``[rows, h]`` (gathered under sequence parallelism);
+    ``sharded`` and ``per_row`` (mask or weights) are theirs.
     """
 
     hidden: Tensor
-    targets: Tensor
+    sharded: ShardedTargets
     per_row: Tensor
     selection: RowSelection
-    chunks: tuple[int, int]
+    positions: int
+    plan: Plan
     single_pass: bool
-
-    def prepare(
-        self, hidden: Tensor, weight: Tensor, tp_group: dist.ProcessGroup | None
-    ) -> tuple[Tensor, ShardedTargets, Plan]:
-        """The selected rows of ``hidden``, their targets in this shard, and the chunks."""
-        index = self.selection.index
-        rows_hidden = hidden if index is None else hidden.index_select(0, index)
-        chunk_rows, chunk_vocab = self.chunks
-        vocab = weight.size(0)
-        vocab_chunks = [(a, min(a + chunk_vocab, vocab)) for a in range(0, vocab, chunk_vocab)]
-        plan = Plan(row_chunks(rows_hidden.size(0), chunk_rows, hidden.size(0)), vocab_chunks)
-        return rows_hidden, shard_targets(self.targets, vocab, tp_group), plan
 
 
 def head_rows(
@@ -546,7 +527,13 @@ def head_rows(
     targets, per_row, selection = flat_rows(
         labels, per_position, layout == "sb", capacity, num_scored
     )
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    positions = hidden.size(0)
+    if selection.index is not None:  # autograd scatters the rows' gradient back
+        hidden = hidden.index_select(0, selection.index)
+    vocab_chunks = [(a, min(a + chunk_vocab, vocab)) for a in range(0, vocab, chunk_vocab)]
+    plan = Plan(row_chunks(targets.numel(), chunk_rows, positions), vocab_chunks)
     return HeadRows(
-        hidden.reshape(-1, hidden.size(-1)), targets, per_row, selection,
-        (chunk_rows, chunk_vocab), single_pass,
+        hidden, shard_targets(targets, vocab, tp_group), per_row, selection, positions, plan,
+        single_pass,
     )  # fmt: skip
