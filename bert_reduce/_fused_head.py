@@ -182,15 +182,13 @@ def _softmax_minus_onehot_(
     """Overwrite a ``[c, v_chunk]`` chunk of logits with its gradient up to a per-row scale.
 
     Returns ``(log_probability, scale)``: the rows' target log-probabilities (one pass, else
-    ``None``) and the ``[c]`` factor with ``dL/dx = scale * x_after``, for the products'
-    small operands; ``grad_bias += x_after^T @ scale`` when given. ``gradient=False`` only
-    computes the log-probabilities.
-
-    With the rows' global ``lse`` the chunk becomes ``exp(x - lse) - onehot`` (``scale =
-    coef``). Without, the chunk spans the whole vocabulary, and ONE softmax over the row and
-    one extra column holding the row's maximum ``m`` gives everything: with
-    ``S = sum_j exp(x_j - m)``, the softmax over ``[x, m]`` is ``p_j = exp(x_j - m) / (S + 1)``
-    and ``p_last = 1 / (S + 1)``, so that (``q = 1 - p_last = S / (S + 1)``, in ``[1/2, 1)``)
+    ``None``) and the module docstring's ``[c]`` factor, ``dL/dx = scale * x_after``;
+    ``grad_bias += x_after^T @ scale`` when given. ``gradient=False`` only computes the
+    log-probabilities. Without the rows' global ``lse`` the chunk spans the whole vocabulary,
+    and ONE softmax over the row and one extra column holding the row's maximum ``m`` gives
+    everything: with ``S = sum_j exp(x_j - m)``, the softmax over ``[x, m]`` is
+    ``p_j = exp(x_j - m) / (S + 1)`` and ``p_last = 1 / (S + 1)``, so that
+    (``q = 1 - p_last = S / (S + 1)``, in ``[1/2, 1)``)
 
         log S = log(q) - log(p_last),  softmax(x) = p / q  (the module docstring's ``q``).
 

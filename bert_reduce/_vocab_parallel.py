@@ -117,8 +117,7 @@ def tensor_parallel_placement(
 ) -> tuple[dist.ProcessGroup | None, int, int]:
     """``(group, world_size, rank)`` of the vocab-sharding group (``(None, 1, 0)`` without).
 
-    ``group`` when given, else Megatron-Core's tensor-parallel group when its parallel state is
-    initialized, else none.
+    ``group`` as the kernels' ``tp_group`` argument (``None``: Megatron-Core's, if initialized).
     """
     if group is None:
         if distributed.tensor_parallel_world_size() == 1:
@@ -133,9 +132,7 @@ def tensor_parallel_placement(
 def gather_sequence_parallel(hidden: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """The whole ``[s, b, h]`` from this rank's ``[s / tp, b, h]``, as Megatron's linear does.
 
-    Megatron-Core's own mapping: all-gather along ``s`` in forward, reduce-scatter of the
-    (vocab-shard partial) gradient in backward, so the gradient of the local shard is whole.
-    ``group``: the tensor-parallel group (``None``: Megatron-Core's).
+    Megatron-Core's own mapping (``docs/megatron.md``), on ``group`` (``None``: Megatron-Core's).
     """
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 

@@ -272,9 +272,8 @@ def cross_entropy_loss_sum(
     :func:`bert_reduce.normalization.token_loss_sum`; the arguments are theirs.
 
     Returns:
-        ``(loss_sum, denominator)`` of the normalization mode: the 0-dim numerator in fp32
-        (fp64 for fp64 logits), carrying the gradient (NaN as the token losses are), and the
-        0-dim denominator (per token: the int64 token count, or the fp64 sum of weights).
+        ``(loss_sum, denominator)`` as :func:`bert_reduce.normalization.token_loss_sum` returns
+        them, the numerator carrying the gradient (NaN as the token losses are).
 
     Raises:
         ValueError: As :func:`cross_entropy_token_losses` and
