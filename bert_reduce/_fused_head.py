@@ -1,13 +1,11 @@
 """(Private) The fused head's kernels: input checks, chunk planning, the two autograd functions.
 
-Both public families of :mod:`bert_reduce.linear_cross_entropy` compute the logits
-``x = h_rows @ w^T + b`` of the selected rows only, a ``[rows, vocab]`` chunk at a time, and
-turn each chunk into its logits' gradient ``dL/dx = coef * (softmax - onehot)`` at once, so
-that neither the ``[s, b, v]`` logits nor their gradient ever exist: in **one pass**
-(:func:`gradient_pass` without ``lse``) or **two** (:func:`stats_pass`, then
-:func:`gradient_pass` with the global log-sum-exp), as ``docs/performance.md`` says. With ``p``
-the chunk's softmax up to a per-row factor ``1 / q`` (one pass: the softmax over the row and
-its maximum, :func:`_softmax_minus_onehot_`; two passes: ``exp(x - lse)``, ``q = 1``),
+Each ``[rows, vocab]`` chunk of the selected rows' logits ``x = h_rows @ w^T + b`` becomes its
+gradient ``dL/dx = coef * (softmax - onehot)`` at once, in **one pass** (:func:`gradient_pass`
+without ``lse``) or **two** (:func:`stats_pass`, then :func:`gradient_pass` with the global
+log-sum-exp; when and why: ``docs/performance.md``). With ``p`` the chunk's softmax up to a
+per-row factor ``1 / q`` (one pass: the softmax over the row and its maximum,
+:func:`_softmax_minus_onehot_`; two passes: ``exp(x - lse)``, ``q = 1``),
 
     dL/dx = coef * (p / q - onehot) = scale * (p - q * onehot),  scale = coef / q
 
@@ -268,9 +266,8 @@ def gradient_pass(
     if needs[2] and bias is not None:
         grad_bias = torch.zeros(weight.size(0), dtype=acc, device=device)
     loss_sum = torch.zeros((), dtype=acc, device=device)
-    # One buffer for every chunk's logits: fresh memory per chunk costs page faults (~5% of
-    # the step on a CPU). In the accumulation dtype it has one extra column (the one pass's
-    # softmax, above); in another, the chunk is converted a block at a time. Under
+    # One buffer for every chunk's logits (and the extra column of _softmax_minus_onehot_'s
+    # `work`): fresh memory per chunk costs page faults (~5% of the step on a CPU). Under
     # torch.compile (which takes no strided `out=`) each chunk is fresh, the compiler's to place.
     compiling = torch.compiler.is_compiling()
     spare = dtype == acc and lse is None and not compiling

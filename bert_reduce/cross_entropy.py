@@ -171,8 +171,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         for start, end in rows.chunks():
             x = rows.read(logits, start, end, scratch)
             out = rows.read(grad, start, end) if direct else x
-            # dL/dx = coef * (softmax - onehot), in place; under TP `scale` also carries the
-            # factor exp(lse_shard - lse) from this shard's softmax to the vocabulary's.
+            # dL/dx = coef * (softmax - onehot), in place; `scale` carries the shard's share.
             p = torch.softmax(x, -1, out=out).mul_(scale[start:end, None])
             p.scatter_add_(1, local[start:end], -target_weight[start:end, None])
             if not direct:

@@ -1,6 +1,6 @@
 """Masked-only language-model head: the output projection and the cross-entropy, fused.
 
-The logits of the selected rows only, a chunk at a time (the kernels:
+These functions compute the logits of the selected rows only, a chunk at a time (the kernels:
 :mod:`bert_reduce._fused_head`). Which rows are computed, and when that costs a host sync:
 ``docs/fast_path.md``; why, precision, memory, passes and tensor parallelism:
 ``docs/performance.md``.
@@ -126,8 +126,7 @@ def linear_cross_entropy_weighted_sum(
         sequence_parallel: As in :func:`linear_cross_entropy_token_losses`.
         capacity: As in :func:`linear_cross_entropy_token_losses`; scored: a non-zero weight.
         num_scored: As in :func:`linear_cross_entropy_token_losses`.
-        chunk_rows: Rows per chunk (``None``: 32 MiB of logits per chunk in one pass, about
-            2**21 logits in two).
+        chunk_rows: Rows per chunk (``None``: the chunk sizes of ``docs/performance.md``).
         chunk_vocab: ``None`` (default): the whole vocabulary (shard) per chunk on one process
             (one pass), ``min(v, 4096)`` under tensor parallelism; smaller: two passes.
         tp_group: As in :func:`linear_cross_entropy_token_losses`.
