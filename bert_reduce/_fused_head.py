@@ -1,13 +1,11 @@
 """(Private) The fused head's kernels: input checks, chunk planning, the two autograd functions.
 
-Both public families of :mod:`bert_reduce.linear_cross_entropy` compute the logits
-``x = h_rows @ w^T + b`` of the selected rows only, a ``[rows, vocab]`` chunk at a time, and
-turn each chunk into its logits' gradient ``dL/dx = coef * (softmax - onehot)`` at once, so
-that neither the ``[s, b, v]`` logits nor their gradient ever exist: in **one pass**
-(:func:`gradient_pass` without ``lse``) or **two** (:func:`stats_pass`, then
-:func:`gradient_pass` with the global log-sum-exp), as ``docs/performance.md`` says. With ``p``
-the chunk's softmax up to a per-row factor ``1 / q`` (one pass: the softmax over the row and
-its maximum, :func:`_softmax_minus_onehot_`; two passes: ``exp(x - lse)``, ``q = 1``),
+Each ``[rows, vocab]`` chunk of the selected rows' logits ``x = h_rows @ w^T + b`` becomes its
+gradient ``dL/dx = coef * (softmax - onehot)`` at once, in **one pass** (:func:`gradient_pass`
+without ``lse``) or **two** (:func:`stats_pass`, then :func:`gradient_pass` with the global
+log-sum-exp; when and why: ``docs/performance.md``). With ``p`` the chunk's softmax up to a
+per-row factor ``1 / q`` (one pass: the softmax over the row and its maximum,
+:func:`_softmax_minus_onehot_`; two passes: ``exp(x - lse)``, ``q = 1``),
 
     dL/dx = coef * (p / q - onehot) = scale * (p - q * onehot),  scale = coef / q
 
@@ -70,17 +68,15 @@ _PAIR_SLICE = 1024
 _BLOCK_ELEMENTS = 1 << 18
 
 COMPILE_BUCKETS = 16
-"""Under ``torch.compile``, row counts share a graph per 1/16 of the positions."""
 
 
 def compile_bucket(count: int, positions: int) -> int:
     """``count`` rounded up to a multiple of ``ceil(positions / 16)``, at most ``positions``.
 
     Under ``torch.compile`` the number of row chunks follows this bucket rather than the
-    count itself (:func:`row_chunks`), so that one graph serves every count of a bucket:
-    dynamo compiles the first count as a constant, then makes it a dynamic integer whose
-    guards only compare it with the bucket's bounds. Micro-batches masked at 9% to 21% of
-    the positions then run in at most 3 graphs after the first.
+    count itself (:func:`row_chunks`), so that one graph serves every count of a bucket
+    (``docs/fast_path.md``): dynamo compiles the first count as a constant, then makes it a
+    dynamic integer whose guards only compare it with the bucket's bounds.
     """
     granule = -(-positions // COMPILE_BUCKETS)
     # Floor divisions and min only: on a symbolic count (dynamo's dynamic ints) the bucket
@@ -184,15 +180,13 @@ def _softmax_minus_onehot_(
     """Overwrite a ``[c, v_chunk]`` chunk of logits with its gradient up to a per-row scale.
 
     Returns ``(log_probability, scale)``: the rows' target log-probabilities (one pass, else
-    ``None``) and the ``[c]`` factor with ``dL/dx = scale * x_after``, for the products'
-    small operands; ``grad_bias += x_after^T @ scale`` when given. ``gradient=False`` only
-    computes the log-probabilities.
-
-    With the rows' global ``lse`` the chunk becomes ``exp(x - lse) - onehot`` (``scale =
-    coef``). Without, the chunk spans the whole vocabulary, and ONE softmax over the row and
-    one extra column holding the row's maximum ``m`` gives everything: with
-    ``S = sum_j exp(x_j - m)``, the softmax over ``[x, m]`` is ``p_j = exp(x_j - m) / (S + 1)``
-    and ``p_last = 1 / (S + 1)``, so that (``q = 1 - p_last = S / (S + 1)``, in ``[1/2, 1)``)
+    ``None``) and the module docstring's ``[c]`` factor, ``dL/dx = scale * x_after``;
+    ``grad_bias += x_after^T @ scale`` when given. ``gradient=False`` only computes the
+    log-probabilities. Without the rows' global ``lse`` the chunk spans the whole vocabulary,
+    and ONE softmax over the row and one extra column holding the row's maximum ``m`` gives
+    everything: with ``S = sum_j exp(x_j - m)``, the softmax over ``[x, m]`` is
+    ``p_j = exp(x_j - m) / (S + 1)`` and ``p_last = 1 / (S + 1)``, so that
+    (``q = 1 - p_last = S / (S + 1)``, in ``[1/2, 1)``)
 
         log S = log(q) - log(p_last),  softmax(x) = p / q  (the module docstring's ``q``).
 
@@ -272,9 +266,8 @@ def gradient_pass(
     if needs[2] and bias is not None:
         grad_bias = torch.zeros(weight.size(0), dtype=acc, device=device)
     loss_sum = torch.zeros((), dtype=acc, device=device)
-    # One buffer for every chunk's logits: fresh memory per chunk costs page faults (~5% of
-    # the step on a CPU). In the accumulation dtype it has one extra column (the one pass's
-    # softmax, above); in another, the chunk is converted a block at a time. Under
+    # One buffer for every chunk's logits (and the extra column of _softmax_minus_onehot_'s
+    # `work`): fresh memory per chunk costs page faults (~5% of the step on a CPU). Under
     # torch.compile (which takes no strided `out=`) each chunk is fresh, the compiler's to place.
     compiling = torch.compiler.is_compiling()
     spare = dtype == acc and lse is None and not compiling
@@ -347,11 +340,9 @@ def _add_weight_gradient(
 def _input_gradients(
     grads: Gradients,
     dtype: torch.dtype,
-    index: Tensor | None,
-    positions: int,
     scale: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(hidden, weight, bias)`` gradients in the inputs' dtype, times ``scale`` if given.
+    """``(rows, weight, bias)`` gradients in the inputs' dtype, times ``scale`` if given.
 
     ``grads`` is consumed: where the accumulation dtype is the inputs', its buffers are scaled
     in place and returned.
@@ -369,13 +360,11 @@ def _input_gradients(
                 grad = grad.mul_(scale) if grad.dtype == dtype else grad * scale
             grad = grad.to(dtype)
         out.append(grad)
-    if out[0] is not None and index is not None:
-        out[0] = out[0].new_zeros(positions, out[0].size(1)).index_copy_(0, index, out[0])
     return out[0], out[1], out[2]
 
 
 class TokenLosses(torch.autograd.Function):
-    """``[positions]`` losses of a flat ``[positions, h]`` ``hidden``; backward recomputes."""
+    """``[positions]`` losses of the selected ``[rows, h]`` ``hidden``; backward recomputes."""
 
     @staticmethod
     def forward(
@@ -386,14 +375,12 @@ class TokenLosses(torch.autograd.Function):
         rows: HeadRows,
         tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
-        selection, positions = rows.selection, hidden.size(0)
-        rows_hidden, sharded, plan = rows.prepare(hidden, weight, tp_group)
-        acc = accumulation_dtype(hidden.dtype)
-        lse, loss = stats_pass(rows_hidden, weight, bias, sharded, plan, acc, tp_group)
-        losses, scored = scatter_losses(loss, rows.per_row != 0, selection, positions)
-        ctx.plan, ctx.positions = plan, positions
+        selection, acc = rows.selection, accumulation_dtype(hidden.dtype)
+        lse, loss = stats_pass(hidden, weight, bias, rows.sharded, rows.plan, acc, tp_group)
+        losses, scored = scatter_losses(loss, rows.per_row != 0, selection, rows.positions)
+        ctx.plan = rows.plan
         ctx.save_for_backward(
-            rows_hidden, weight, bias, lse, *sharded, scored, selection.index, selection.overflow
+            hidden, weight, bias, lse, *rows.sharded, scored, selection.index, selection.overflow
         )
         return losses
 
@@ -407,8 +394,7 @@ class TokenLosses(torch.autograd.Function):
             rows_hidden, weight, bias, ShardedTargets(*sharded), coef, ctx.plan,
             ctx.needs_input_grad[:3], lse,
         )  # fmt: skip
-        grads = _input_gradients(grads, rows_hidden.dtype, index, ctx.positions)
-        return *grads, None, None
+        return *_input_gradients(grads, rows_hidden.dtype), None, None
 
 
 class WeightedSum(torch.autograd.Function):
@@ -425,7 +411,7 @@ class WeightedSum(torch.autograd.Function):
     ) -> Tensor:
         """``coef``, the rows' weights in the accumulation dtype, 0 on unweighted rows."""
         coef = rows.per_row.to(accumulation_dtype(hidden.dtype))
-        rows_hidden, sharded, plan = rows.prepare(hidden, weight, tp_group)
+        sharded, plan = rows.sharded, rows.plan
         poison = None
         if rows.selection.overflow is not None:
             # More scored rows than selected: the sum and every gradient are NaN.
@@ -433,56 +419,44 @@ class WeightedSum(torch.autograd.Function):
             coef = coef * poison
         needs = ctx.needs_input_grad[:3]
         if rows.single_pass:
-            loss_sum, grads = gradient_pass(rows_hidden, weight, bias, sharded, coef, plan, needs)
+            loss_sum, grads = gradient_pass(hidden, weight, bias, sharded, coef, plan, needs)
         else:
-            lse, loss = stats_pass(rows_hidden, weight, bias, sharded, plan, coef.dtype, tp_group)
+            lse, loss = stats_pass(hidden, weight, bias, sharded, plan, coef.dtype, tp_group)
             loss_sum = torch.where(coef != 0, coef * loss, 0).sum()
             grads = Gradients(None, None, None, None)
             if any(needs):
-                _, grads = gradient_pass(rows_hidden, weight, bias, sharded, coef, plan, needs, lse)
+                _, grads = gradient_pass(hidden, weight, bias, sharded, coef, plan, needs, lse)
         if poison is not None:
             loss_sum = loss_sum * poison
-        ctx.positions, ctx.dtype = hidden.size(0), hidden.dtype
-        ctx.save_for_backward(*grads, rows.selection.index, poison)
+        ctx.dtype = hidden.dtype
+        ctx.save_for_backward(*grads, poison)
         return loss_sum
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_sum: Tensor) -> tuple[Tensor | None, ...]:
         # The loss is linear in what the forward accumulated: scale, no recomputation.
-        *grads, index, poison = ctx.saved_tensors
+        *grads, poison = ctx.saved_tensors
         scale = grad_sum.to(accumulation_dtype(ctx.dtype))
         if poison is not None:
             scale = scale * poison
-        grads = _input_gradients(Gradients(*grads), ctx.dtype, index, ctx.positions, scale)
-        return *grads, None, None
+        return *_input_gradients(Gradients(*grads), ctx.dtype, scale), None, None
 
 
 class HeadRows(NamedTuple):
-    """The flat rows one call computes, and its chunks.
+    """The rows one call computes (of its flat ``positions``), and its chunks.
 
-    ``hidden`` is ``[positions, h]`` (gathered under sequence parallelism); ``targets`` (int64)
-    and ``per_row`` (mask or weights) are the selected rows'.
+    ``hidden`` is the selected rows' ``[rows, h]`` (gathered under sequence parallelism);
+    ``sharded`` and ``per_row`` (mask or weights) are theirs.
     """
 
     hidden: Tensor
-    targets: Tensor
+    sharded: ShardedTargets
     per_row: Tensor
     selection: RowSelection
-    chunks: tuple[int, int]
+    positions: int
+    plan: Plan
     single_pass: bool
-
-    def prepare(
-        self, hidden: Tensor, weight: Tensor, tp_group: dist.ProcessGroup | None
-    ) -> tuple[Tensor, ShardedTargets, Plan]:
-        """The selected rows of ``hidden``, their targets in this shard, and the chunks."""
-        index = self.selection.index
-        rows_hidden = hidden if index is None else hidden.index_select(0, index)
-        chunk_rows, chunk_vocab = self.chunks
-        vocab = weight.size(0)
-        vocab_chunks = [(a, min(a + chunk_vocab, vocab)) for a in range(0, vocab, chunk_vocab)]
-        plan = Plan(row_chunks(rows_hidden.size(0), chunk_rows, hidden.size(0)), vocab_chunks)
-        return rows_hidden, shard_targets(self.targets, vocab, tp_group), plan
 
 
 def head_rows(
@@ -545,11 +519,16 @@ def head_rows(
         raise ValueError(
             f"chunk_rows and chunk_vocab must be positive, got {chunk_rows} and {chunk_vocab}."
         )
-    # Flat row r follows hidden's memory order: r = i_s * b + i_b ("sb"), i_b * s + i_s ("bs").
     targets, per_row, selection = flat_rows(
         labels, per_position, layout == "sb", capacity, num_scored
     )
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    positions = hidden.size(0)
+    if selection.index is not None:  # autograd scatters the rows' gradient back
+        hidden = hidden.index_select(0, selection.index)
+    vocab_chunks = [(a, min(a + chunk_vocab, vocab)) for a in range(0, vocab, chunk_vocab)]
+    plan = Plan(row_chunks(targets.numel(), chunk_rows, positions), vocab_chunks)
     return HeadRows(
-        hidden.reshape(-1, hidden.size(-1)), targets, per_row, selection,
-        (chunk_rows, chunk_vocab), single_pass,
+        hidden, shard_targets(targets, vocab, tp_group), per_row, selection, positions, plan,
+        single_pass,
     )  # fmt: skip

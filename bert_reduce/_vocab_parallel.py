@@ -2,12 +2,8 @@
 
 :mod:`bert_reduce.cross_entropy` (logits) and :mod:`bert_reduce._fused_head` (hidden states
 and the output weight) compute the same loss on the same rows; only how they obtain a chunk
-of logits differs. Written once here: which rows a call computes (:func:`flat_rows`), where
-each target falls in this rank's vocabulary shard (:func:`shard_targets`), the per-row
-statistics every shard contributes, completed by ONE all-reduce (:func:`combine_shard_stats`:
-the global log-sum-exp is the log-sum-exp of the shards'), the rows' losses and the
-backward's coefficients, and the sequence-parallel gather. Megatron-Core is only consulted
-(through :mod:`bert_reduce.distributed`) when its parallel state is initialized.
+of logits differs. Megatron-Core is only consulted (through :mod:`bert_reduce.distributed`)
+when its parallel state is initialized.
 """
 
 from __future__ import annotations
@@ -121,8 +117,7 @@ def tensor_parallel_placement(
 ) -> tuple[dist.ProcessGroup | None, int, int]:
     """``(group, world_size, rank)`` of the vocab-sharding group (``(None, 1, 0)`` without).
 
-    ``group`` when given, else Megatron-Core's tensor-parallel group when its parallel state is
-    initialized, else none.
+    ``group`` as the kernels' ``tp_group`` argument (``None``: Megatron-Core's, if initialized).
     """
     if group is None:
         if distributed.tensor_parallel_world_size() == 1:
@@ -137,9 +132,7 @@ def tensor_parallel_placement(
 def gather_sequence_parallel(hidden: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """The whole ``[s, b, h]`` from this rank's ``[s / tp, b, h]``, as Megatron's linear does.
 
-    Megatron-Core's own mapping: all-gather along ``s`` in forward, reduce-scatter of the
-    (vocab-shard partial) gradient in backward, so the gradient of the local shard is whole.
-    ``group``: the tensor-parallel group (``None``: Megatron-Core's).
+    Megatron-Core's own mapping (``docs/megatron.md``), on ``group`` (``None``: Megatron-Core's).
     """
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 

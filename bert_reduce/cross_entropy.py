@@ -20,9 +20,9 @@ from bert_reduce import distributed
 from bert_reduce._vocab_parallel import Capacity
 from bert_reduce.functional import (
     accumulation_dtype,
-    check_logits_and_labels,
     check_same_device,
     check_same_shape,
+    check_token_tensor,
 )
 from bert_reduce.normalization import Normalization, token_loss_sum
 
@@ -115,11 +115,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         in_place: bool,
         tp_group: dist.ProcessGroup | None,
     ) -> Tensor:
-        """``[b, s]`` losses of the selected rows, 0 elsewhere (:func:`cross_entropy_token_losses`).
-
-        ``targets`` and ``scored`` are ``[rows]``, aligned with ``rows``; a selected row that is
-        not scored gets loss 0 and no gradient.
-        """
+        """:func:`cross_entropy_token_losses` on ``rows``, with their ``[rows]`` targets, scored."""
         _, tp_size, tp_rank = vp.tensor_parallel_placement(tp_group)
         acc = accumulation_dtype(logits.dtype)
         seq_len, batch_size, shard = logits.shape
@@ -175,8 +171,7 @@ class _CrossEntropyTokenLosses(torch.autograd.Function):
         for start, end in rows.chunks():
             x = rows.read(logits, start, end, scratch)
             out = rows.read(grad, start, end) if direct else x
-            # dL/dx = coef * (softmax - onehot), in place; under TP `scale` also carries the
-            # factor exp(lse_shard - lse) from this shard's softmax to the vocabulary's.
+            # dL/dx = coef * (softmax - onehot), in place; `scale` carries the shard's share.
             p = torch.softmax(x, -1, out=out).mul_(scale[start:end, None])
             p.scatter_add_(1, local[start:end], -target_weight[start:end, None])
             if not direct:
@@ -235,7 +230,7 @@ def cross_entropy_token_losses(
         >>> losses
         tensor([[1.3863, 0.0000, 1.3863]])
     """
-    check_logits_and_labels(logits, labels)
+    check_token_tensor(logits, labels, "token_logits", "sbv")
     check_same_shape(loss_mask, labels, ("loss_mask", "labels"), "[b, s]")
     check_same_device(loss_mask, labels, ("loss_mask", "labels"))
     if chunk_elements is None:  # chunks whose fp32 copy is 1/32 of the logits' bytes, not tiny
@@ -249,7 +244,6 @@ def cross_entropy_token_losses(
             "in_place=True would write the gradient into a leaf tensor's data; pass the "
             "non-leaf logits of the model instead."
         )
-    # Flat row r = i_s * b + i_b follows the [s, b, v] memory order of the logits.
     targets, scored, selection = vp.flat_rows(labels, loss_mask, True, capacity, num_scored)
     rows = _Rows(logits.shape, selection, chunk_elements)
     return _CrossEntropyTokenLosses.apply(logits, targets, scored != 0, rows, in_place, tp_group)
@@ -277,9 +271,8 @@ def cross_entropy_loss_sum(
     :func:`bert_reduce.normalization.token_loss_sum`; the arguments are theirs.
 
     Returns:
-        ``(loss_sum, denominator)`` of the normalization mode: the 0-dim numerator in fp32
-        (fp64 for fp64 logits), carrying the gradient (NaN as the token losses are), and the
-        0-dim denominator (per token: the int64 token count, or the fp64 sum of weights).
+        ``(loss_sum, denominator)`` as :func:`bert_reduce.normalization.token_loss_sum` returns
+        them, the numerator carrying the gradient (NaN as the token losses are).
 
     Raises:
         ValueError: As :func:`cross_entropy_token_losses` and
@@ -318,11 +311,8 @@ def unreduced_token_loss_fn(
 ) -> Tensor:
     """``[s, b, v]`` logits and ``[b, s]`` labels -> ``[b, s]`` cross-entropy of every position.
 
-    BioNeMo's name and signature, for code ported from it (``docs/bionemo.md``). Under
-    Megatron-Core's parallel state this is Megatron's vocab-parallel cross-entropy (what
-    ``cross_entropy="megatron"`` runs), on a private fp32 copy so that the caller's logits
-    are never modified; without it, :func:`cross_entropy_token_losses` with every position
-    scored. A label outside the full vocabulary (``-100``) gives NaN at its position.
+    BioNeMo's name and signature, for code ported from it; what it runs with and without
+    Megatron-Core's parallel state: ``docs/bionemo.md``.
 
     Args:
         logits: ``[s, b, v]`` logits (this rank's vocab shard under tensor parallelism).
@@ -331,7 +321,8 @@ def unreduced_token_loss_fn(
             (its gradient is computed in bf16). Needs Megatron's parallel state.
 
     Returns:
-        ``[b, s]`` per-token losses in fp32 (fp64 for fp64 logits without Megatron).
+        ``[b, s]`` per-token losses in fp32 (fp64 for fp64 logits without Megatron), NaN where
+        a label is outside the full vocabulary (``-100``).
 
     Raises:
         ValueError: On mismatched shapes, or the fused kernel without Megatron's parallel
@@ -341,7 +332,7 @@ def unreduced_token_loss_fn(
         >>> unreduced_token_loss_fn(torch.zeros(2, 1, 4), torch.tensor([[0, -100]]))
         tensor([[1.3863,    nan]])
     """
-    check_logits_and_labels(logits, labels)
+    check_token_tensor(logits, labels, "token_logits", "sbv")
     if not distributed.megatron_is_initialized():
         if cross_entropy_loss_fusion:
             raise ValueError(

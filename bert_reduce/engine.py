@@ -31,8 +31,8 @@ from bert_reduce.forward_output import (
     head_logits,
 )
 from bert_reduce.functional import (
-    check_logits_and_labels,
     check_same_shape,
+    check_token_tensor,
     validate_masked_labels,
 )
 from bert_reduce.linear_cross_entropy import (
@@ -200,7 +200,7 @@ def token_losses(
         vocab_shard = weight.size(0)
     else:
         logits = _tensor(out, name, "forward_out")
-        check_logits_and_labels(logits, labels, name)
+        check_token_tensor(logits, labels, name, "bsv" if name == "logits" else "sbv")
         vocab_shard = logits.size(-1)
     if check_labels:
         _check_labels(labels, weights, vocab_shard)

@@ -70,17 +70,6 @@ def check_token_tensor(
     check_same_device(tensor, labels, (name, "labels"))
 
 
-def check_logits_and_labels(logits: Tensor, labels: Tensor, name: str = "token_logits") -> None:
-    """:func:`check_token_tensor` for logits, whose ``forward_out`` key says their layout.
-
-    Args:
-        logits: ``[s, b, v]`` (``name="token_logits"``) or ``[b, s, v]`` (``name="logits"``).
-        labels: ``[b, s]`` integer token ids.
-        name: The logits' ``forward_out`` key.
-    """
-    check_token_tensor(logits, labels, name, "bsv" if name == "logits" else "sbv")
-
-
 def mask_weights(loss_mask: Tensor) -> Tensor:
     """The loss mask as exact weights: int64 for bool/integer masks, fp64 for float ones."""
     if loss_mask.dtype.is_floating_point:

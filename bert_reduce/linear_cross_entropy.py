@@ -1,15 +1,9 @@
 """Masked-only language-model head: the output projection and the cross-entropy, fused.
 
-An MLM loss scores ~15% of the positions, yet ``F.linear(hidden, weight)`` followed by any
-cross-entropy computes, stores and back-propagates ``[s, b, v]`` logits for all of them.
-These entry points compute the logits of the *selected* rows only, a chunk at a time, and
-never hold more than one chunk (the kernels: :mod:`bert_reduce._fused_head`):
-:func:`linear_cross_entropy_loss_sum`, what every integration calls, runs
-:func:`linear_cross_entropy_weighted_sum` (gradients accumulated in the forward) with the
-mode's weights; :func:`linear_cross_entropy_token_losses` gives per-token losses.
-
-Which rows are computed, and when that costs a host sync: ``docs/fast_path.md``; precision,
-memory, passes, products and tensor parallelism (ONE all-reduce): ``docs/performance.md``.
+These functions compute the logits of the selected rows only, a chunk at a time (the kernels:
+:mod:`bert_reduce._fused_head`). Which rows are computed, and when that costs a host sync:
+``docs/fast_path.md``; why, precision, memory, passes and tensor parallelism:
+``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -54,10 +48,9 @@ def linear_cross_entropy_token_losses(
     Equal (up to rounding) to ``cross_entropy_token_losses(F.linear(hidden, weight, bias), labels,
     loss_mask)`` with the same gradients w.r.t. ``hidden``, ``weight`` and ``bias``; the
     ``[s, b, v]`` logits and their gradient never exist. Unscored positions get loss 0 and no
-    gradient; the backward recomputes each chunk's logits. Under tensor parallelism
-    (``docs/performance.md``) the gradient w.r.t. a replicated ``hidden`` is this shard's part:
-    sum it over the TP group as ``ColumnParallelLinear`` does
-    (``copy_to_tensor_model_parallel_region``); a sequence-parallel shard's gradient is whole.
+    gradient; the backward recomputes each chunk's logits. Under tensor parallelism the
+    gradient w.r.t. a replicated ``hidden`` is this shard's part, to be summed over the group,
+    and a sequence-parallel shard's is whole (as Megatron's mappings do: ``docs/megatron.md``).
 
     Args:
         hidden: ``[s, b, h]`` hidden states (``layout="sb"``, Megatron) or ``[b, s, h]``
@@ -119,9 +112,8 @@ def linear_cross_entropy_weighted_sum(
 
     ``sum(token_weights * cross_entropy(F.linear(hidden, weight, bias), labels))``: equal (up to
     rounding, gradients included) to ``(token_weights * linear_cross_entropy_token_losses(hidden,
-    weight, labels, token_weights != 0, ...)).sum()``, but the gradients are accumulated in the
-    forward and the backward only scales them (Liger's fused linear cross-entropy does the same
-    for a scalar loss); passes, memory, ``torch.no_grad()``: ``docs/performance.md``.
+    weight, labels, token_weights != 0, ...)).sum()``, but with the gradients computed in the
+    forward, which the backward only scales (passes, memory: ``docs/performance.md``).
 
     Args:
         hidden: As in :func:`linear_cross_entropy_token_losses`.
@@ -134,8 +126,7 @@ def linear_cross_entropy_weighted_sum(
         sequence_parallel: As in :func:`linear_cross_entropy_token_losses`.
         capacity: As in :func:`linear_cross_entropy_token_losses`; scored: a non-zero weight.
         num_scored: As in :func:`linear_cross_entropy_token_losses`.
-        chunk_rows: Rows per chunk (``None``: 32 MiB of logits per chunk in one pass, about
-            2**21 logits in two).
+        chunk_rows: Rows per chunk (``None``: the chunk sizes of ``docs/performance.md``).
         chunk_vocab: ``None`` (default): the whole vocabulary (shard) per chunk on one process
             (one pass), ``min(v, 4096)`` under tensor parallelism; smaller: two passes.
         tp_group: As in :func:`linear_cross_entropy_token_losses`.
@@ -185,7 +176,7 @@ def linear_cross_entropy_loss_sum(
 
     Equal (up to rounding, gradients included) to ``cross_entropy_loss_sum(F.linear(hidden,
     weight, bias), labels, loss_mask, normalization, ...)``, without the ``[s, b, v]`` logits:
-    :func:`linear_cross_entropy_weighted_sum` with the mode's weights (module docstring).
+    :func:`linear_cross_entropy_weighted_sum` with the mode's weights.
 
     Args:
         hidden: As in :func:`linear_cross_entropy_token_losses`.
