@@ -176,25 +176,8 @@ def linear_cross_entropy_loss_sum(
 
     Equal (up to rounding, gradients included) to ``cross_entropy_loss_sum(F.linear(hidden,
     weight, bias), labels, loss_mask, normalization, ...)``, without the ``[s, b, v]`` logits:
-    :func:`linear_cross_entropy_weighted_sum` with the mode's weights.
-
-    Args:
-        hidden: As in :func:`linear_cross_entropy_token_losses`.
-        weight: As in :func:`linear_cross_entropy_token_losses`.
-        labels: As in :func:`linear_cross_entropy_token_losses`.
-        loss_mask: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        normalization: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        bias: As in :func:`linear_cross_entropy_token_losses`.
-        layout: As in :func:`linear_cross_entropy_token_losses`.
-        capacity: As in :func:`linear_cross_entropy_token_losses`.
-        num_scored: As in :func:`linear_cross_entropy_token_losses`.
-        sequence_weight: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        sequence_start: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        constant_per_sequence: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        weight_resolution: As in :func:`bert_reduce.normalization.token_loss_sum`.
-        chunk_rows: As in :func:`linear_cross_entropy_weighted_sum`.
-        chunk_vocab: As in :func:`linear_cross_entropy_weighted_sum`.
-        tp_group: As in :func:`linear_cross_entropy_token_losses`.
+    :func:`linear_cross_entropy_weighted_sum` with the weights of
+    :func:`bert_reduce.normalization.token_loss_sum`'s mode; the arguments are theirs.
 
     Returns:
         ``(loss_sum, denominator)``: the 0-dim weighted sum of
