@@ -234,8 +234,9 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
     ignore_warnings_wrong_for_the_recipe(cfg)
     global_batch_size = cfg.data.global_batch_size
     checkpoint_dir = _checkpoint_dir(cfg, run_dir)
-    # resume=auto's point is found once rank 0 holds the run directory.
-    point = None if auto else resume_point(cfg.resume, checkpoint_dir, global_batch_size)
+    # A named checkpoint is checked before anything is written; the run directory's
+    # checkpoints (resume=auto's, a named one's later ones) are read once rank 0 holds it.
+    point = None if auto else resume_point(cfg.resume, None, global_batch_size)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: ESMDataModule = build_from_config(cfg.data)
     module = build_module(cfg)
@@ -251,7 +252,6 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         return _fit(cfg, trainer, module, datamodule, run_dir, point)
     datamodule.setup("fit")  # bad data fails here, before the run directory is touched
     with RunDirectory(run_dir, checkpoint_dir) as directory:
-        # Again for a named checkpoint: its later ones are those of the directory as locked.
         point = resume_point(cfg.resume, checkpoint_dir, global_batch_size)
         directory.start(cfg.resume, cfg.overwrite)
         if point is not None:

@@ -117,13 +117,13 @@ class ResumePoint:
 
 
 def resume_point(
-    resume: str | Path | None, checkpoint_dir: Path, global_batch_size: int
+    resume: str | Path | None, checkpoint_dir: Path | None, global_batch_size: int
 ) -> ResumePoint | None:
     """Where a run resumes, after checking that it can. Reads only.
 
     Args:
         resume: ``cfg.resume``: a checkpoint, ``"auto"`` or ``None``.
-        checkpoint_dir: The run's checkpoint directory (may not exist yet).
+        checkpoint_dir: The run's checkpoint directory (may not exist yet; ``None``: not read).
         global_batch_size: This run's ``data.global_batch_size``.
 
     Returns:
@@ -151,7 +151,7 @@ def resume_point(
                 f"resume={path}: {error}. Resume from another checkpoint.{_others(path)}"
             ) from error
         step = _resume_step(path, checkpoint, global_batch_size)
-        if path.resolve().parent != checkpoint_dir.resolve():
+        if checkpoint_dir is None or path.resolve().parent != checkpoint_dir.resolve():
             return ResumePoint(path, step)
     loaded, damaged = [], []
     for other in sorted(checkpoint_dir.glob("*.ckpt")):
