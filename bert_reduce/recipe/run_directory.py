@@ -11,6 +11,7 @@ checkpoint ``resume=auto`` takes, and why: docs/recipe.md, "Preemptible clusters
 from __future__ import annotations
 
 import fcntl
+import itertools
 import logging
 import os
 import shutil
@@ -172,11 +173,8 @@ def resume_point(
 
 def move_aside(path: Path, reason: str = "damaged") -> Path:
     """Rename ``path`` to ``<name>.<reason>`` (``.<reason>.1``, ...: never over a file)."""
-    target = path.with_name(f"{path.name}.{reason}")
-    number = 0
-    while target.exists():
-        number += 1
-        target = path.with_name(f"{path.name}.{reason}.{number}")
+    names = (f"{path.name}.{reason}" + (f".{n}" if n else "") for n in itertools.count())
+    target = next(other for other in map(path.with_name, names) if not other.exists())
     os.replace(path, target)
     return target
 
@@ -309,9 +307,8 @@ class RunDirectory:
         """
         path, kept = self.run_dir / "config.yaml", None
         if path.is_file() and path.read_text() != text:
-            number = 1
-            while (kept := path.with_name(f"config.{number}.yaml")).exists():
-                number += 1
+            names = (f"config.{n}.yaml" for n in itertools.count(1))
+            kept = next(other for other in map(path.with_name, names) if not other.exists())
             os.replace(path, kept)
         write_atomically(path, lambda file: file.write(text.encode()))
         return kept
