@@ -261,11 +261,7 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
 
 
 def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, auto: bool) -> None:
-    """Move aside what a resume from ``point`` must not meet again; trim the later metrics.
-
-    ``resume=auto``: the damaged checkpoints (its later ones, or it would have taken them); a
-    named checkpoint of this run: the later ones (:attr:`.ResumePoint.superseded`).
-    """
+    """Move aside ``point``'s damaged and superseded checkpoints; trim the later metrics."""
     where = f"{point.path} (step {point.step})" if point.path else "step 0 (no intact checkpoint)"
     for path, reason in point.damaged:
         moved = move_aside(path)
