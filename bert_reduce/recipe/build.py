@@ -41,7 +41,6 @@ from bert_reduce.recipe.run_directory import (
 
 __all__ = [
     "TrainingStopped",
-    "build_callbacks",
     "build_from_config",
     "build_loggers",
     "build_module",
@@ -96,18 +95,6 @@ def build_module(cfg: DictConfig) -> ESM2MLMModule:
     )
 
 
-def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
-    """``StopOnSignal``, and one callback per non-null entry of ``cfg.callbacks``.
-
-    The progress bar is left out if ``trainer.enable_progress_bar`` is false (Lightning
-    refuses one then).
-    """
-    nodes = dict(cfg.callbacks)
-    if not cfg.trainer.enable_progress_bar:
-        nodes.pop("progress_bar", None)
-    return [StopOnSignal()] + [instantiate(node) for node in nodes.values() if node is not None]
-
-
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
     """An :class:`AppendingCSVLogger` to ``run_dir``, and TensorBoard's if it is installed."""
     loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir)]
@@ -157,11 +144,18 @@ def ignore_warnings_wrong_for_the_recipe(cfg: DictConfig) -> None:
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
-    """``cfg.trainer``'s Trainer: callbacks, loggers, precision, atomic checkpoint writes."""
+    """``cfg.trainer``'s Trainer: callbacks, loggers, precision, atomic checkpoint writes.
+
+    The callbacks: ``StopOnSignal``, and one per non-null entry of ``cfg.callbacks``, less the
+    progress bar if ``trainer.enable_progress_bar`` is false (Lightning refuses one then).
+    """
+    nodes = {name: node for name, node in cfg.callbacks.items() if node is not None}
+    if not cfg.trainer.enable_progress_bar:
+        nodes.pop("progress_bar", None)
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
-        callbacks=build_callbacks(cfg),
+        callbacks=[StopOnSignal(), *map(instantiate, nodes.values())],
         logger=build_loggers(cfg, run_dir),
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
