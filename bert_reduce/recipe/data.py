@@ -347,10 +347,9 @@ class MLMCollator:
         }
         for row, sample in enumerate(samples):
             size = sample["input_ids"].numel()
-            batch["input_ids"][row, :size] = sample["input_ids"]
             batch["attention_mask"][row, :size] = True
-            batch["labels"][row, :size] = sample["labels"]
-            batch["loss_mask"][row, :size] = sample["loss_mask"]
+            for key in ("input_ids", "labels", "loss_mask"):
+                batch[key][row, :size] = sample[key]
         batch[NUM_SCORED_KEY] = count_scored(batch, per_sample=True)
         return batch
 
