@@ -1,9 +1,4 @@
-"""From a composed config to a finished run: what ``train.py`` does, importable for tests.
-
-Every object comes from its config node (``hydra.utils.instantiate``, or
-:func:`build_from_config`); this module only wires them together, picks the precision, adds
-the loggers and writes the run's outputs.
-"""
+"""From a composed config to a finished run: what ``train.py`` does, importable for tests."""
 
 from __future__ import annotations
 
