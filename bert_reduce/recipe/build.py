@@ -1,9 +1,4 @@
-"""From a composed config to a finished run: what ``train.py`` does, importable for tests.
-
-Every object comes from its config node (``hydra.utils.instantiate``, or
-:func:`build_from_config`); this module only wires them together, picks the precision, adds
-the loggers and writes the run's outputs.
-"""
+"""From a composed config to a finished run: what ``train.py`` does, importable for tests."""
 
 from __future__ import annotations
 
@@ -41,7 +36,6 @@ from bert_reduce.recipe.run_directory import (
 
 __all__ = [
     "TrainingStopped",
-    "build_callbacks",
     "build_from_config",
     "build_loggers",
     "build_module",
@@ -96,18 +90,6 @@ def build_module(cfg: DictConfig) -> ESM2MLMModule:
     )
 
 
-def build_callbacks(cfg: DictConfig) -> list[pl.Callback]:
-    """``StopOnSignal``, and one callback per non-null entry of ``cfg.callbacks``.
-
-    The progress bar is left out if ``trainer.enable_progress_bar`` is false (Lightning
-    refuses one then).
-    """
-    nodes = dict(cfg.callbacks)
-    if not cfg.trainer.enable_progress_bar:
-        nodes.pop("progress_bar", None)
-    return [StopOnSignal()] + [instantiate(node) for node in nodes.values() if node is not None]
-
-
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
     """An :class:`AppendingCSVLogger` to ``run_dir``, and TensorBoard's if it is installed."""
     loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir)]
@@ -157,11 +139,18 @@ def ignore_warnings_wrong_for_the_recipe(cfg: DictConfig) -> None:
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
-    """``cfg.trainer``'s Trainer: callbacks, loggers, precision, atomic checkpoint writes."""
+    """``cfg.trainer``'s Trainer: callbacks, loggers, precision, atomic checkpoint writes.
+
+    The callbacks: ``StopOnSignal``, and one per non-null entry of ``cfg.callbacks``, less the
+    progress bar if ``trainer.enable_progress_bar`` is false (Lightning refuses one then).
+    """
+    nodes = {name: node for name, node in cfg.callbacks.items() if node is not None}
+    if not cfg.trainer.enable_progress_bar:
+        nodes.pop("progress_bar", None)
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
-        callbacks=build_callbacks(cfg),
+        callbacks=[StopOnSignal(), *map(instantiate, nodes.values())],
         logger=build_loggers(cfg, run_dir),
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
@@ -234,8 +223,9 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
     ignore_warnings_wrong_for_the_recipe(cfg)
     global_batch_size = cfg.data.global_batch_size
     checkpoint_dir = _checkpoint_dir(cfg, run_dir)
-    # resume=auto's point is found once rank 0 holds the run directory.
-    point = None if auto else resume_point(cfg.resume, checkpoint_dir, global_batch_size)
+    # A named checkpoint is checked before anything is written; the run directory's
+    # checkpoints (resume=auto's, a named one's later ones) are read once rank 0 holds it.
+    point = None if auto else resume_point(cfg.resume, None, global_batch_size)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: ESMDataModule = build_from_config(cfg.data)
     module = build_module(cfg)
@@ -251,7 +241,6 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         return _fit(cfg, trainer, module, datamodule, run_dir, point)
     datamodule.setup("fit")  # bad data fails here, before the run directory is touched
     with RunDirectory(run_dir, checkpoint_dir) as directory:
-        # Again for a named checkpoint: its later ones are those of the directory as locked.
         point = resume_point(cfg.resume, checkpoint_dir, global_batch_size)
         directory.start(cfg.resume, cfg.overwrite)
         if point is not None:
@@ -261,11 +250,7 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
 
 
 def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, auto: bool) -> None:
-    """Move aside what a resume from ``point`` must not meet again; trim the later metrics.
-
-    ``resume=auto``: the damaged checkpoints (its later ones, or it would have taken them); a
-    named checkpoint of this run: the later ones (:attr:`.ResumePoint.superseded`).
-    """
+    """Move aside ``point``'s damaged and superseded checkpoints; trim the later metrics."""
     where = f"{point.path} (step {point.step})" if point.path else "step 0 (no intact checkpoint)"
     for path, reason in point.damaged:
         moved = move_aside(path)

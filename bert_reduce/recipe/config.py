@@ -52,9 +52,8 @@ class ModelConfig:
         tie_embeddings: Share the LM decoder weight with the token embeddings (as ESM-2).
         pad_id: The ``<pad>`` id; its embedding row starts at zero.
         init_std: Standard deviation of the normal weight initialization.
-        fused_head: In training mode, return the decoder's inputs (``hidden_states``,
-            ``output_weight``, ``output_bias``) instead of ``token_logits``, for the loss's
-            masked-only fused head; in eval mode, and with ``False``, return the logits.
+        fused_head: Return the decoder's inputs in training mode, for the loss's masked-only
+            fused head (:meth:`~bert_reduce.recipe.model.ESM2Model.forward`'s ``logits``).
     """
 
     _target_: str = "bert_reduce.recipe.model.ESM2Model"
@@ -222,10 +221,7 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
-    """``lightning.pytorch.Trainer``; ``precision: auto``: see ``build.resolve_precision``.
-
-    ``use_distributed_sampler`` stays false: the data module's samplers shard the data.
-    """
+    """``lightning.pytorch.Trainer``; ``precision: auto``: see ``build.resolve_precision``."""
 
     _target_: str = "lightning.pytorch.Trainer"
     accelerator: str = "auto"

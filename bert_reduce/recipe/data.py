@@ -1,10 +1,6 @@
-"""Protein sequences in, masked-language-model samples out.
+"""Protein sequences in, masked-language-model samples out, each from its own random stream.
 
-Readers for FASTA, CSV/TSV and Parquet files; a built-in synthetic corpus (no download); BERT
-masking decided per sample from ``(seed, epoch, index)``; padding into ``[b, s]`` batches.
-
-Because each sample's crop and mask come from its own random stream, the global batch of a
-step is the same tensor content however it is split into micro-batches and ranks.
+Why its own: docs/recipe.md, "The end-to-end guarantee".
 """
 
 from __future__ import annotations
@@ -351,10 +347,9 @@ class MLMCollator:
         }
         for row, sample in enumerate(samples):
             size = sample["input_ids"].numel()
-            batch["input_ids"][row, :size] = sample["input_ids"]
             batch["attention_mask"][row, :size] = True
-            batch["labels"][row, :size] = sample["labels"]
-            batch["loss_mask"][row, :size] = sample["loss_mask"]
+            for key in ("input_ids", "labels", "loss_mask"):
+                batch[key][row, :size] = sample[key]
         batch[NUM_SCORED_KEY] = count_scored(batch, per_sample=True)
         return batch
 

@@ -176,9 +176,7 @@ class ESMDataModule(pl.LightningDataModule):
         :class:`~bert_reduce.lightning.ExactMLMModule` cuts each share into micro-batches.
 
         Raises:
-            ValueError: If ``global_batch_size`` is not a multiple of ``micro_batch_size``
-                times the number of ranks, or the training set is smaller than one global
-                batch.
+            ValueError: As :class:`~bert_reduce.lightning.GlobalBatchSampler`.
         """
         self.setup("fit")  # a no-op once the data is read
         assert self.train_dataset is not None

@@ -11,6 +11,7 @@ checkpoint ``resume=auto`` takes, and why: docs/recipe.md, "Preemptible clusters
 from __future__ import annotations
 
 import fcntl
+import itertools
 import logging
 import os
 import shutil
@@ -117,13 +118,13 @@ class ResumePoint:
 
 
 def resume_point(
-    resume: str | Path | None, checkpoint_dir: Path, global_batch_size: int
+    resume: str | Path | None, checkpoint_dir: Path | None, global_batch_size: int
 ) -> ResumePoint | None:
     """Where a run resumes, after checking that it can. Reads only.
 
     Args:
         resume: ``cfg.resume``: a checkpoint, ``"auto"`` or ``None``.
-        checkpoint_dir: The run's checkpoint directory (may not exist yet).
+        checkpoint_dir: The run's checkpoint directory (may not exist yet; ``None``: not read).
         global_batch_size: This run's ``data.global_batch_size``.
 
     Returns:
@@ -151,7 +152,7 @@ def resume_point(
                 f"resume={path}: {error}. Resume from another checkpoint.{_others(path)}"
             ) from error
         step = _resume_step(path, checkpoint, global_batch_size)
-        if path.resolve().parent != checkpoint_dir.resolve():
+        if checkpoint_dir is None or path.resolve().parent != checkpoint_dir.resolve():
             return ResumePoint(path, step)
     loaded, damaged = [], []
     for other in sorted(checkpoint_dir.glob("*.ckpt")):
@@ -172,11 +173,8 @@ def resume_point(
 
 def move_aside(path: Path, reason: str = "damaged") -> Path:
     """Rename ``path`` to ``<name>.<reason>`` (``.<reason>.1``, ...: never over a file)."""
-    target = path.with_name(f"{path.name}.{reason}")
-    number = 0
-    while target.exists():
-        number += 1
-        target = path.with_name(f"{path.name}.{reason}.{number}")
+    names = (f"{path.name}.{reason}" + (f".{n}" if n else "") for n in itertools.count())
+    target = next(other for other in map(path.with_name, names) if not other.exists())
     os.replace(path, target)
     return target
 
@@ -309,9 +307,8 @@ class RunDirectory:
         """
         path, kept = self.run_dir / "config.yaml", None
         if path.is_file() and path.read_text() != text:
-            number = 1
-            while (kept := path.with_name(f"config.{number}.yaml")).exists():
-                number += 1
+            names = (f"config.{n}.yaml" for n in itertools.count(1))
+            kept = next(other for other in map(path.with_name, names) if not other.exists())
             os.replace(path, kept)
         write_atomically(path, lambda file: file.write(text.encode()))
         return kept

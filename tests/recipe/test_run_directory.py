@@ -39,6 +39,7 @@ def test_a_named_checkpoint_is_checked_and_its_later_ones_superseded(tmp_path: P
     cut(recipe_checkpoint(tmp_path / "step000020.ckpt", step=20), 30)  # not loadable: left
     five = tmp_path / "step000005.ckpt"
     assert resume_point(five, tmp_path / "other", 16) == ResumePoint(five, 5)
+    assert resume_point(five, None, 16) == ResumePoint(five, 5)  # checked, directory not read
     assert resume_point(five, tmp_path, 16) == ResumePoint(
         five, 5, superseded=(tmp_path / "step000010.ckpt",)
     )
