@@ -11,12 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.cross_entropy import cross_entropy_loss_sum
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.mode_reference import checked_reduce
 from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
-from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
+from tests.helpers.sync_guard import count_collectives
 
 pytestmark = pytest.mark.slow
 
@@ -47,26 +45,6 @@ def _tensor_parallel_body(megatron: bool) -> None:
             loss_sum.backward()
             torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
             torch.testing.assert_close(leaf.grad, ref_grad[..., cols], rtol=1e-12, atol=1e-15)
-    if not megatron:
-        return
-
-    # Through the loss reduction: one collective in forward (the CE's; Megatron-Core's takes
-    # three), none in reduce (DP x CP is a single rank here).
-    logits.requires_grad_(True)
-    with forbid_host_syncs(), count_collectives() as forward_calls:
-        loss_fn = BERTMLMLossWithReduction()
-        loss_fn.setup({"labels": labels, "loss_mask": mask})
-        loss_sum, num_tokens, report = loss_fn({"token_logits": logits[..., cols]})
-        loss_sum.backward()
-    with forbid_host_syncs(), count_collectives() as reduce_calls:
-        BERTMLMLossWithReduction().reduce([report])
-    assert dict(forward_calls) == {"all_reduce": 1} and dict(reduce_calls) == {}
-    reduced = checked_reduce([report])
-    ref_sum, ref_sum_grad = reference_loss_and_grad(logits, labels, mask, "sum")
-    # Both TP ranks belong to one data-parallel rank: reduce sums over DP x CP only.
-    torch.testing.assert_close(reduced, ref_sum / num_tokens, rtol=1e-13, atol=0)
-    grad = logits.grad[..., cols]
-    torch.testing.assert_close(grad, ref_sum_grad[..., cols], rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("megatron", [True, False], ids=["megatron", "explicit_group"])
