@@ -9,7 +9,8 @@ d(loss)/d(logits) against ``F.cross_entropy`` on the whole, unsplit batch; forwa
 of every micro-batch run no host sync and no collective but, under TP, the cross-entropy's one
 all-reduce; ``reduce`` one all-reduce (none at TP = 4, where DP x CP is one rank); the token
 count sums over ``loss_reduction_group()``, DP x CP and never TP. Megatron's own cross-entropy
-kernels run at TP = 1, 2 and 4.
+kernels run at TP = 1, 2 and 4; ``cross_entropy_loss_sum`` on vocab shards through a group
+passed in (no Megatron) and Megatron's TP group; ``TokenPerplexity`` in every layout without CP.
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank, unreduced_token_loss_fn
+from bert_reduce import (
+    BERTMLMLossWithReduction,
+    TokenPerplexity,
+    cross_entropy_loss_sum,
+    get_batch_on_this_cp_rank,
+    unreduced_token_loss_fn,
+)
 from bert_reduce import distributed as brd
 from bert_reduce.context_parallel import slice_for_context_parallel
 from bert_reduce.distributed import all_reduce_sum_, loss_reduction_group
 from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.mode_reference import checked_reduce
-from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
+from tests.helpers.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 pytestmark = pytest.mark.slow
@@ -39,6 +46,7 @@ MICRO_BATCHES = {
     2: [[[0, 1, 2], [3, 4]], [[5], [6, 7]]],
     4: [[[0, 1], [2]], [[3]], [[4], [5, 6]], [[7]]],  # rank 1: only an empty micro-batch
 }
+BATCH = make_mlm_batch(GLOBAL_BATCH, SEQ_LEN, VOCAB, empty_rows=EMPTY_ROWS, mask_prob=0.2, seed=7)
 # (tensor-parallel size, context-parallel size) of each Megatron layout on 4 processes.
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 
@@ -71,9 +79,7 @@ def _local_view(
 
 def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
     dp_rank, dp_size, tp_rank, tp_size, cp_rank, cp_size = _ranks()
-    logits, labels, mask = make_mlm_batch(
-        GLOBAL_BATCH, SEQ_LEN, VOCAB, empty_rows=EMPTY_ROWS, mask_prob=0.2, seed=7
-    )
+    logits, labels, mask = BATCH
     ref_loss, ref_grad = reference_loss_and_grad(logits, labels, mask)
 
     reports, local_tokens = [], torch.zeros((), dtype=torch.int64)
@@ -163,14 +169,77 @@ def _megatron_cross_entropy_checks() -> None:
         torch.testing.assert_close(leaf.grad, local.grad, rtol=1e-6, atol=1e-7)
 
 
+def _cross_entropy_loss_sum_checks(
+    tp_group: dist.ProcessGroup | None, tp_rank: int, tp_size: int
+) -> None:
+    """``cross_entropy_loss_sum`` on this rank's vocab shard, through Megatron's tensor-parallel
+    group (``None``) or a group passed in without Megatron: one all-reduce, the full-vocabulary
+    loss sum and this shard's slice of its gradient."""
+    cols = slice(tp_rank * VOCAB // tp_size, (tp_rank + 1) * VOCAB // tp_size)
+    logits, labels, mask = make_mlm_batch(3, 10, VOCAB, mask_prob=0.4, seed=3)
+    weights = mask * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grad = reference_loss_and_grad(logits, labels, weights, "sum")
+    for capacity in ["all", "nonzero", 0.6]:
+        for in_place in (False, True):
+            leaf = logits[..., cols].clone().requires_grad_(True)
+            with count_collectives() as calls:
+                loss_sum, _ = cross_entropy_loss_sum(
+                    leaf * 1,
+                    labels,
+                    weights,
+                    capacity=capacity,
+                    in_place=in_place,
+                    chunk_elements=20,
+                    tp_group=tp_group,
+                )
+            assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
+            loss_sum.backward()
+            torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
+            torch.testing.assert_close(leaf.grad, ref_grad[..., cols], rtol=1e-12, atol=1e-15)
+
+
+def _perplexity_checks() -> None:
+    """``TokenPerplexity`` of this rank's micro-batches (its vocab shard under TP, where the
+    cross-entropy's all-reduce is the only collective) synced over DP; summed over every rank
+    instead, the TP ranks would count each token ``tp`` times."""
+    dp_rank, dp_size, tp_rank, tp_size, _, _ = _ranks()
+    logits, labels, mask = BATCH
+    expected = reference_loss(logits, labels, mask).exp()
+    mine = MICRO_BATCHES[dp_size][dp_rank]
+    metric, over_world = TokenPerplexity(), TokenPerplexity(process_group=dist.group.WORLD)
+    with count_collectives() as calls:
+        for rows in mine:
+            local = _local_view(logits, rows, (tp_rank, tp_size), (0, 1))
+            metric.update_from_logits(local, labels[rows], mask[rows])
+            over_world.update_from_logits(local, labels[rows], mask[rows])
+    assert set(calls) <= ({"all_reduce"} if tp_size > 1 else set()), calls
+    metrics = [(metric, 1), (over_world, tp_size)]
+    if tp_size == 1:  # the metric from the sums of each micro-batch: no collective
+        from_sums = TokenPerplexity()
+        sums = [cross_entropy_loss_sum(logits[:, r], labels[r], mask[r]) for r in mine]
+        with count_collectives() as calls:
+            for loss_sum, num_tokens in sums:
+                from_sums.update(loss_sum, num_tokens)
+        assert not calls
+        metrics.append((from_sums, 1))
+    for each, copies in metrics:
+        torch.testing.assert_close(each.compute(), expected, rtol=2e-6, atol=0)
+        with each.sync_context():
+            assert int(each.denominator) == copies * int(mask.sum())
+
+
 def _every_layout_body() -> None:
     _loss_checks()  # plain torch.distributed: no Megatron parallel state yet
+    _cross_entropy_loss_sum_checks(dist.group.WORLD, dist.get_rank(), 4)
     for tp, cp in LAYOUTS:
         with megatron_parallel_state(tp, cp):
             assert _ranks()[1::2] == (4 // (tp * cp), tp, cp)
             _loss_checks()
             if cp == 1:
                 _megatron_cross_entropy_checks()
+                _perplexity_checks()
+            if cp == 1 and tp > 1:
+                _cross_entropy_loss_sum_checks(None, tp_rank=_ranks()[2], tp_size=tp)
 
 
 def test_every_parallel_layout_matches_single_process() -> None:
