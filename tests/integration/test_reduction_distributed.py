@@ -10,7 +10,8 @@ of every micro-batch run no host sync and no collective but, under TP, the cross
 all-reduce; ``reduce`` one all-reduce (none at TP = 4, where DP x CP is one rank); the token
 count sums over ``loss_reduction_group()``, DP x CP and never TP. Megatron's own cross-entropy
 kernels run at TP = 1, 2 and 4; ``cross_entropy_loss_sum`` on vocab shards through a group
-passed in (no Megatron) and Megatron's TP group; ``TokenPerplexity`` in every layout without CP.
+passed in (no Megatron) and Megatron's TP group; ``TokenPerplexity`` in every layout without CP;
+a packed batch in every mode at DP = 2 x CP = 2.
 """
 
 from __future__ import annotations
@@ -28,11 +29,21 @@ from bert_reduce import (
     unreduced_token_loss_fn,
 )
 from bert_reduce import distributed as brd
-from bert_reduce.context_parallel import slice_for_context_parallel
+from bert_reduce.context_parallel import (
+    get_packed_batch_on_this_cp_rank,
+    slice_for_context_parallel,
+)
 from bert_reduce.distributed import all_reduce_sum_, loss_reduction_group
+from bert_reduce.packing import unpack_sequences
 from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
-from tests.helpers.mode_reference import checked_reduce
-from tests.helpers.reference import make_mlm_batch, reference_loss, reference_loss_and_grad
+from tests.helpers.mode_reference import MODES, checked_reduce, mode_kwargs
+from tests.helpers.packed_batch import pack_with_logits, ragged_padded_batch
+from tests.helpers.reference import (
+    RAGGED_SEQ_LEN,
+    make_mlm_batch,
+    reference_loss,
+    reference_loss_and_grad,
+)
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 pytestmark = pytest.mark.slow
@@ -228,6 +239,44 @@ def _perplexity_checks() -> None:
             assert int(each.denominator) == copies * int(mask.sum())
 
 
+def _packed_checks() -> None:
+    """A packed (THD) batch, each CP rank holding its load-balanced share of every sequence: the
+    reduced loss and the gradient, summed over DP x CP as finalize_model_grads does, equal the
+    mode's definition on the whole padded batch."""
+    from megatron.core import parallel_state as ps
+
+    logits, batch, _ = ragged_padded_batch(weighted=True)
+    packed = pack_with_logits(batch, logits, 4)
+    for mode in MODES:
+        ref_loss, ref_grad = reference_loss_and_grad(
+            logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode, RAGGED_SEQ_LEN)
+        )
+        token_logits = packed["logits"].transpose(0, 1).detach().requires_grad_(True)
+        shard = get_packed_batch_on_this_cp_rank({**packed, "logits": token_logits.transpose(0, 1)})
+        loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode, RAGGED_SEQ_LEN))
+        loss_fn.setup(shard)
+        numerator, denominator, report = loss_fn({"token_logits": shard["logits"].transpose(0, 1)})
+        numerator.backward()
+        torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-13, atol=0)
+        # What finalize_model_grads does: sum gradients and denominators over DP x CP.
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        dist.all_reduce(token_logits.grad, group=group)
+        dist.all_reduce(denominator, group=group)
+        grad = unpack_sequences(
+            token_logits.grad / denominator,
+            packed["cu_seqlens"],
+            RAGGED_SEQ_LEN,
+            cu_seqlens_padded=packed["cu_seqlens_padded"],
+            seq_dim=0,
+        )
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
+        if mode != "per_token":
+            bare = {k: v for k, v in shard.items() if not k.startswith("sequence_")}
+            loss_fn.setup(bare)
+            with pytest.raises(ValueError, match="sequence_weight"):
+                loss_fn({"token_logits": shard["logits"].transpose(0, 1)})
+
+
 def _every_layout_body() -> None:
     _loss_checks()  # plain torch.distributed: no Megatron parallel state yet
     _cross_entropy_loss_sum_checks(dist.group.WORLD, dist.get_rank(), 4)
@@ -240,6 +289,8 @@ def _every_layout_body() -> None:
                 _perplexity_checks()
             if cp == 1 and tp > 1:
                 _cross_entropy_loss_sum_checks(None, tp_rank=_ranks()[2], tp_size=tp)
+            if (tp, cp) == (1, 2):
+                _packed_checks()
 
 
 def test_every_parallel_layout_matches_single_process() -> None:
