@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from bert_reduce import (
     BERTMLMLossWithReduction,
@@ -43,6 +42,7 @@ from tests.helpers.reference import (
     make_mlm_batch,
     reference_loss,
     reference_loss_and_grad,
+    token_losses,
 )
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
@@ -150,26 +150,24 @@ def _loss_checks() -> None:
 
 def _megatron_cross_entropy_checks() -> None:
     _, _, tp_rank, tp_size, _, _ = _ranks()
-    logits, labels, _ = make_mlm_batch(3, 8, VOCAB, mask_prob=1.0, dtype=torch.float32)
-    ref = F.cross_entropy(logits.double().permute(1, 2, 0), labels, reduction="none")
-    shard = VOCAB // tp_size
+    logits, labels, mask = make_mlm_batch(3, 8, VOCAB, mask_prob=1.0, dtype=torch.float32)
+    ref = token_losses(logits, labels, mask)
+    _, ref_grad = reference_loss_and_grad(logits, labels, mask, "sum")
+    cols = slice(tp_rank * VOCAB // tp_size, (tp_rank + 1) * VOCAB // tp_size)
     for fused in (False, True):
-        local = logits[..., tp_rank * shard : (tp_rank + 1) * shard].clone().requires_grad_(True)
+        local = logits[..., cols].clone().requires_grad_(True)
         before = local.detach().clone()
         per_token = unreduced_token_loss_fn(local, labels, cross_entropy_loss_fusion=fused)
         per_token.sum().backward()
         assert torch.equal(local.detach(), before), "caller's logits were modified"
         torch.testing.assert_close(per_token.double(), ref, rtol=1e-5, atol=1e-6)
-        ref_logits = logits.double().requires_grad_(True)
-        F.cross_entropy(ref_logits.permute(1, 2, 0), labels, reduction="sum").backward()
-        expected = ref_logits.grad[..., tp_rank * shard : (tp_rank + 1) * shard]
         # The fused kernel returns its gradient in bf16, whatever the logits' dtype.
         tol = 1e-2 if fused else 1e-5
-        torch.testing.assert_close(local.grad.double(), expected, rtol=tol, atol=tol)
+        torch.testing.assert_close(local.grad.double(), ref_grad[..., cols], rtol=tol, atol=tol)
         # The loss class runs the same kernel when asked for it by name (the fused one's bf16
         # gradient tells them apart).
         loss_fn = BERTMLMLossWithReduction(cross_entropy="megatron_fused" if fused else "megatron")
-        loss_fn.setup({"labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.bool)})
+        loss_fn.setup({"labels": labels, "loss_mask": mask})
         leaf = before.clone().requires_grad_(True)
         with count_collectives() as calls:
             loss_sum, _, _ = loss_fn({"token_logits": leaf})
