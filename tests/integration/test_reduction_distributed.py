@@ -277,7 +277,7 @@ def _packed_checks() -> None:
 
 def _every_layout_body() -> None:
     _loss_checks()  # plain torch.distributed: no Megatron parallel state yet
-    _cross_entropy_loss_sum_checks(dist.group.WORLD, dist.get_rank(), 4)
+    _cross_entropy_loss_sum_checks(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
     for tp, cp in LAYOUTS:
         with megatron_parallel_state(tp, cp):
             assert _ranks()[1::2] == (4 // (tp * cp), tp, cp)
