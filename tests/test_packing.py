@@ -77,7 +77,7 @@ def test_packed_loss_and_grad_equal_unpacked_reference(mode, weighted, multiple)
     loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode))
     # The packer's sequence_weight/sequence_start are dropped here, so that the loss derives
     # them from cu_seqlens_padded itself, with no host sync (CP shards use the packer's:
-    # tests/integration/test_packing_cp.py, and simulated, test_properties.py).
+    # tests/integration/test_reduction_distributed.py, and simulated, test_properties.py).
     with forbid_host_syncs():
         loss_fn.setup({k: v for k, v in packed.items() if not k.startswith("sequence_")})
         numerator, denominator, report = loss_fn({"token_logits": token_logits})

@@ -78,7 +78,7 @@ class MLMSamples(Dataset[dict[str, Tensor]]):
     def __len__(self) -> int:
         return self.input_ids.size(0)
 
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
+    def __getitem__(self, index: int | slice) -> dict[str, Tensor]:
         return {
             "input_ids": self.input_ids[index],
             "labels": self.labels[index],
@@ -108,9 +108,7 @@ def reference_train(
     dataset = MLMSamples()
     losses = []
     for step in range(STEPS):
-        batch = default_collate(
-            [dataset[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)]
-        )
+        batch = dataset[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
         logits, mask = model(batch)["token_logits"], batch["loss_mask"]
         loss = reference_loss(
             logits, batch["labels"], mask, mode, constant_per_sequence=CONSTANT_PER_SEQUENCE
@@ -300,7 +298,7 @@ def reference_val_totals(params: ParamDict, val_size: int) -> Tensor:
     model = initial_model()
     model.load_state_dict(params)
     dataset = MLMSamples(seed=VAL_SEED)
-    batch = default_collate([dataset[i] for i in range(val_size)])
+    batch = dataset[:val_size]
     mask = batch["loss_mask"]
     with torch.no_grad():
         loss_sum = reference_loss(model(batch)["token_logits"], batch["labels"], mask, "sum")

@@ -252,6 +252,11 @@ Job = tuple[str, Case]
 
 
 def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> list[dict]:
+    """Each job's result; with ``result_path``, on a gloo process whose rank 0 saves them there
+    (OMP_NUM_THREADS stops accelerate resizing torch's thread pool)."""
+    if result_path is not None:
+        join_existing_group()
+        os.environ["OMP_NUM_THREADS"] = "1"
     results = []
     with fast_cpu_runs():
         for index, (runner_name, case) in enumerate(jobs):
@@ -260,14 +265,6 @@ def _run_all(jobs: Sequence[Job], output_dir: str, result_path: str | None) -> l
     if result_path is not None and dist.get_rank() == 0:
         torch.save(results, result_path)
     return results
-
-
-def _distributed_body(jobs: Sequence[Job], output_dir: str, path: str) -> None:
-    """:func:`_run_all` on a gloo process; OMP_NUM_THREADS stops accelerate resizing torch's
-    thread pool."""
-    join_existing_group()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    _run_all(jobs, output_dir, path)
 
 
 def run_jobs(jobs: Sequence[Job], processes: int = 1) -> list[dict[str, Any]]:
@@ -280,7 +277,7 @@ def run_jobs(jobs: Sequence[Job], processes: int = 1) -> list[dict[str, Any]]:
         if processes == 1:
             return _run_all(jobs, tmp, None)
         path = os.path.join(tmp, "results.pt")
-        run_distributed(_distributed_body, processes, list(jobs), tmp, path, megatron=False)
+        run_distributed(_run_all, processes, list(jobs), tmp, path, megatron=False)
         return torch.load(path, weights_only=False)
 
 

@@ -9,26 +9,11 @@ io context and ``nemo_run``. Lines are those of megatron-core 0.15.3 and nemo-to
 (``requirements/constraints-nemo.txt``), or 0.16.1 (``constraints-cpu.txt``) where marked.
 
 1. :class:`_CpuTorch` replaces the ``torch`` name of the modules in ``_MODULES_WITH_CUDA_CALLS``
-   only: CUDA devices become the CPU (``zeros``/``empty``/``empty_like``/``tensor`` with
-   ``device="cuda"``, ``torch.cuda.current_device()``), ``pin_memory=True`` is dropped and that
-   tensor's ``.to("cuda", non_blocking=True)`` stays on the CPU, CUDA streams and
-   ``synchronize`` do nothing. The calls it answers:
-
-   * ``distributed/param_and_grad_buffer.py:702,719,725``, ``distributed_data_parallel.py:251``;
-   * ``optimizer/optimizer.py:469,477,481,1137``, ``optimizer/clip_grads.py:90,103,115,174,206``;
-   * ``pipeline_parallel/schedules.py:573,963,2114`` (the token counter),
-     ``p2p_communication.py:190-202,242,313,321,398``;
-   * ``utils.py:535`` (0.16.1: ``:631``; attention's buffer), ``timers.py:149,162,286``;
-   * ``tensor_parallel/mappings.py:141,181`` and ``layers.py:552`` (0.16.1: the
-     sequence-parallel all-gather and reduce-scatter outputs);
-   * ``dist_checkpointing/exchange_utils.py:107,113,329``, ``strategies/async_utils.py:163,210,
-     582``, ``filesystem_async.py:230``, ``fully_parallel.py:271-281``,
-     ``state_dict_saver.py:204,252``, ``strategies/torch.py:72``,
-     ``tensor_aware_state_dict.py:304``;
-   * ``nemo/lightning/megatron_parallel.py:348,617,1847,1857``,
-     ``pytorch/strategies/megatron_strategy.py:801,850,881,888``,
-     ``pytorch/plugins/data_sampler.py:192,212``.
-
+   only (each with the lines whose calls it answers): CUDA devices become the CPU
+   (``zeros``/``empty``/``empty_like``/``tensor`` with ``device="cuda"``,
+   ``torch.cuda.current_device()``), ``pin_memory=True`` is dropped and that tensor's
+   ``.to("cuda", non_blocking=True)`` stays on the CPU, CUDA streams and ``synchronize`` do
+   nothing.
 2. ``clip_grad_by_total_norm_fp32`` (``optimizer/clip_grads.py:167``) asserts
    ``param.grad.type() == 'torch.cuda.FloatTensor'``: :func:`_clip_grad_by_total_norm_fp32`
    scales as upstream does (``:173-178``), without the assertion.
@@ -62,28 +47,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_MODULES_WITH_CUDA_CALLS = (
-    "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.distributed.distributed_data_parallel",
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.pipeline_parallel.p2p_communication",
-    "megatron.core.tensor_parallel.mappings",
-    "megatron.core.tensor_parallel.layers",
-    "megatron.core.dist_checkpointing.exchange_utils",
-    "megatron.core.dist_checkpointing.strategies.async_utils",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    "megatron.core.dist_checkpointing.strategies.fully_parallel",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    "megatron.core.dist_checkpointing.strategies.torch",
-    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
-    "megatron.core.utils",
-    "megatron.core.timers",
-    "nemo.lightning.megatron_parallel",
-    "nemo.lightning.pytorch.strategies.megatron_strategy",
-    "nemo.lightning.pytorch.plugins.data_sampler",
-)
+# Each module, and the lines of its CUDA calls that _CpuTorch answers.
+_MODULES_WITH_CUDA_CALLS = {
+    "megatron.core.distributed.param_and_grad_buffer": "702,719,725",
+    "megatron.core.distributed.distributed_data_parallel": "251",
+    "megatron.core.optimizer.optimizer": "469,477,481,1137",
+    "megatron.core.optimizer.clip_grads": "90,103,115,174,206",
+    "megatron.core.pipeline_parallel.schedules": "573,963,2114 (the token counter)",
+    "megatron.core.pipeline_parallel.p2p_communication": "190-202,242,313,321,398",
+    # These two, 0.16.1: the sequence-parallel all-gather and reduce-scatter outputs.
+    "megatron.core.tensor_parallel.mappings": "141,181",
+    "megatron.core.tensor_parallel.layers": "552",
+    "megatron.core.dist_checkpointing.exchange_utils": "107,113,329",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "163,210,582",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "230",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": "271-281",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "204,252",
+    "megatron.core.dist_checkpointing.strategies.torch": "72",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict": "304",
+    "megatron.core.utils": "535 (0.16.1: 631; attention's buffer)",
+    "megatron.core.timers": "149,162,286",
+    "nemo.lightning.megatron_parallel": "348,617,1847,1857",
+    "nemo.lightning.pytorch.strategies.megatron_strategy": "801,850,881,888",
+    "nemo.lightning.pytorch.plugins.data_sampler": "192,212",
+}
 
 
 def _cpu(device: Any) -> Any:

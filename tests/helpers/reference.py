@@ -162,9 +162,8 @@ def ragged_mlm_batch(seed: int = 3) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 # Micro-batches as row indices of uneven_mlm_batch(): unequal sizes, and rows 2 and 5 hold no
 # masked token (row 5 alone is a micro-batch with none).
 UNEVEN_MICRO_BATCHES = [[0, 1, 2], [3, 4], [5], [6]]
-UNEVEN_VOCAB = 12
 
 
 def uneven_mlm_batch(dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor]:
     """``[10, 7, 12]`` logits, ``[7, 10]`` labels and mask, for ``UNEVEN_MICRO_BATCHES``."""
-    return make_mlm_batch(7, 10, UNEVEN_VOCAB, empty_rows=(2, 5), dtype=dtype, seed=3)
+    return make_mlm_batch(7, 10, 12, empty_rows=(2, 5), dtype=dtype, seed=3)

@@ -81,15 +81,10 @@ def test_every_path_gives_the_weighted_mean(kind) -> None:
         )
 
 
-class _WeightedSamples(MLMSamples):
-    def __init__(self, size: int, kind: str) -> None:
-        super().__init__(size)
-        self.loss_mask = _weighted(self.loss_mask, kind)
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_validation_callback_reports_the_weighted_mean_and_its_exp(kind) -> None:
-    data = _WeightedSamples(11, kind)
+    data = MLMSamples(11)
+    data.loss_mask = _weighted(data.loss_mask, kind)
     model = TinyMLM(seed=2)
     callback = ValidationPerplexityCallback()
     trainer([callback]).validate(model, loader(data, 4), verbose=False)

@@ -114,37 +114,28 @@ def _body() -> None:
                 assert worst > 0.1, worst
             else:
                 assert worst < 1e-10, (kind, wrapper, head, worst)
-    _refused_wrappings(micro_batches[0])
-    message = _unequal_counts_message(mine)
-    assert "different numbers of micro-batches ({0: 2, 1: 1} by rank" in message, message
-    assert f"this rank, {rank}, holds {2 if rank == 0 else 1}" in message
 
-
-def _refused_wrappings(mb: dict) -> None:
-    """Wrappings under which the loss could not read the output layer: named, not crashed."""
-    inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
-    # An untied head in a unit of its own: FSDP2 would free its weight before the loss.
+    # An untied head in a unit of its own: FSDP2 would free its weight before the loss. Named,
+    # not crashed.
     untied = EsmForMaskedLM(tiny_esm_config(tie_word_embeddings=False))
     fully_shard(untied.lm_head)
     fully_shard(untied)
+    inputs = {key: micro_batches[0][key] for key in ("input_ids", "attention_mask")}
     with pytest.raises(ValueError, match=r"unit 'lm_head'.*Leave the prediction head in the root"):
         lm_head_inputs(untied, **inputs)
 
-
-def _unequal_counts_message(batch: dict) -> str:
-    """What ``begin()`` raises when FSDP2 ranks hold different numbers of micro-batches."""
-    # A group whose collectives time out after a minute: without the check this run would hang
-    # in FSDP2's all-gathers; with it, begin() raises on both ranks before any forward.
+    # FSDP2 ranks holding different numbers of micro-batches, in a group whose collectives time
+    # out after a minute: without the check this run would hang in FSDP2's all-gathers; with
+    # it, begin() raises on both ranks before any forward.
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
-    mesh = DeviceMesh.from_group(group, "cpu")
-    splits = (slice(0, 2), slice(2, 4)) if dist.get_rank() == 0 else (slice(0, 4),)
-    micro_batches = [{k: v[rows] for k, v in batch.items()} for rows in splits]
-    model = _wrap(_model("esm"), "esm", "fsdp2", mesh)
-    try:
-        _step(model, micro_batches, "fused", group=group, equal_micro_batch_counts=True)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    splits = (slice(0, 2), slice(2, 4)) if rank == 0 else (slice(0, 4),)
+    unequal = [{k: v[rows] for k, v in mine.items()} for rows in splits]
+    model = _wrap(_model("esm"), "esm", "fsdp2", DeviceMesh.from_group(group, "cpu"))
+    with pytest.raises(ValueError) as error:
+        _step(model, unequal, "fused", group=group, equal_micro_batch_counts=True)
+    message = str(error.value)
+    assert "different numbers of micro-batches ({0: 2, 1: 1} by rank" in message, message
+    assert f"this rank, {rank}, holds {2 if rank == 0 else 1}" in message
 
 
 def test_ddp_and_fsdp2_equal_one_process_and_unequal_fsdp2_counts_raise() -> None:

@@ -35,11 +35,20 @@ FP32_TOL = {"rtol": 1e-5, "atol": 1e-8}
 class TinyMLM(nn.Module):
     """Embedding, tanh, linear head: ``[b, s]`` ids to ``[s, b, v]`` token logits, fp64."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, calculate_per_token_loss: bool = True) -> None:
+        from megatron.core.distributed import finalize_model_grads
         from megatron.core.enums import ModelType
+        from megatron.core.transformer import TransformerConfig
 
         super().__init__()
-        self.config = config
+        self.config = TransformerConfig(
+            num_layers=1,
+            hidden_size=HIDDEN,
+            num_attention_heads=1,
+            params_dtype=torch.float64,
+            calculate_per_token_loss=calculate_per_token_loss,
+            finalize_model_grads_func=finalize_model_grads,
+        )
         self.model_type = ModelType.encoder_or_decoder
         gen = torch.Generator().manual_seed(11)
         self.embedding = nn.Embedding(VOCAB, HIDDEN, dtype=torch.float64)
@@ -54,21 +63,6 @@ class TinyMLM(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         hidden = torch.tanh(self.embedding(input_ids))
         return {"token_logits": self.head(hidden).transpose(0, 1).contiguous()}
-
-
-def make_model(calculate_per_token_loss: bool) -> GradSyncShell:
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.transformer import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        num_attention_heads=1,
-        params_dtype=torch.float64,
-        calculate_per_token_loss=calculate_per_token_loss,
-        finalize_model_grads_func=finalize_model_grads,
-    )
-    return GradSyncShell(TinyMLM(config))
 
 
 def global_batch(weighted: bool = False, seq_len: int = SEQ_LEN) -> dict[str, torch.Tensor]:
@@ -110,7 +104,7 @@ def run_schedule(forward_step, micro_batches, calculate_per_token_loss: bool = T
     """``forward_backward_no_pipelining``: the gradients, ``reduce``'s loss and the reports."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    model = make_model(calculate_per_token_loss)
+    model = GradSyncShell(TinyMLM(calculate_per_token_loss))
     with megatron_on_cpu():
         reports = forward_backward_no_pipelining(
             forward_step_func=forward_step,
@@ -130,7 +124,7 @@ def reference_grads(
     seq_len: int = SEQ_LEN,
 ):
     """F.cross_entropy in fp64 on the whole batch (or the mean of per-micro-batch means)."""
-    model = make_model(calculate_per_token_loss=True).module
+    model = TinyMLM()
     batch = global_batch(weighted, seq_len)
 
     def mean_loss(rows: list[int]) -> torch.Tensor:

@@ -80,10 +80,8 @@ def micro_batch_terms(batch: dict, mode: str, cp_size: int, packed: bool, length
         loss_fn.setup(shard)
         n, d, report = loss_fn({"token_logits": shard["logits"].transpose(0, 1)})
         numerator = numerator + n
-        report_sum, denominator = (
-            report_sum + report["loss_sum_and_microbatch_size"],
-            denominator + d,
-        )
+        report_sum = report_sum + report["loss_sum_and_microbatch_size"]
+        denominator = denominator + d
     # One backward per micro-batch: the shards share the packing graph.
     numerator.backward()
     return report_sum, denominator

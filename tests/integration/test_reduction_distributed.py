@@ -1,14 +1,17 @@
 """Real multi-process runs: every DP, TP (vocab-sharded logits) and CP layout against one process.
 
 One spawn of 4 processes goes through the layouts: plain ``torch.distributed`` (DP = 4), then
-Megatron-Core's parallel state at DP = 4, DP = 2 x TP = 2, DP = 2 x CP = 2 and TP = 2 x CP = 2,
-rebuilt for each. Every rank builds the same global batch, takes its share (rows for DP,
-load-balanced sequence chunks for CP, a vocab slice for TP), runs the loss per micro-batch as
-Megatron would, and checks the reduced loss and its own slice of d(loss)/d(logits) against
-``F.cross_entropy`` on the whole, unsplit batch; forward and backward of every micro-batch run
-no host sync and (outside TP) no collective, ``reduce`` one all-reduce; the token count sums
-over ``loss_reduction_group()``, DP x CP and never TP. Megatron's own cross-entropy kernels run
-at TP = 1 and TP = 2.
+Megatron-Core's parallel state at DP = 4, DP = 2 x TP = 2, TP = 4, DP = 2 x CP = 2 and
+TP = 2 x CP = 2, rebuilt for each. Every rank builds the same global batch, takes its share
+(rows for DP, load-balanced sequence chunks for CP, a vocab slice for TP), runs the loss per
+micro-batch as Megatron would, and checks the reduced loss and its own slice of
+d(loss)/d(logits) against ``F.cross_entropy`` on the whole, unsplit batch; forward and backward
+of every micro-batch run no host sync and no collective but, under TP, the cross-entropy's one
+all-reduce; ``reduce`` one all-reduce (none at TP = 4, where DP x CP is one rank); the token
+count sums over ``loss_reduction_group()``, DP x CP and never TP. Megatron's own cross-entropy
+kernels run at TP = 1, 2 and 4; ``cross_entropy_loss_sum`` on vocab shards through a group
+passed in (no Megatron) and Megatron's TP group; ``TokenPerplexity`` in every layout without CP;
+a packed batch in every mode at DP = 2 x CP = 2.
 """
 
 from __future__ import annotations
@@ -16,15 +19,31 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank, unreduced_token_loss_fn
+from bert_reduce import (
+    BERTMLMLossWithReduction,
+    TokenPerplexity,
+    cross_entropy_loss_sum,
+    get_batch_on_this_cp_rank,
+    unreduced_token_loss_fn,
+)
 from bert_reduce import distributed as brd
-from bert_reduce.context_parallel import slice_for_context_parallel
+from bert_reduce.context_parallel import (
+    get_packed_batch_on_this_cp_rank,
+    slice_for_context_parallel,
+)
 from bert_reduce.distributed import all_reduce_sum_, loss_reduction_group
+from bert_reduce.packing import unpack_sequences
 from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
-from tests.helpers.mode_reference import checked_reduce
-from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
+from tests.helpers.mode_reference import MODES, checked_reduce, mode_kwargs
+from tests.helpers.packed_batch import pack_with_logits, ragged_padded_batch
+from tests.helpers.reference import (
+    RAGGED_SEQ_LEN,
+    make_mlm_batch,
+    reference_loss,
+    reference_loss_and_grad,
+    token_losses,
+)
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
 
 pytestmark = pytest.mark.slow
@@ -38,8 +57,9 @@ MICRO_BATCHES = {
     2: [[[0, 1, 2], [3, 4]], [[5], [6, 7]]],
     4: [[[0, 1], [2]], [[3]], [[4], [5, 6]], [[7]]],  # rank 1: only an empty micro-batch
 }
+BATCH = make_mlm_batch(GLOBAL_BATCH, SEQ_LEN, VOCAB, empty_rows=EMPTY_ROWS, mask_prob=0.2, seed=7)
 # (tensor-parallel size, context-parallel size) of each Megatron layout on 4 processes.
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 
 
 def _ranks() -> tuple[int, int, int, int, int, int]:
@@ -70,9 +90,7 @@ def _local_view(
 
 def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
     dp_rank, dp_size, tp_rank, tp_size, cp_rank, cp_size = _ranks()
-    logits, labels, mask = make_mlm_batch(
-        GLOBAL_BATCH, SEQ_LEN, VOCAB, empty_rows=EMPTY_ROWS, mask_prob=0.2, seed=7
-    )
+    logits, labels, mask = BATCH
     ref_loss, ref_grad = reference_loss_and_grad(logits, labels, mask)
 
     reports, local_tokens = [], torch.zeros((), dtype=torch.int64)
@@ -96,8 +114,8 @@ def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
             loss_sum, num_tokens, report = loss_fn({"token_logits": leaf})
             if not validation_step:
                 loss_sum.backward()
-        if tp_size == 1:  # under TP, the kernel's: tests/integration/test_cross_entropy_tp.py
-            assert dict(calls) == {}, dict(calls)
+        # Under TP, the cross-entropy's one all-reduce over the vocabulary shards.
+        assert dict(calls) == ({} if tp_size == 1 else {"all_reduce": 1}), dict(calls)
         if not validation_step:
             grads.append(leaf.grad)
         leaves.append(rows)
@@ -108,7 +126,7 @@ def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
         BERTMLMLossWithReduction(validation_step=validation_step).reduce(reports)
     assert calls["all_reduce"] == (1 if dp_size * cp_size > 1 else 0), calls
     reduced = checked_reduce(reports)
-    torch.testing.assert_close(reduced, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(reduced, ref_loss, rtol=1e-13, atol=0)
 
     if validation_step:
         return
@@ -121,7 +139,7 @@ def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
     assert not calls
     for rows, grad in zip(leaves, grads, strict=True):
         expected = _local_view(ref_grad, rows, (tp_rank, tp_size), (cp_rank, cp_size))
-        torch.testing.assert_close(grad / global_tokens, expected, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(grad / global_tokens, expected, rtol=1e-12, atol=1e-15)
 
 
 def _loss_checks() -> None:
@@ -132,26 +150,24 @@ def _loss_checks() -> None:
 
 def _megatron_cross_entropy_checks() -> None:
     _, _, tp_rank, tp_size, _, _ = _ranks()
-    logits, labels, _ = make_mlm_batch(3, 8, VOCAB, mask_prob=1.0, dtype=torch.float32)
-    ref = F.cross_entropy(logits.double().permute(1, 2, 0), labels, reduction="none")
-    shard = VOCAB // tp_size
+    logits, labels, mask = make_mlm_batch(3, 8, VOCAB, mask_prob=1.0, dtype=torch.float32)
+    ref = token_losses(logits, labels, mask)
+    _, ref_grad = reference_loss_and_grad(logits, labels, mask, "sum")
+    cols = slice(tp_rank * VOCAB // tp_size, (tp_rank + 1) * VOCAB // tp_size)
     for fused in (False, True):
-        local = logits[..., tp_rank * shard : (tp_rank + 1) * shard].clone().requires_grad_(True)
+        local = logits[..., cols].clone().requires_grad_(True)
         before = local.detach().clone()
         per_token = unreduced_token_loss_fn(local, labels, cross_entropy_loss_fusion=fused)
         per_token.sum().backward()
         assert torch.equal(local.detach(), before), "caller's logits were modified"
         torch.testing.assert_close(per_token.double(), ref, rtol=1e-5, atol=1e-6)
-        ref_logits = logits.double().requires_grad_(True)
-        F.cross_entropy(ref_logits.permute(1, 2, 0), labels, reduction="sum").backward()
-        expected = ref_logits.grad[..., tp_rank * shard : (tp_rank + 1) * shard]
         # The fused kernel returns its gradient in bf16, whatever the logits' dtype.
         tol = 1e-2 if fused else 1e-5
-        torch.testing.assert_close(local.grad.double(), expected, rtol=tol, atol=tol)
+        torch.testing.assert_close(local.grad.double(), ref_grad[..., cols], rtol=tol, atol=tol)
         # The loss class runs the same kernel when asked for it by name (the fused one's bf16
         # gradient tells them apart).
         loss_fn = BERTMLMLossWithReduction(cross_entropy="megatron_fused" if fused else "megatron")
-        loss_fn.setup({"labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.bool)})
+        loss_fn.setup({"labels": labels, "loss_mask": mask})
         leaf = before.clone().requires_grad_(True)
         with count_collectives() as calls:
             loss_sum, _, _ = loss_fn({"token_logits": leaf})
@@ -162,14 +178,117 @@ def _megatron_cross_entropy_checks() -> None:
         torch.testing.assert_close(leaf.grad, local.grad, rtol=1e-6, atol=1e-7)
 
 
+def _cross_entropy_loss_sum_checks(
+    tp_group: dist.ProcessGroup | None, tp_rank: int, tp_size: int
+) -> None:
+    """``cross_entropy_loss_sum`` on this rank's vocab shard, through Megatron's tensor-parallel
+    group (``None``) or a group passed in without Megatron: one all-reduce, the full-vocabulary
+    loss sum and this shard's slice of its gradient."""
+    cols = slice(tp_rank * VOCAB // tp_size, (tp_rank + 1) * VOCAB // tp_size)
+    logits, labels, mask = make_mlm_batch(3, 10, VOCAB, mask_prob=0.4, seed=3)
+    weights = mask * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grad = reference_loss_and_grad(logits, labels, weights, "sum")
+    for capacity in ["all", "nonzero", 0.6]:
+        for in_place in (False, True):
+            leaf = logits[..., cols].clone().requires_grad_(True)
+            with count_collectives() as calls:
+                loss_sum, _ = cross_entropy_loss_sum(
+                    leaf * 1,
+                    labels,
+                    weights,
+                    capacity=capacity,
+                    in_place=in_place,
+                    chunk_elements=20,
+                    tp_group=tp_group,
+                )
+            assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
+            loss_sum.backward()
+            torch.testing.assert_close(loss_sum, ref_loss, rtol=1e-13, atol=0)
+            torch.testing.assert_close(leaf.grad, ref_grad[..., cols], rtol=1e-12, atol=1e-15)
+
+
+def _perplexity_checks() -> None:
+    """``TokenPerplexity`` of this rank's micro-batches (its vocab shard under TP, where the
+    cross-entropy's all-reduce is the only collective) synced over DP; summed over every rank
+    instead, the TP ranks would count each token ``tp`` times."""
+    dp_rank, dp_size, tp_rank, tp_size, _, _ = _ranks()
+    logits, labels, mask = BATCH
+    expected = reference_loss(logits, labels, mask).exp()
+    mine = MICRO_BATCHES[dp_size][dp_rank]
+    metric, over_world = TokenPerplexity(), TokenPerplexity(process_group=dist.group.WORLD)
+    with count_collectives() as calls:
+        for rows in mine:
+            local = _local_view(logits, rows, (tp_rank, tp_size), (0, 1))
+            metric.update_from_logits(local, labels[rows], mask[rows])
+            over_world.update_from_logits(local, labels[rows], mask[rows])
+    assert set(calls) <= ({"all_reduce"} if tp_size > 1 else set()), calls
+    metrics = [(metric, 1), (over_world, tp_size)]
+    if tp_size == 1:  # the metric from the sums of each micro-batch: no collective
+        from_sums = TokenPerplexity()
+        sums = [cross_entropy_loss_sum(logits[:, r], labels[r], mask[r]) for r in mine]
+        with count_collectives() as calls:
+            for loss_sum, num_tokens in sums:
+                from_sums.update(loss_sum, num_tokens)
+        assert not calls
+        metrics.append((from_sums, 1))
+    for each, copies in metrics:
+        torch.testing.assert_close(each.compute(), expected, rtol=2e-6, atol=0)
+        with each.sync_context():
+            assert int(each.denominator) == copies * int(mask.sum())
+
+
+def _packed_checks() -> None:
+    """A packed (THD) batch, each CP rank holding its load-balanced share of every sequence: the
+    reduced loss and the gradient, summed over DP x CP as finalize_model_grads does, equal the
+    mode's definition on the whole padded batch."""
+    from megatron.core import parallel_state as ps
+
+    logits, batch, _ = ragged_padded_batch(weighted=True)
+    packed = pack_with_logits(batch, logits, 4)
+    for mode in MODES:
+        ref_loss, ref_grad = reference_loss_and_grad(
+            logits, batch["labels"], batch["loss_mask"], mode, **mode_kwargs(mode, RAGGED_SEQ_LEN)
+        )
+        token_logits = packed["logits"].transpose(0, 1).detach().requires_grad_(True)
+        shard = get_packed_batch_on_this_cp_rank({**packed, "logits": token_logits.transpose(0, 1)})
+        loss_fn = BERTMLMLossWithReduction(normalization=mode, **mode_kwargs(mode, RAGGED_SEQ_LEN))
+        loss_fn.setup(shard)
+        numerator, denominator, report = loss_fn({"token_logits": shard["logits"].transpose(0, 1)})
+        numerator.backward()
+        torch.testing.assert_close(checked_reduce([report]), ref_loss, rtol=1e-13, atol=0)
+        # What finalize_model_grads does: sum gradients and denominators over DP x CP.
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        dist.all_reduce(token_logits.grad, group=group)
+        dist.all_reduce(denominator, group=group)
+        grad = unpack_sequences(
+            token_logits.grad / denominator,
+            packed["cu_seqlens"],
+            RAGGED_SEQ_LEN,
+            cu_seqlens_padded=packed["cu_seqlens_padded"],
+            seq_dim=0,
+        )
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
+        if mode != "per_token":
+            bare = {k: v for k, v in shard.items() if not k.startswith("sequence_")}
+            loss_fn.setup(bare)
+            with pytest.raises(ValueError, match="sequence_weight"):
+                loss_fn({"token_logits": shard["logits"].transpose(0, 1)})
+
+
 def _every_layout_body() -> None:
     _loss_checks()  # plain torch.distributed: no Megatron parallel state yet
+    _cross_entropy_loss_sum_checks(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
     for tp, cp in LAYOUTS:
         with megatron_parallel_state(tp, cp):
             assert _ranks()[1::2] == (4 // (tp * cp), tp, cp)
             _loss_checks()
             if cp == 1:
                 _megatron_cross_entropy_checks()
+                _perplexity_checks()
+            if cp == 1 and tp > 1:
+                _cross_entropy_loss_sum_checks(None, tp_rank=_ranks()[2], tp_size=tp)
+            if (tp, cp) == (1, 2):
+                _packed_checks()
 
 
 def test_every_parallel_layout_matches_single_process() -> None:

@@ -2,7 +2,7 @@
 
 The validation set has 11 samples, validated in batches of 4: its size divides neither the
 batch size nor the number of ranks, and batches hold different numbers of masked tokens (some
-samples hold none). Real DDP processes: tests/integration/test_validation_perplexity_ddp.py.
+samples hold none). Real DDP processes: tests/integration/test_lightning_distributed.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The fused head on them gives the loss and every parameter gradient of the model's own logits
 path and of ``F.cross_entropy`` on those logits (fp64), with the output weight tied to the word
-embeddings. Tensor and sequence parallelism: tests/integration/test_megatron_output_layer_tp.py.
+embeddings. Tensor and sequence parallelism: tests/integration/test_fused_head_tp.py.
 """
 
 from __future__ import annotations
