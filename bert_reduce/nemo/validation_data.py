@@ -142,7 +142,7 @@ class ExactValidationDataSampler(MegatronDataSampler):
         state = getattr(getattr(self, "trainer", None), "state", None)
         stage = getattr(state, "stage", None)
         if isinstance(stage, RunningStage):
-            # Lightning's loader prefix ("train", "val", ...), as NeMo's samplers name it.
+            # Lightning's loader prefix ("train", "val", "test", "predict"); NeMo's "validation".
             prefix = stage.dataloader_prefix
             return "validation" if prefix == "val" else prefix
         return getattr(dataloader, "mode", "train")
