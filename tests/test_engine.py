@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from bert_reduce import BERTMLMLossWithReduction, GlobalBatchLoss, LossOptions, TokenPerplexity
 from bert_reduce.engine import loss_terms, scored_weights
 from bert_reduce.hf import ExactMLMTrainer, lm_head_inputs
-from bert_reduce.hf.exact_trainer import split_model_inputs
+from bert_reduce.hf.exact_trainer import LOSS_ONLY_KEYS
 from tests.helpers import hf_trainer as H
 from tests.helpers.megatron_cpu import single_process_megatron
 from tests.helpers.reference import reference_loss
@@ -108,7 +108,7 @@ def test_every_integration_takes_every_option_and_gives_the_reference_sums(
     with single_process_megatron() if megatron else contextlib.nullcontext():
         batch = _batch(case)
         model = H.tiny_model("esm").train()
-        inputs = split_model_inputs(batch)
+        inputs = {key: value for key, value in batch.items() if key not in LOSS_ONLY_KEYS}
         logits = model(**inputs).logits.detach()  # [b, s, v]
         out = lm_head_inputs(model, **inputs) if output == "hidden_states" else logits
         numerator, denominator = INTEGRATIONS[integration](batch, out, options, tmp_path)

@@ -1,8 +1,6 @@
 """``transformers.Trainer`` with the exact masked-LM loss of every global batch and eval set.
 
-:class:`ExactMLMTrainer` counts first and divides once, through
-:class:`bert_reduce.GlobalBatchLoss`, where the plain ``Trainer`` averages micro-batch means
-(``docs/hf_trainer.md``).
+Why and how: ``docs/hf_trainer.md``.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ __all__ = [
     "TESTED_TRANSFORMERS_VERSIONS",
     "ExactMLMTrainer",
     "sample_loss_terms",
-    "split_model_inputs",
 ]
 
 TESTED_TRANSFORMERS_VERSIONS = ("5.24.0",)
@@ -49,16 +46,8 @@ TESTED_TRANSFORMERS_VERSIONS = ("5.24.0",)
 
 LOSS_ONLY_KEYS = ("labels", "loss_mask", "sequence_weight", "sequence_start", "num_scored")
 """Batch keys the loss reads and the model is not given. ``labels`` is kept from the model
-so that it computes no loss of its own (and ``[b, s, v]`` logits are not scored twice)."""
-
-
-def split_model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The batch without :data:`LOSS_ONLY_KEYS`: what the model's ``forward`` receives.
-
-    Packing keys (``position_ids``, ``cu_seq_lens_q``, ...) stay: the model's attention needs
-    them, and the loss reads them from the batch as well.
-    """
-    return {key: value for key, value in batch.items() if key not in LOSS_ONLY_KEYS}
+so that it computes no loss of its own (and ``[b, s, v]`` logits are not scored twice).
+Packing keys (``position_ids``, ``cu_seq_lens_q``, ...) go to both."""
 
 
 def sample_loss_terms(
@@ -102,10 +91,8 @@ class ExactMLMTrainer(Trainer):
 
     A drop-in replacement: the same arguments, plus the loss options below. For any masked LM
     returning ``[b, s, v]`` ``logits``, and batches with ``labels`` (``[b, s]``, ``-100`` where
-    unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights). Use,
-    and how, through Trainer's public hooks: ``docs/hf_trainer.md`` (tested with
-    :data:`TESTED_TRANSFORMERS_VERSIONS`). Data parallelism only. The model is not given
-    :data:`LOSS_ONLY_KEYS`.
+    unscored) and optionally ``loss_mask`` (``[b, s]`` bool, integer or float weights); the
+    model is not given :data:`LOSS_ONLY_KEYS`. Use, and the hooks: ``docs/hf_trainer.md``.
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments.
@@ -115,7 +102,8 @@ class ExactMLMTrainer(Trainer):
             (:class:`bert_reduce.LossOptions`' fields).
 
     Raises:
-        RuntimeError: With a ``transformers`` lacking the hooks above.
+        RuntimeError: With a ``transformers`` lacking the Trainer hooks it overrides (tested
+            with :data:`TESTED_TRANSFORMERS_VERSIONS`).
         ValueError: On a bad loss option, a ``compute_loss_func``, label smoothing, or several
             GPUs in one process (``DataParallel``).
         TypeError: With ``fused_head`` for a model other than ``EsmForMaskedLM`` or
@@ -133,12 +121,9 @@ class ExactMLMTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         # The two Trainer hooks this class overrides (docs/hf_trainer.md).
-        parameters = list(inspect.signature(Trainer.get_batch_samples).parameters)
-        if not hasattr(Trainer, "loss_is_scaled_for_ga") or parameters[1:4] != [
-            "epoch_iterator",
-            "num_batches",
-            "device",
-        ]:
+        parameters = list(inspect.signature(Trainer.get_batch_samples).parameters)[1:4]
+        expected = ["epoch_iterator", "num_batches", "device"]
+        if not hasattr(Trainer, "loss_is_scaled_for_ga") or parameters != expected:
             raise RuntimeError(
                 f"ExactMLMTrainer needs transformers.Trainer.loss_is_scaled_for_ga and "
                 f"get_batch_samples(epoch_iterator, num_batches, device), which transformers "
@@ -187,17 +172,15 @@ class ExactMLMTrainer(Trainer):
         # The model gets no labels and computes no loss: Trainer must not count tokens for it
         # (nor all-gather the count under average_tokens_across_devices).
         self.model_accepts_loss_kwargs = False
+        # The data-parallel processes whose batches make up the global batch.
+        self._loss_group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
         # The step's global denominator and each micro-batch's share, as a PyTorch loop has
         # them; DDP's mean over the processes is what the share's world size undoes.
         self._global_loss = GlobalBatchLoss(
-            self._loss_group(),
+            self._loss_group,
             gradient_average_size=self.accelerator.num_processes,
             **dataclasses.asdict(self.options),
         )
-
-    def _loss_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel processes whose batches make up the global batch."""
-        return dist.group.WORLD if self.accelerator.num_processes > 1 else None
 
     def get_batch_samples(
         self, epoch_iterator: Iterator, num_batches: int, device: torch.device
@@ -243,7 +226,7 @@ class ExactMLMTrainer(Trainer):
             ``(loss, outputs)``.
         """
         fused = self.fused_head and (model.training or not self._logits_wanted)
-        model_inputs = split_model_inputs(inputs)
+        model_inputs = {key: value for key, value in inputs.items() if key not in LOSS_ONLY_KEYS}
         outputs = None
         if fused:
             forward_out = lm_head_inputs(model, **model_inputs)
@@ -256,25 +239,17 @@ class ExactMLMTrainer(Trainer):
         elif model.training or self._eval_local is None:
             loss = safe_divide(*loss_terms(inputs, forward_out, self.options, layout="bs"))
         else:
-            # evaluation_loop keeps each token's loss, for the per-sample sums of the last batch.
-            weights = scored_weights(inputs, self.options.ignore_index)
-            losses = token_losses(inputs, forward_out, self.options, layout="bs", weights=weights)
-            numerator, denominator = mode_terms(inputs, weights, losses, self.options)
-            self._add_eval_terms(inputs, weights, losses, numerator, denominator)
-            loss = safe_divide(numerator, denominator)
+            loss = self._eval_loss(inputs, forward_out)
         if return_outputs:
             return loss, ({} if outputs is None else outputs)
         return loss
 
-    def _add_eval_terms(
-        self,
-        inputs: dict[str, Any],
-        weights: Tensor,
-        losses: Tensor,
-        numerator: Tensor,
-        denominator: Tensor,
-    ) -> None:
-        """Add an eval batch's ``(loss_sum, denominator)``, padding duplicates dropped."""
+    def _eval_loss(self, inputs: dict[str, Any], forward_out: Any) -> Tensor:
+        """Add an eval batch's ``(loss_sum, denominator)``, padding duplicates dropped; its mean."""
+        # Each token's loss is kept, for the per-sample sums of the last batch.
+        weights = scored_weights(inputs, self.options.ignore_index)
+        losses = token_losses(inputs, forward_out, self.options, layout="bs", weights=weights)
+        numerator, denominator = mode_terms(inputs, weights, losses, self.options)
         one = torch.ones(1, dtype=torch.float64, device=numerator.device)
         gradient_state = self.accelerator.gradient_state
         if self.accelerator.num_processes > 1 and gradient_state.end_of_dataloader:
@@ -291,6 +266,7 @@ class ExactMLMTrainer(Trainer):
             self._eval_last += torch.cat([gathered.sum(dim=0), one])
         else:
             self._eval_local += torch.cat([make_report(numerator, denominator), one])
+        return safe_divide(numerator, denominator)
 
     def prediction_step(
         self,
@@ -314,12 +290,11 @@ class ExactMLMTrainer(Trainer):
         signature = inspect.signature(Trainer.evaluation_loop).bind(self, *args, **kwargs)
         signature.apply_defaults()
         prefix = signature.arguments["metric_key_prefix"]
-        device = self.args.device
-        self._eval_local = torch.zeros(3, dtype=torch.float64, device=device)
-        self._eval_last = torch.zeros(3, dtype=torch.float64, device=device)
+        self._eval_local = torch.zeros(3, dtype=torch.float64, device=self.args.device)
+        self._eval_last = torch.zeros_like(self._eval_local)
         try:
             output = super().evaluation_loop(*args, **kwargs)
-            totals = distributed.all_reduce_sum_(self._eval_local, self._loss_group())
+            totals = distributed.all_reduce_sum_(self._eval_local, self._loss_group)
             totals = totals + self._eval_last
         finally:
             self._eval_local = self._eval_last = None

@@ -68,13 +68,8 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
     Runs ``model(**inputs)`` with the prediction head stopped before its decoder, so the
     ``[b, s, v]`` logits are never computed: ``F.linear(hidden_states, output_weight,
     output_bias)`` equals the model's ``logits``. Pass no ``labels`` (the model would score
-    the hidden states as logits); the loss reads them from the batch.
-
-    The loss uses the output layer's parameters after the model's forward. Under
-    ``DistributedDataParallel`` with ``find_unused_parameters=True`` (Trainer's default), the
-    hidden states keep them in the forward's graph through an exact zero (else DDP's backward
-    fails: "marked as ready twice"); under FSDP2 the prediction head must be in the root
-    ``fully_shard`` unit, whose parameters stay gathered until backward.
+    the hidden states as logits); the loss reads them from the batch. Under FSDP2 the
+    prediction head must be in the root ``fully_shard`` unit.
 
     Args:
         model: A ``transformers`` ``EsmForMaskedLM`` or ``BertForMaskedLM``, optionally inside
@@ -95,6 +90,9 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
             "lm_head_inputs takes the model's inputs without 'labels': the model would score "
             "its hidden states as logits. Give the labels to the loss instead."
         )
+    # The loss reads the output layer's parameters after the forward: under DDP with
+    # find_unused_parameters=True (Trainer's default) the hidden states keep them in the
+    # forward's graph through an exact zero, else DDP's backward fails ("marked as ready twice").
     keep_decoder_in_graph = isinstance(model, DistributedDataParallel) and (
         model.find_unused_parameters
     )

@@ -2,8 +2,7 @@
 
 Everything else uses Lightning's public hooks; ``tests/test_private_names.py`` fails on these
 names anywhere but here. Tested on Lightning 2.6 (the core environment: all three) and 2.4
-(NeMo 2's pin: the callback state key, through the recipe's callbacks). Under 2.4 a run
-resumed mid-validation does not log the uninterrupted values (docs/perplexity.md).
+(NeMo 2's pin: the callback state key, through the recipe's callbacks; docs/perplexity.md).
 """
 
 from __future__ import annotations

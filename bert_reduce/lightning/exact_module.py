@@ -1,8 +1,6 @@
 """A LightningModule whose optimizer step is exactly that of the whole global batch.
 
-The micro-batch numerators are back-propagated as they are and the gradients scaled once by
-``dp_size / global_denominator`` after backward (:class:`ExactMLMModule`; the algebra:
-``docs/guarantees.md``; the strategies and switches: ``docs/lightning.md``).
+How: ``docs/lightning.md``, "What one step does"; the algebra: ``docs/guarantees.md``.
 """
 
 from __future__ import annotations
@@ -45,31 +43,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 LRSchedulerFactory = Callable[[Optimizer], LRScheduler]
 """Builds a learning-rate scheduler stepped once per optimizer step."""
-
-
-def _split_num_scored(num_scored: Any, batch_size: int, micro_batch_size: int) -> list[Any]:
-    """Each micro-batch's host ``num_scored``: per-sample counts summed into ints.
-
-    A whole batch's ``int`` cannot be split, so it is only valid for a single micro-batch.
-    """
-    count = batch_size // micro_batch_size
-    if isinstance(num_scored, tuple | list):
-        if len(num_scored) != batch_size:
-            raise ValueError(
-                f"batch['num_scored'] holds {len(num_scored)} per-sample counts for a batch of "
-                f"{batch_size} samples."
-            )
-        return [
-            sum(num_scored[start : start + micro_batch_size])
-            for start in range(0, batch_size, micro_batch_size)
-        ]
-    if count > 1:
-        raise ValueError(
-            f"batch['num_scored'] = {num_scored!r} counts the whole batch of {batch_size} "
-            f"samples and cannot be split into {count} micro-batches: give per-sample counts "
-            "instead (bert_reduce.num_scored.NumScoredCollator(collate_fn, per_sample=True))."
-        )
-    return [num_scored]
 
 
 def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list[dict[str, Any]]:
@@ -122,13 +95,28 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
     chunks = {
         key: value.split(micro_batch_size) for key, value in batch.items() if key in batch_sizes
     }
-    if NUM_SCORED_KEY in batch and NUM_SCORED_KEY not in chunks:  # a tensor is split already
-        chunks[NUM_SCORED_KEY] = _split_num_scored(
-            batch[NUM_SCORED_KEY], batch_size, micro_batch_size
+    count = batch_size // micro_batch_size
+    num_scored = batch.get(NUM_SCORED_KEY)
+    if isinstance(num_scored, tuple | list):  # host per-sample counts: summed into ints
+        if len(num_scored) != batch_size:
+            raise ValueError(
+                f"batch['num_scored'] holds {len(num_scored)} per-sample counts for a batch of "
+                f"{batch_size} samples."
+            )
+        chunks[NUM_SCORED_KEY] = [
+            sum(num_scored[start : start + micro_batch_size])
+            for start in range(0, batch_size, micro_batch_size)
+        ]
+    elif NUM_SCORED_KEY in batch and NUM_SCORED_KEY not in chunks and count > 1:
+        # A whole batch's count (a tensor is split already) cannot be split.
+        raise ValueError(
+            f"batch['num_scored'] = {num_scored!r} counts the whole batch of {batch_size} "
+            f"samples and cannot be split into {count} micro-batches: give per-sample counts "
+            "instead (bert_reduce.num_scored.NumScoredCollator(collate_fn, per_sample=True))."
         )
     return [
         {key: chunks[key][i] if key in chunks else value for key, value in batch.items()}
-        for i in range(batch_size // micro_batch_size)
+        for i in range(count)
     ]
 
 
@@ -308,11 +296,9 @@ class ExactMLMModule(pl.LightningModule):
         # DDP is in no_sync, and FSDP2 reduce-scatters in every backward unless told not to:
         # all micro-batches but the last only accumulate locally.
         strategy = self.trainer.strategy
-        if last:
-            return contextlib.nullcontext()
-        if isinstance(strategy, ModelParallelStrategy):
+        if not last and isinstance(strategy, ModelParallelStrategy):
             return _without_fsdp2_gradient_sync(self.model)
-        if isinstance(strategy, DDPStrategy):
+        if not last and isinstance(strategy, DDPStrategy):
             return strategy.block_backward_sync()
         return contextlib.nullcontext()
 

@@ -47,11 +47,9 @@ class ValidationResult(NamedTuple):
 class ValidationPerplexityCallback(Callback):
     """Logs the token-weighted validation loss and perplexity of each validation epoch.
 
-    ``validation_step`` returns the loss report (:mod:`bert_reduce.reports`, as
-    :class:`bert_reduce.lightning.ExactMLMModule` does) or a list of them; each is added to a
-    :class:`bert_reduce.TokenPerplexity`, summed over ranks once per epoch (every rank must
-    run it) and divided once. The last :class:`ValidationResult` is in :attr:`result` and in
-    checkpoints. Sanity checks, samplers, resume: ``docs/perplexity.md``.
+    ``validation_step`` returns the loss report (:mod:`bert_reduce.reports`) or a list of them;
+    the last :class:`ValidationResult` is in :attr:`result` and in checkpoints. The contract,
+    samplers and resume: ``docs/perplexity.md``.
 
     Args:
         loss_key: Name the token-weighted mean validation loss is logged under.

@@ -54,9 +54,7 @@ def _tensor_parallel_input(layer: nn.Module, hidden: Tensor) -> Tensor:
 def output_layer_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``model(*args, **kwargs)`` with the output layer stopped: the fused head's ``forward_out``.
 
-    Use it in training, where :class:`bert_reduce.BERTMLMLossWithReduction` then computes the
-    logits of the scored positions only; call the model itself where logits are wanted
-    (validation, a perplexity metric).
+    For training; where logits are wanted, call the model itself (``docs/megatron.md``).
 
     Args:
         model: A Megatron-Core ``BertModel``-style language model whose forward ends in

@@ -1,8 +1,4 @@
-"""A NeMo data step that hands the loss this rank's ``num_scored``, counted on the host.
-
-NeMo's and BioNeMo's data steps drop the count or, under context parallelism, slice it as a
-sequence (:mod:`bert_reduce.num_scored`); :func:`num_scored_data_step` counts before them.
-"""
+"""A NeMo data step that hands the loss this rank's ``num_scored``, counted on the host."""
 
 from __future__ import annotations
 

@@ -18,15 +18,6 @@ from typing_extensions import override
 
 __all__ = ["ExactValidationDataSampler", "PaddedEvalDataset", "RealSampleTracker"]
 
-# The loader Lightning builds in each stage, as NeMo's samplers name it (``mode``).
-_MODE_OF_STAGE = {
-    RunningStage.TRAINING: "train",
-    RunningStage.SANITY_CHECKING: "validation",
-    RunningStage.VALIDATING: "validation",
-    RunningStage.TESTING: "test",
-    RunningStage.PREDICTING: "predict",
-}
-
 
 class PaddedEvalDataset(Dataset):
     """``dataset``, then unscored copies of its first sample up to a multiple of ``multiple``.
@@ -126,10 +117,9 @@ def _loader_like(dataloader: DataLoader, dataset: Dataset, **kwargs: Any) -> Dat
 class ExactValidationDataSampler(MegatronDataSampler):
     """NeMo's ``MegatronDataSampler`` that keeps the whole validation and test sets.
 
-    Same arguments as ``MegatronDataSampler``; training is unchanged (``docs/nemo.md``).
-    Validation and test datasets are wrapped in :class:`PaddedEvalDataset` (to a multiple of
-    ``global_batch_size``), the validation loader's batch sampler in a
-    :class:`RealSampleTracker`; :meth:`loader_mode` tells the loaders apart.
+    Same arguments as ``MegatronDataSampler``; training is unchanged. Validation and test
+    datasets are wrapped in :class:`PaddedEvalDataset` (to a multiple of ``global_batch_size``),
+    the validation loader's batch sampler in a :class:`RealSampleTracker` (``docs/nemo.md``).
     """
 
     @classmethod
@@ -151,8 +141,10 @@ class ExactValidationDataSampler(MegatronDataSampler):
         """
         state = getattr(getattr(self, "trainer", None), "state", None)
         stage = getattr(state, "stage", None)
-        if stage in _MODE_OF_STAGE:
-            return _MODE_OF_STAGE[stage]
+        if isinstance(stage, RunningStage):
+            # Lightning's loader prefix ("train", "val", "test", "predict"); NeMo's "validation".
+            prefix = stage.dataloader_prefix
+            return "validation" if prefix == "val" else prefix
         return getattr(dataloader, "mode", "train")
 
     @override

@@ -23,11 +23,8 @@ __all__ = ["NeMoValidationPerplexityCallback"]
 class NeMoValidationPerplexityCallback(ValidationPerplexityCallback):
     """:class:`~bert_reduce.lightning.ValidationPerplexityCallback` fed by NeMo 2's reports.
 
-    Add it to ``nl.Trainer(callbacks=[...])``: it sums the micro-batch reports
-    ``MegatronParallel`` hands it, and every rank, every stage included, logs ``val_loss`` /
-    ``val_ppl`` over the whole set, in place of NeMo's mean of step means; nothing from an
-    epoch whose real samples (less the :class:`~bert_reduce.nemo.RealSampleTracker`'s
-    padding) are not the validation set (``docs/nemo.md``). Arguments as the Lightning
+    Add it to ``nl.Trainer(callbacks=[...])``; what every rank logs, and when it refuses to:
+    ``docs/nemo.md``, "Exact validation loss and perplexity". Arguments as the Lightning
     callback's.
 
     Raises:
