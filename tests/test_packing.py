@@ -9,14 +9,14 @@ from bert_reduce.context_parallel import (
 )
 from bert_reduce.packing import unpack_sequences
 from tests.helpers.mode_reference import MODES, checked_reduce, mode_kwargs
-from tests.helpers.packed_batch import pack_with_logits, ragged_padded_batch
-from tests.helpers.reference import (
+from tests.helpers.packed_batch import (
     RAGGED_LENGTHS,
     RAGGED_SEQ_LEN,
     RAGGED_VOCAB,
-    reference_loss,
-    reference_loss_and_grad,
+    pack_with_logits,
+    ragged_padded_batch,
 )
+from tests.helpers.reference import reference_loss, reference_loss_and_grad
 from tests.helpers.sync_guard import forbid_host_syncs
 
 LENGTHS, SEQ_LEN, VOCAB = RAGGED_LENGTHS, RAGGED_SEQ_LEN, RAGGED_VOCAB

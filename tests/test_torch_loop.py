@@ -11,10 +11,8 @@ import torch
 from bert_reduce import GlobalBatchLoss
 from bert_reduce.packing import pack_batch, unpack_sequences
 from tests.helpers.mode_reference import MODES, float_weights, mode_kwargs, run_mode_microbatches
-from tests.helpers.packed_batch import ragged_padded_batch
+from tests.helpers.packed_batch import RAGGED_LENGTHS, RAGGED_SEQ_LEN, ragged_padded_batch
 from tests.helpers.reference import (
-    RAGGED_LENGTHS,
-    RAGGED_SEQ_LEN,
     make_head_batch,
     make_mlm_batch,
     reference_loss,

@@ -6,18 +6,25 @@ import torch
 from torch import Tensor
 
 from bert_reduce import pack_batch
-from tests.helpers.reference import (
-    RAGGED_LENGTHS,
-    RAGGED_SEQ_LEN,
-    RAGGED_VOCAB,
-    ragged_mlm_batch,
-)
+from tests.helpers.reference import make_mlm_batch
+
+RAGGED_LENGTHS = (5, 12, 1, 9, 12, 3)
+RAGGED_SEQ_LEN, RAGGED_VOCAB = 12, 11
 
 
 def ragged_padded_batch(weighted: bool = False, seed: int = 3):
-    """A right-padded [b, s] batch whose loss mask is already 0 on padding, and its logits."""
-    logits, labels, mask, real = ragged_mlm_batch(seed)
-    loss_mask = mask
+    """A right-padded ``[b, s]`` batch of sequences of ``RAGGED_LENGTHS``, and its ``[s, b, v]``
+    logits and ``[b, s]`` bool of real (non-padding) positions.
+
+    Labels are drawn as :func:`make_mlm_batch` draws them; the loss mask is 0 on padding and on
+    all of sequence 2 (a sequence with no masked token), float weights if ``weighted``.
+    """
+    logits, labels, mask = make_mlm_batch(
+        len(RAGGED_LENGTHS), RAGGED_SEQ_LEN, RAGGED_VOCAB, mask_prob=0.4, seed=seed
+    )
+    real = torch.arange(RAGGED_SEQ_LEN) < torch.tensor(RAGGED_LENGTHS)[:, None]
+    mask[2] = False
+    loss_mask = mask = mask & real
     if weighted:
         gen = torch.Generator().manual_seed(seed)
         loss_mask = torch.where(mask, torch.rand(mask.shape, generator=gen, dtype=torch.float64), 0)

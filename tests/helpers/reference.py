@@ -140,25 +140,6 @@ def linear_reference(
     return losses.detach(), *grads
 
 
-RAGGED_LENGTHS = (5, 12, 1, 9, 12, 3)
-RAGGED_SEQ_LEN, RAGGED_VOCAB = 12, 11
-
-
-def ragged_mlm_batch(seed: int = 3) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A right-padded batch of sequences of ``RAGGED_LENGTHS``, for packing tests.
-
-    Returns ``[s, b, v]`` logits, ``[b, s]`` labels (as :func:`make_mlm_batch` draws them), a
-    ``[b, s]`` bool mask that is False on padding and on all of sequence 2, and the ``[b, s]``
-    bool of real (non-padding) positions.
-    """
-    logits, labels, mask = make_mlm_batch(
-        len(RAGGED_LENGTHS), RAGGED_SEQ_LEN, RAGGED_VOCAB, mask_prob=0.4, seed=seed
-    )
-    real = torch.arange(RAGGED_SEQ_LEN) < torch.tensor(RAGGED_LENGTHS)[:, None]
-    mask[2] = False  # a sequence with no masked token
-    return logits, labels, mask & real, real
-
-
 # Micro-batches as row indices of uneven_mlm_batch(): unequal sizes, and rows 2 and 5 hold no
 # masked token (row 5 alone is a micro-batch with none).
 UNEVEN_MICRO_BATCHES = [[0, 1, 2], [3, 4], [5], [6]]

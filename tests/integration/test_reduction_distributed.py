@@ -36,9 +36,8 @@ from bert_reduce.distributed import all_reduce_sum_, loss_reduction_group
 from bert_reduce.packing import unpack_sequences
 from tests.helpers.dist_utils import megatron_parallel_state, run_distributed
 from tests.helpers.mode_reference import MODES, checked_reduce, mode_kwargs
-from tests.helpers.packed_batch import pack_with_logits, ragged_padded_batch
+from tests.helpers.packed_batch import RAGGED_SEQ_LEN, pack_with_logits, ragged_padded_batch
 from tests.helpers.reference import (
-    RAGGED_SEQ_LEN,
     make_mlm_batch,
     reference_loss,
     reference_loss_and_grad,

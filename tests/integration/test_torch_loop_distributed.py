@@ -24,8 +24,8 @@ from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
 from bert_reduce.normalization import sequence_normalizers
 from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
 from tests.helpers.mode_reference import float_weights, mode_kwargs
-from tests.helpers.packed_batch import ragged_padded_batch
-from tests.helpers.reference import RAGGED_LENGTHS, reference_loss, reference_loss_and_grad
+from tests.helpers.packed_batch import RAGGED_LENGTHS, ragged_padded_batch
+from tests.helpers.reference import reference_loss, reference_loss_and_grad
 from tests.helpers.sync_guard import count_collectives
 
 pytestmark = pytest.mark.slow
