@@ -143,31 +143,6 @@ def test_errors_name_what_to_do() -> None:
 # --- Hugging Face packed batches (DataCollatorWithFlattening) --------------------------------
 
 
-def hf_packed(labels, loss_mask, logits_sbv, keys: str, multiple: int = 1) -> dict:
-    """The batch as DataCollatorWithFlattening (and its CP-padded variant) names it."""
-    packed = pack_batch(
-        {"labels": labels, "loss_mask": loss_mask, "logits": logits_sbv.transpose(0, 1)},
-        LENGTHS,
-        pad_to_multiple_of=multiple,
-    )
-    bounds = packed["cu_seqlens_padded"].long()
-    total = packed["labels"].shape[1]
-    seq = torch.searchsorted(bounds[1:], torch.arange(total), right=True)
-    position_ids = (torch.arange(total) - bounds[seq])[None]
-    hf = {"labels": packed["labels"], "logits": packed["logits"]}
-    if "loss_mask" in keys:
-        hf["loss_mask"] = packed["loss_mask"]
-    if "cu_seq_lens_q" in keys:
-        hf["cu_seq_lens_q"] = hf["cu_seq_lens_k"] = packed["cu_seqlens"]
-        hf["max_length_q"] = hf["max_length_k"] = max(LENGTHS)
-    if "padded" in keys:
-        hf["cu_seq_lens_q_padded"] = packed["cu_seqlens_padded"]
-    if "position_ids" in keys:
-        hf["position_ids"] = position_ids
-    hf["_cu_seqlens"], hf["_cu_seqlens_padded"] = packed["cu_seqlens"], packed["cu_seqlens_padded"]
-    return hf
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "keys,multiple",
@@ -187,15 +162,32 @@ def test_hf_packed_batch_equals_unpacked_in_every_mode(mode, keys, multiple) -> 
     ref_loss, ref_grad = reference_loss_and_grad(
         logits, labels, loss_mask, mode, **mode_kwargs(mode)
     )
-    hf = hf_packed(labels, loss_mask, logits, keys, multiple)
-    mb = {k: v for k, v in hf.items() if not k.startswith("_") and k != "logits"}
-    leaf = hf["logits"].detach().clone().requires_grad_(True)
+    packed = pack_batch(
+        {"labels": labels, "loss_mask": loss_mask, "logits": logits.transpose(0, 1)},
+        LENGTHS,
+        pad_to_multiple_of=multiple,
+    )
+    # The micro-batch as DataCollatorWithFlattening (and its CP-padded variant) names it.
+    mb = {"labels": packed["labels"]}
+    if weights:
+        mb["loss_mask"] = packed["loss_mask"]
+    if "cu_seq_lens_q" in keys:
+        mb["cu_seq_lens_q"] = mb["cu_seq_lens_k"] = packed["cu_seqlens"]
+        mb["max_length_q"] = mb["max_length_k"] = max(LENGTHS)
+    if "padded" in keys:
+        mb["cu_seq_lens_q_padded"] = packed["cu_seqlens_padded"]
+    if "position_ids" in keys:
+        bounds = packed["cu_seqlens_padded"].long()
+        positions = torch.arange(packed["labels"].shape[1])
+        starts = bounds[torch.searchsorted(bounds[1:], positions, right=True)]
+        mb["position_ids"] = (positions - starts)[None]
+    leaf = packed["logits"].detach().clone().requires_grad_(True)
     loss_fn = GlobalBatchLoss(group=None, normalization=mode, **mode_kwargs(mode))
     loss_fn.begin([mb])
     loss_fn(leaf, mb).backward()
     torch.testing.assert_close(loss_fn.end(), ref_loss, rtol=1e-12, atol=0)
     grad = unpack_sequences(
-        leaf.grad, hf["_cu_seqlens"], SEQ_LEN, cu_seqlens_padded=hf["_cu_seqlens_padded"]
+        leaf.grad, packed["cu_seqlens"], SEQ_LEN, cu_seqlens_padded=packed["cu_seqlens_padded"]
     )
     torch.testing.assert_close(grad.transpose(0, 1), ref_grad, rtol=1e-10, atol=1e-15)
 
