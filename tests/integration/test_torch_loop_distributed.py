@@ -67,14 +67,6 @@ def global_batch(num_rows: int, empty_rows: tuple[int, ...], seed: int = 0):
     return input_ids, torch.where(mask, labels, -100), mask, float_weights(mask)
 
 
-def reference_grads(model: nn.Module, input_ids, labels, loss_mask, mode: str):
-    model = copy.deepcopy(model)
-    logits = model(input_ids).transpose(0, 1)
-    loss = reference_loss(logits, labels, loss_mask, mode, **mode_kwargs(mode))
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 def wrap(model: nn.Module, wrapper: str, gradient_sync: str) -> nn.Module:
     if wrapper == "ddp":
         ddp = DistributedDataParallel(model)
@@ -108,7 +100,11 @@ def _train_step_body(wrapper: str) -> None:
     worst = 0.0
     for (mode, weighted), gradient_sync in [(m, g) for m in MODES for g in ("mean", "sum")]:
         loss_mask = weights if weighted else mask
-        ref_loss, ref_grads = reference_grads(base, input_ids, labels, loss_mask, mode)
+        reference = copy.deepcopy(base)
+        logits = reference(input_ids).transpose(0, 1)
+        ref_loss = reference_loss(logits, labels, loss_mask, mode, **mode_kwargs(mode))
+        ref_loss.backward()
+        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
         model = wrap(copy.deepcopy(base), wrapper, gradient_sync)
         micro_batches = [
             {"input_ids": input_ids[rows], "labels": labels[rows], "loss_mask": loss_mask[rows]}
