@@ -71,8 +71,6 @@ def _check_shard_grads(leaves, reference, tp_rank: int, scale: float = 1.0, hidd
 
 
 def _linear_cross_entropy_checks(tp_rank: int, sequence_parallel: bool) -> None:
-    """The losses, the weighted sum and the loss class; under sequence parallelism (Megatron's
-    all-gather and reduce-scatter) each rank holds a sequence shard of the hidden states."""
     half = SEQ_LEN // 2
     rows = slice(tp_rank * half, (tp_rank + 1) * half) if sequence_parallel else None
     hidden, weight, bias, labels, mask = make_head_batch(
@@ -82,35 +80,28 @@ def _linear_cross_entropy_checks(tp_rank: int, sequence_parallel: bool) -> None:
     reference = linear_reference(hidden, weight, bias, labels, coef)
     counts = mask.sum(dim=1)
     options = {"sequence_parallel": sequence_parallel, **CHUNKS}
-    for capacity, num_scored in [("all", None), ("nonzero", None), (0.6, None), (1, counts)]:
+    # The weighted sum accumulates its gradients in the forward, after the one all-reduce (two
+    # passes over the shard's chunks), and scales them by the upstream gradient in backward.
+    runs = {False: [("all", None), ("nonzero", None), (0.6, None), (1, counts)]}
+    runs[True] = [("all", None), (None, None), (0.6, None), (1, int(mask.sum()))]
+    for weighted_sum, (capacity, num_scored) in ((w, run) for w in runs for run in runs[w]):
         leaves = _shard_leaves(hidden, weight, bias, tp_rank, rows or slice(None))
-        with megatron_on_cpu():
-            with count_collectives() as calls:
-                losses = linear_cross_entropy_token_losses(
-                    leaves[0], leaves[1], labels, mask, bias=leaves[2],
-                    capacity=capacity, num_scored=num_scored, **options,
-                )  # fmt: skip
-            (losses * coef).sum().backward()
-        if not sequence_parallel:
-            assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
-        torch.testing.assert_close(losses, reference[0], **TOL)
-        _check_shard_grads(leaves, reference, tp_rank, hidden_rows=rows)
-
-    # The weighted sum: gradients accumulated in the forward, after the one all-reduce
-    # (two passes over the shard's chunks), scaled by the upstream gradient in backward.
-    for capacity, num_scored in [("all", None), (None, None), (0.6, None), (1, int(mask.sum()))]:
-        leaves = _shard_leaves(hidden, weight, bias, tp_rank, rows or slice(None))
-        rows_option = {} if capacity is None else {"capacity": capacity}
+        head = (
+            linear_cross_entropy_weighted_sum if weighted_sum else linear_cross_entropy_token_losses
+        )
+        capacity_option = {} if capacity is None else {"capacity": capacity}
+        scale = 0.5 if weighted_sum else 1.0
         with megatron_on_cpu(), count_collectives() as calls:
-            total = linear_cross_entropy_weighted_sum(
-                leaves[0], leaves[1], labels, coef.double(), bias=leaves[2],
-                num_scored=num_scored, **rows_option, **options,
+            out = head(
+                leaves[0], leaves[1], labels, coef.double() if weighted_sum else mask,
+                bias=leaves[2], num_scored=num_scored, **capacity_option, **options,
             )  # fmt: skip
-            (0.5 * total).backward()
+            (scale * (out if weighted_sum else (out * coef).sum())).backward()
         if not sequence_parallel:
-            assert dict(calls) == {"all_reduce": 1}, (capacity, dict(calls))
-        torch.testing.assert_close(total, (reference[0] * coef).sum(), rtol=1e-10, atol=0)
-        _check_shard_grads(leaves, reference, tp_rank, scale=0.5, hidden_rows=rows)
+            assert dict(calls) == {"all_reduce": 1}, (weighted_sum, capacity, dict(calls))
+        expected = (reference[0] * coef).sum() if weighted_sum else reference[0]
+        torch.testing.assert_close(out, expected, **TOL)
+        _check_shard_grads(leaves, reference, tp_rank, scale=scale, hidden_rows=rows)
     if sequence_parallel:
         return
 
@@ -161,10 +152,7 @@ def _body(reference: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
 
 
 class SequenceParallelLastStage(nn.Module):
-    """``[s, b, h]`` -> this rank's ``[s/tp, b, h]`` shard -> Megatron's ``ColumnParallelLinear``.
-
-    What the last stage of a sequence-parallel Megatron language model does before its logits.
-    """
+    """``[s, b, h]`` -> this rank's ``[s/tp, b, h]`` shard -> a ``ColumnParallelLinear``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp_rank: int) -> None:
         from megatron.core.tensor_parallel import ColumnParallelLinear
