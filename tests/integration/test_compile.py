@@ -30,16 +30,6 @@ pytestmark = pytest.mark.slow
 B, S, H, V = 4, 64, 8, 37
 
 
-def counting(backend: str, graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
-    """A backend that records every graph dynamo hands it, then compiles it with ``backend``."""
-
-    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        graphs.append(gm)
-        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
-
-    return compile_graph
-
-
 def micro_batch(count: int, seed: int) -> dict[str, Any]:
     """``[b, s]`` labels and a mask with exactly ``count`` scored positions, and the count."""
     gen = torch.Generator().manual_seed(seed)
@@ -81,9 +71,14 @@ def run_micro_batches(
     torch._dynamo.reset()
     counters.clear()
     graphs: list[torch.fx.GraphModule] = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        graphs.append(gm)  # every graph dynamo hands the backend
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
     options = mode_kwargs(mode, S)
     loss_fn = BERTMLMLossWithReduction(normalization=mode, **options)
-    compiled = torch.compile(loss_fn, fullgraph=True, backend=counting(backend, graphs))
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=recording)
     leaves = [t.requires_grad_(True) for t in make_head_batch(B, S, H, V)[:3]]
     for seed, count in enumerate(counts):
         # Compiling imports modules (inductor's); a guard on sys.modules would recompile.
