@@ -120,11 +120,7 @@ def test_check_no_repeated_samples_names_the_sampler() -> None:
     check_no_repeated_samples({"val": DataLoader(even, sampler=DistributedSampler(even, 2, 0))})
     sharded = ShardedEvalBatchSampler(11, 4, num_replicas=2, rank=1)
     check_no_repeated_samples(DataLoader(data, batch_sampler=sharded))
-
-
-def test_check_no_repeated_samples_passes_lightnings_unrepeated_sampler() -> None:
     distributed = pytest.importorskip("lightning.pytorch.overrides.distributed")
-    data = list(range(11))
     unrepeated = distributed.UnrepeatedDistributedSampler(data, 2, 1, shuffle=False)
     check_no_repeated_samples(DataLoader(data, sampler=unrepeated))
 
