@@ -180,9 +180,6 @@ def _megatron_cross_entropy_checks() -> None:
 def _cross_entropy_loss_sum_checks(
     tp_group: dist.ProcessGroup | None, tp_rank: int, tp_size: int
 ) -> None:
-    """``cross_entropy_loss_sum`` on this rank's vocab shard, through Megatron's tensor-parallel
-    group (``None``) or a group passed in without Megatron: one all-reduce, the full-vocabulary
-    loss sum and this shard's slice of its gradient."""
     cols = slice(tp_rank * VOCAB // tp_size, (tp_rank + 1) * VOCAB // tp_size)
     logits, labels, mask = make_mlm_batch(3, 10, VOCAB, mask_prob=0.4, seed=3)
     weights = mask * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
@@ -237,9 +234,6 @@ def _perplexity_checks() -> None:
 
 
 def _packed_checks() -> None:
-    """A packed (THD) batch, each CP rank holding its load-balanced share of every sequence: the
-    reduced loss and the gradient, summed over DP x CP as finalize_model_grads does, equal the
-    mode's definition on the whole padded batch."""
     from megatron.core import parallel_state as ps
 
     logits, batch, _ = ragged_padded_batch(weighted=True)
