@@ -33,12 +33,9 @@ def float_weights(mask: Tensor, seed: int = 1, dyadic: bool = False) -> Tensor:
 
 
 def checked_reduce(reports: Sequence[Any]) -> Tensor:
-    """``BERTMLMLossWithReduction().reduce(reports)``, as the fp64 exact value.
-
-    ``reduce`` returns the fp64 quotient of the summed reports cast to float32 (what NeMo's
-    pipeline broadcast accepts); this checks exactly that, and returns the fp64 quotient so
-    that callers can keep fp64 tolerances.
-    """
+    """``BERTMLMLossWithReduction().reduce(reports)``, checked to be ``reduce_reports``' fp64
+    quotient cast to float32 (as its docstring says); returns the fp64 quotient, for fp64
+    tolerances."""
     exact = reduce_reports(reports)
     reduced = BERTMLMLossWithReduction().reduce(reports)
     assert reduced.dtype == torch.float32
