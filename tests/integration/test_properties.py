@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from bert_reduce import BERTMLMLossWithReduction, get_batch_on_this_cp_rank, pack_batch
 from bert_reduce.context_parallel import get_packed_batch_on_this_cp_rank
 from bert_reduce.normalization import sequence_normalizers
-from tests.helpers.mode_reference import MODES, float_weights
+from tests.helpers.mode_reference import MODES, float_weights, mode_kwargs
 from tests.helpers.reference import make_mlm_batch, reference_loss_and_grad
 
 # 60 random batches, each under a random split: seconds; the module runs in CI, outside the
@@ -97,8 +97,7 @@ def micro_batch_terms(batch: dict, mode: str, cp_size: int, packed: bool, length
 )
 def test_any_split_equals_the_unsplit_batch(data, batch, mode, cp_size, packed) -> None:
     logits, labels, loss_mask, lengths = batch
-    seq_len = labels.shape[1]
-    kwargs = {"constant_per_sequence": seq_len} if mode == "constant" else {}
+    kwargs = mode_kwargs(mode, constant_per_sequence=labels.shape[1])
     ref_loss, ref_grad = reference_loss_and_grad(logits, labels, loss_mask, mode, **kwargs)
 
     leaf = logits.detach().clone().requires_grad_(True)
