@@ -2,8 +2,7 @@
 
 :mod:`bert_reduce.cross_entropy` (logits) and :mod:`bert_reduce._fused_head` (hidden states
 and the output weight) compute the same loss on the same rows; only how they obtain a chunk
-of logits differs. Megatron-Core is only consulted (through :mod:`bert_reduce.distributed`)
-when its parallel state is initialized.
+of logits differs.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Which rows are read and written, at what price (``capacity``, host syncs):
 ``docs/fast_path.md``; chunks, memory and the one all-reduce under tensor parallelism:
-``docs/performance.md``. The row selection and the shard statistics are shared with the
-fused head in :mod:`bert_reduce._vocab_parallel`.
+``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -275,7 +274,7 @@ def cross_entropy_loss_sum(
         them, the numerator carrying the gradient (NaN as the token losses are).
 
     Raises:
-        ValueError: As :func:`cross_entropy_token_losses` and
+        ValueError, TypeError: As :func:`cross_entropy_token_losses` and
             :func:`bert_reduce.normalization.token_loss_sum`.
 
     Example:

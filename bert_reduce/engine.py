@@ -175,14 +175,8 @@ def token_losses(
 ) -> Tensor:
     """``[b, s]`` per-token losses of one micro-batch, 0 where unscored.
 
-    Args:
-        batch: ``labels`` (``[b, s]``), optionally ``loss_mask`` and ``num_scored``.
-        forward_out: As in :func:`loss_terms`.
-        options: The loss options.
-        layout: As in :func:`loss_terms`.
-        weights: The batch's :func:`scored_weights`, if already computed.
-        key: As in :func:`loss_terms`.
-        check_labels: As in :func:`loss_terms`.
+    The arguments are :func:`loss_terms`' (of ``batch``, only ``labels``, ``loss_mask`` and
+    ``num_scored`` are read), and ``weights``, the batch's :func:`scored_weights` if known.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 inputs).

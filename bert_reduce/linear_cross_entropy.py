@@ -184,9 +184,8 @@ def linear_cross_entropy_loss_sum(
         :func:`bert_reduce.normalization.token_loss_sum` returns them.
 
     Raises:
-        ValueError: As :func:`linear_cross_entropy_weighted_sum` and
+        ValueError, TypeError: As :func:`linear_cross_entropy_weighted_sum` and
             :func:`bert_reduce.normalization.token_loss_sum`.
-        TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
     """
     token_weights, denominator = normalization_weights(
         loss_mask,
