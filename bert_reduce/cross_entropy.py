@@ -7,7 +7,7 @@ Which rows are read and written, at what price (``capacity``, host syncs):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,9 +24,7 @@ from bert_reduce.functional import (
     check_token_tensor,
 )
 from bert_reduce.normalization import Normalization, token_loss_sum
-
-if TYPE_CHECKING:
-    from bert_reduce.num_scored import NumScored
+from bert_reduce.num_scored import NumScored
 
 __all__ = [
     "Capacity",
