@@ -4,16 +4,10 @@ The names here are the handful a user needs; helpers live in their modules
 (:mod:`bert_reduce.functional`, :mod:`bert_reduce.reports`, :mod:`bert_reduce.normalization`,
 :mod:`bert_reduce.context_parallel`, :mod:`bert_reduce.packing`, :mod:`bert_reduce.lightning`).
 They are imported on first use, so ``import bert_reduce`` stays quick and loads neither NeMo nor
-Megatron-Core nor Lightning until something needs them.
-
-The loss functions are named by what they take, then what they return:
-
-* ``token_`` (``[b, s]`` per-token losses and mask), ``cross_entropy_`` (``[s, b, v]`` logits),
-  ``linear_cross_entropy_`` (the output layer's hidden states and weight, fused: the logits
-  of the scored positions only);
-* ``_token_losses`` (``[b, s]`` per-token losses, 0 where unscored), ``_loss_sum``
-  (``(loss_sum, denominator)`` of a normalization mode, per token by default), and
-  ``_weighted_sum`` (a 0-dim ``sum(w * loss)`` for caller-given weights).
+Megatron-Core nor Lightning until something needs them. The loss functions are named by what
+they take (``token_``: ``[b, s]`` per-token losses, ``cross_entropy_``: ``[s, b, v]`` logits,
+``linear_cross_entropy_``: the output layer's inputs), then what they return (``_token_losses``,
+``_loss_sum``, ``_weighted_sum``): ``docs/bionemo.md#names-kept-for-code-ported-from-bionemo``.
 """
 
 from __future__ import annotations

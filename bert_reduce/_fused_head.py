@@ -73,10 +73,9 @@ COMPILE_BUCKETS = 16
 def compile_bucket(count: int, positions: int) -> int:
     """``count`` rounded up to a multiple of ``ceil(positions / 16)``, at most ``positions``.
 
-    Under ``torch.compile`` the number of row chunks follows this bucket rather than the
-    count itself (:func:`row_chunks`), so that one graph serves every count of a bucket
-    (``docs/fast_path.md``): dynamo compiles the first count as a constant, then makes it a
-    dynamic integer whose guards only compare it with the bucket's bounds.
+    Under ``torch.compile`` :func:`row_chunks` counts chunks from this bucket, one graph per
+    bucket (``docs/fast_path.md``): dynamo compiles the first count as a constant, then makes
+    it a dynamic integer whose guards only compare it with the bucket's bounds.
     """
     granule = -(-positions // COMPILE_BUCKETS)
     # Floor divisions and min only: on a symbolic count (dynamo's dynamic ints) the bucket

@@ -2,8 +2,7 @@
 
 :mod:`bert_reduce.cross_entropy` (logits) and :mod:`bert_reduce._fused_head` (hidden states
 and the output weight) compute the same loss on the same rows; only how they obtain a chunk
-of logits differs. Megatron-Core is only consulted (through :mod:`bert_reduce.distributed`)
-when its parallel state is initialized.
+of logits differs.
 """
 
 from __future__ import annotations
@@ -119,11 +118,8 @@ def tensor_parallel_placement(
 
     ``group`` as the kernels' ``tp_group`` argument (``None``: Megatron-Core's, if initialized).
     """
-    if group is None:
-        if distributed.tensor_parallel_world_size() == 1:
-            return None, 1, 0
-        group = distributed.tensor_parallel_group()
-    world_size = dist.get_world_size(group)
+    group = distributed.tensor_parallel_group() if group is None else group
+    world_size = 1 if group is None else dist.get_world_size(group)
     if world_size == 1:
         return None, 1, 0
     return group, world_size, dist.get_rank(group)

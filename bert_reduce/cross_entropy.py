@@ -2,13 +2,12 @@
 
 Which rows are read and written, at what price (``capacity``, host syncs):
 ``docs/fast_path.md``; chunks, memory and the one all-reduce under tensor parallelism:
-``docs/performance.md``. The row selection and the shard statistics are shared with the
-fused head in :mod:`bert_reduce._vocab_parallel`.
+``docs/performance.md``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +24,7 @@ from bert_reduce.functional import (
     check_token_tensor,
 )
 from bert_reduce.normalization import Normalization, token_loss_sum
-
-if TYPE_CHECKING:
-    from bert_reduce.num_scored import NumScored
+from bert_reduce.num_scored import NumScored
 
 __all__ = [
     "Capacity",
@@ -275,7 +272,7 @@ def cross_entropy_loss_sum(
         them, the numerator carrying the gradient (NaN as the token losses are).
 
     Raises:
-        ValueError: As :func:`cross_entropy_token_losses` and
+        ValueError, TypeError: As :func:`cross_entropy_token_losses` and
             :func:`bert_reduce.normalization.token_loss_sum`.
 
     Example:

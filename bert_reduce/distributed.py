@@ -19,7 +19,7 @@ _PARALLEL_STATE = "megatron.core.parallel_state"
 
 
 @torch.compiler.assume_constant_result
-def _parallel_state_initialized() -> bool:
+def megatron_is_initialized() -> bool:
     """Whether Megatron-Core is imported and its model-parallel groups initialized.
 
     Under ``torch.compile`` this is read once, when a graph is compiled, and kept as a
@@ -32,12 +32,7 @@ def _parallel_state_initialized() -> bool:
 
 
 def _parallel_state() -> ModuleType | None:
-    return sys.modules[_PARALLEL_STATE] if _parallel_state_initialized() else None
-
-
-def megatron_is_initialized() -> bool:
-    """Whether Megatron-Core's model-parallel groups are initialized in this process."""
-    return _parallel_state() is not None
+    return sys.modules[_PARALLEL_STATE] if megatron_is_initialized() else None
 
 
 def tensor_parallel_group() -> dist.ProcessGroup | None:

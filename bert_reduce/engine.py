@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from bert_reduce import distributed
@@ -28,7 +29,6 @@ from bert_reduce.forward_output import (
     as_forward_out,
     check_layout,
     forward_out_key,
-    head_logits,
 )
 from bert_reduce.functional import (
     check_same_shape,
@@ -175,14 +175,8 @@ def token_losses(
 ) -> Tensor:
     """``[b, s]`` per-token losses of one micro-batch, 0 where unscored.
 
-    Args:
-        batch: ``labels`` (``[b, s]``), optionally ``loss_mask`` and ``num_scored``.
-        forward_out: As in :func:`loss_terms`.
-        options: The loss options.
-        layout: As in :func:`loss_terms`.
-        weights: The batch's :func:`scored_weights`, if already computed.
-        key: As in :func:`loss_terms`.
-        check_labels: As in :func:`loss_terms`.
+    The arguments are :func:`loss_terms`' (of ``batch``, only ``labels``, ``loss_mask`` and
+    ``num_scored`` are read), and ``weights``, the batch's :func:`scored_weights` if known.
 
     Returns:
         ``[b, s]`` losses in fp32 (fp64 for fp64 inputs).
@@ -212,9 +206,9 @@ def token_losses(
                 "(megatron.core.parallel_state.initialize_model_parallel); outside Megatron "
                 "use cross_entropy='masked' (the default)."
             )
-        if name == HIDDEN_STATES_KEY:
-            logits = head_logits(out, layout)
-        elif name == "logits":
+        if name == HIDDEN_STATES_KEY:  # Megatron's kernels need every logit
+            logits = F.linear(hidden, weight, bias)
+        if name == "logits" or (name == HIDDEN_STATES_KEY and hidden_layout == "bs"):
             logits = logits.transpose(0, 1)
         fused = options.cross_entropy == "megatron_fused"
         return unreduced_token_loss_fn(logits, labels, cross_entropy_loss_fusion=fused)

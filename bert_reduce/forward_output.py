@@ -1,14 +1,10 @@
 """What the losses read from a model's output: the forward-output keys, by layout.
 
-A model hands the loss one mapping (``forward_out``); its key, never its shape, says what a
-tensor is, so a ``[b, s, v]`` tensor with ``b == s`` is not read as ``[s, b, v]``:
-
-* ``token_logits``: ``[s, b, v]`` logits (Megatron, BioNeMo; ``v`` sharded under TP);
-* ``logits``: ``[b, s, v]`` logits (Hugging Face, NeMo's BERT);
-* ``lm_loss``: ``[b, s]`` per-token losses (Megatron's and NeMo's BERT given labels);
-* ``hidden_states`` with ``output_weight`` (``[v, h]``) and optionally ``output_bias``
-  (``[v]``): the output layer's inputs, for the fused masked-only head; ``hidden_layout``
-  (``"sb"``: ``[s, b, h]``, ``"bs"``: ``[b, s, h]``) says their layout.
+A model hands the loss one mapping (``forward_out``); its key (:data:`FORWARD_OUT_LAYOUTS`; who
+emits which: ``docs/nemo.md``), never its shape, says what a tensor is, so a ``[b, s, v]``
+tensor with ``b == s`` is not read as ``[s, b, v]``. The fused masked-only head's keys are
+``hidden_states`` with ``output_weight`` (``[v, h]``) and optionally ``output_bias`` (``[v]``);
+``hidden_layout`` (``"sb"``: ``[s, b, h]``, ``"bs"``: ``[b, s, h]``) says their layout.
 
 A bare tensor is read as logits in the integration's layout (its ``layout`` argument;
 :class:`bert_reduce.hf.ExactMLMTrainer`: ``"bs"``), as are hidden states without a
@@ -21,7 +17,6 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, get_args
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 # The fused head's keys (module docstring).
@@ -100,24 +95,6 @@ def as_forward_out(forward_out: Tensor | Mapping[str, Any], layout: Layout) -> M
             f"bert_reduce.forward_output.FORWARD_OUT_LAYOUTS, got {type(forward_out).__name__}."
         )
     return forward_out
-
-
-def head_logits(forward_out: Mapping[str, Any], layout: Layout = "sb") -> Tensor:
-    """The ``[s, b, v]`` logits of a ``forward_out`` that carries the output layer's inputs.
-
-    For the losses that need every logit (Megatron-Core's cross-entropy).
-
-    Args:
-        forward_out: :data:`HIDDEN_STATES_KEY`, :data:`OUTPUT_WEIGHT_KEY`, optionally
-            :data:`OUTPUT_BIAS_KEY` and :data:`HIDDEN_LAYOUT_KEY`.
-        layout: The hidden states' layout when ``forward_out`` has no ``hidden_layout``.
-
-    Returns:
-        ``F.linear(hidden, weight, bias)``, sequence first.
-    """
-    hidden = forward_out[HIDDEN_STATES_KEY]
-    logits = F.linear(hidden, forward_out[OUTPUT_WEIGHT_KEY], forward_out.get(OUTPUT_BIAS_KEY))
-    return logits.transpose(0, 1) if forward_out.get(HIDDEN_LAYOUT_KEY, layout) == "bs" else logits
 
 
 @contextlib.contextmanager

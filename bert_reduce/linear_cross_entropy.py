@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from bert_reduce import _fused_head
-from bert_reduce._fused_head import compile_bucket, row_chunks
+from bert_reduce._fused_head import compile_bucket
 from bert_reduce._vocab_parallel import Capacity
 from bert_reduce.forward_output import Layout
 from bert_reduce.functional import accumulation_dtype
@@ -24,7 +24,6 @@ __all__ = [
     "linear_cross_entropy_loss_sum",
     "linear_cross_entropy_token_losses",
     "linear_cross_entropy_weighted_sum",
-    "row_chunks",
 ]
 
 
@@ -185,9 +184,8 @@ def linear_cross_entropy_loss_sum(
         :func:`bert_reduce.normalization.token_loss_sum` returns them.
 
     Raises:
-        ValueError: As :func:`linear_cross_entropy_weighted_sum` and
+        ValueError, TypeError: As :func:`linear_cross_entropy_weighted_sum` and
             :func:`bert_reduce.normalization.token_loss_sum`.
-        TypeError: On a ``num_scored`` that is neither an ``int`` nor an integer tensor.
     """
     token_weights, denominator = normalization_weights(
         loss_mask,

@@ -15,18 +15,11 @@ from bert_reduce.reports import (
     DataParallelGroupLossAndIO,
     LossReport,
     PerTokenLossDict,
-    SameSizeLossDict,
     make_report,
     reduce_reports,
 )
 
-__all__ = [
-    "BERTMLMLossWithReduction",
-    "DataParallelGroupLossAndIO",
-    "MegatronLossReduction",
-    "PerTokenLossDict",
-    "SameSizeLossDict",
-]
+__all__ = ["BERTMLMLossWithReduction", "MegatronLossReduction"]
 
 DataT = TypeVar("DataT")
 ReductionT = TypeVar("ReductionT")
