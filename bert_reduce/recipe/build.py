@@ -76,9 +76,8 @@ def build_from_config(node: DictConfig) -> Any:
 
 def build_module(cfg: DictConfig) -> ESM2MLMModule:
     """The model, training loss, optimizer and schedule of ``cfg``, in an ESM2MLMModule."""
-    loss_cfg = OmegaConf.to_container(cfg.loss, resolve=True)
-    # The loss takes the normalization's name; the config holds it as a typed enum.
-    loss_cfg["normalization"] = cfg.loss.normalization.value  # type: ignore[index]
+    # The loss takes the normalization's name: the config's enum is named by the values.
+    loss_cfg = OmegaConf.to_container(cfg.loss, resolve=True, enum_to_str=True)
     return ESM2MLMModule(
         model=build_from_config(cfg.model),
         micro_batch_size=cfg.data.micro_batch_size,
