@@ -23,9 +23,7 @@ class ESM2MLMModule(ExactMLMModule):
     does not validate the same weights twice).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.last_validation_step: int | None = None
+    last_validation_step: int | None = None
 
     @override
     def forward(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
