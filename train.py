@@ -1,10 +1,6 @@
 """Train an ESM-2-style masked-language model: ``python train.py [key=value ...]``.
 
-With no argument, a tiny model trains on the built-in synthetic protein corpus for a few
-minutes on CPU. The configuration lives in ``conf/`` (typed by
-``bert_reduce/recipe/config.py``); the run directory (``outputs/<date>/<time>`` or
-``hydra.run.dir=...``) receives ``metrics.csv``, ``checkpoints/``, ``config.yaml`` and
-``curves.png``. See docs/recipe.md.
+Configured by ``conf/`` (typed by ``bert_reduce/recipe/config.py``): see docs/recipe.md.
 """
 
 from __future__ import annotations

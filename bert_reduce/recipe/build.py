@@ -37,7 +37,6 @@ from bert_reduce.recipe.run_directory import (
 __all__ = [
     "TrainingStopped",
     "build_from_config",
-    "build_loggers",
     "build_module",
     "build_trainer",
     "check_launcher",
@@ -77,9 +76,8 @@ def build_from_config(node: DictConfig) -> Any:
 
 def build_module(cfg: DictConfig) -> ESM2MLMModule:
     """The model, training loss, optimizer and schedule of ``cfg``, in an ESM2MLMModule."""
-    loss_cfg = OmegaConf.to_container(cfg.loss, resolve=True)
-    # The loss takes the normalization's name; the config holds it as a typed enum.
-    loss_cfg["normalization"] = cfg.loss.normalization.value  # type: ignore[index]
+    # The loss takes the normalization's name: the config's enum is named by the values.
+    loss_cfg = OmegaConf.to_container(cfg.loss, resolve=True, enum_to_str=True)
     return ESM2MLMModule(
         model=build_from_config(cfg.model),
         micro_batch_size=cfg.data.micro_batch_size,
@@ -88,22 +86,6 @@ def build_module(cfg: DictConfig) -> ESM2MLMModule:
         loss_fn=instantiate(loss_cfg),
         gradient_clip_val=cfg.optim.gradient_clip_val,
     )
-
-
-def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
-    """An :class:`AppendingCSVLogger` to ``run_dir``, and TensorBoard's if it is installed."""
-    loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir)]
-    if cfg.tensorboard:
-        try:
-            from lightning.pytorch.loggers import TensorBoardLogger
-
-            loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard", version=""))
-        except ModuleNotFoundError:
-            rank_zero_info(  # once, not once per DDP process
-                "TensorBoard is not installed: logging to metrics.csv only (pip install "
-                "tensorboard to add it, or tensorboard=false to go without this message)."
-            )
-    return loggers
 
 
 def ignore_warnings_wrong_for_the_recipe(cfg: DictConfig) -> None:
@@ -142,16 +124,28 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> pl.Trainer:
     """``cfg.trainer``'s Trainer: callbacks, loggers, precision, atomic checkpoint writes.
 
     The callbacks: ``StopOnSignal``, and one per non-null entry of ``cfg.callbacks``, less the
-    progress bar if ``trainer.enable_progress_bar`` is false (Lightning refuses one then).
+    progress bar if ``trainer.enable_progress_bar`` is false (Lightning refuses one then). The
+    loggers: an :class:`AppendingCSVLogger` to ``run_dir``, and TensorBoard's if it is installed.
     """
     nodes = {name: node for name, node in cfg.callbacks.items() if node is not None}
     if not cfg.trainer.enable_progress_bar:
         nodes.pop("progress_bar", None)
+    loggers: list[Logger] = [AppendingCSVLogger(save_dir=run_dir)]
+    if cfg.tensorboard:
+        try:
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard", version=""))
+        except ModuleNotFoundError:
+            rank_zero_info(  # once, not once per DDP process
+                "TensorBoard is not installed: logging to metrics.csv only (pip install "
+                "tensorboard to add it, or tensorboard=false to go without this message)."
+            )
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision),
         callbacks=[StopOnSignal(), *map(instantiate, nodes.values())],
-        logger=build_loggers(cfg, run_dir),
+        logger=loggers,
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
     )
@@ -176,13 +170,6 @@ def check_launcher(trainer: pl.Trainer) -> None:
             "--nnodes, or set MASTER_ADDR, MASTER_PORT, NODE_RANK (and WORLD_SIZE) on each; "
             "on one machine use trainer.num_nodes=1."
         )
-
-
-def _checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    checkpoint = cfg.callbacks.checkpoint
-    if checkpoint is not None and checkpoint.dirpath is not None:
-        return Path(checkpoint.dirpath)
-    return run_dir / "checkpoints"
 
 
 def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dict[str, Any]:
@@ -222,7 +209,8 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         torch.set_num_threads(cfg.cpu_threads)
     ignore_warnings_wrong_for_the_recipe(cfg)
     global_batch_size = cfg.data.global_batch_size
-    checkpoint_dir = _checkpoint_dir(cfg, run_dir)
+    dirpath = OmegaConf.select(cfg, "callbacks.checkpoint.dirpath")  # None too if the node is null
+    checkpoint_dir = Path(dirpath or run_dir / "checkpoints")
     # A named checkpoint is checked before anything is written; the run directory's
     # checkpoints (resume=auto's, a named one's later ones) are read once rank 0 holds it.
     point = None if auto else resume_point(cfg.resume, None, global_batch_size)
@@ -238,7 +226,7 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         # starts at the same step); damaged files are skipped, whether moved aside yet or not.
         if auto:
             point = resume_point(cfg.resume, checkpoint_dir, global_batch_size)
-        return _fit(cfg, trainer, module, datamodule, run_dir, point)
+        return _fit(cfg, trainer, module, datamodule, run_dir, checkpoint_dir, point)
     datamodule.setup("fit")  # bad data fails here, before the run directory is touched
     with RunDirectory(run_dir, checkpoint_dir) as directory:
         point = resume_point(cfg.resume, checkpoint_dir, global_batch_size)
@@ -246,7 +234,7 @@ def run(cfg: DictConfig, run_dir: str | Path, fixed_run_dir: bool = True) -> dic
         if point is not None:
             _resume_from(point, trainer, checkpoint_dir, auto)
         directory.save_config(OmegaConf.to_yaml(cfg, resolve=True))
-        return _fit(cfg, trainer, module, datamodule, run_dir, point)
+        return _fit(cfg, trainer, module, datamodule, run_dir, checkpoint_dir, point)
 
 
 def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, auto: bool) -> None:
@@ -287,6 +275,7 @@ def _fit(
     module: ESM2MLMModule,
     datamodule: ESMDataModule,
     run_dir: Path,
+    checkpoint_dir: Path,
     point: ResumePoint | None,
 ) -> dict[str, Any]:
     stopper = next(c for c in trainer.callbacks if isinstance(c, StopOnSignal))
@@ -304,7 +293,7 @@ def _fit(
             if trainer.checkpoint_callback is None:
                 print(f"Stopped by {name} after step {trainer.global_step}; checkpointing is off.")
             else:
-                last = _checkpoint_dir(cfg, run_dir) / LAST_NAME
+                last = checkpoint_dir / LAST_NAME
                 again = (
                     "Continue with the same command (resume=auto)."
                     if cfg.resume == AUTO
@@ -318,8 +307,7 @@ def _fit(
     if cfg.validate_at_end and module.last_validation_step != trainer.global_step:
         # A run resumed from its final checkpoint may have validated that step on file: its
         # validation rows came after that checkpoint was in place.
-        node = cfg.callbacks.val_perplexity
-        key = "val_loss" if node is None else node.loss_key
+        key = OmegaConf.select(cfg, "callbacks.val_perplexity.loss_key", default="val_loss")
         on_file = trainer.is_global_zero and any(
             row.get(key) and float(row["step"]) == trainer.global_step
             for row in read_metrics(run_dir / METRICS_FILE)[1]

@@ -34,7 +34,8 @@ class EpochKeyedBatchSampler:
     """Wraps a :class:`GlobalBatchSampler` to yield ``(epoch, index)`` keys, and to resume.
 
     Lightning sets the epoch on ``self.sampler`` (the wrapped sampler's), read when iteration
-    starts. After :meth:`resume_from`, the next pass over that epoch skips the batches done.
+    starts. With ``resume`` set to ``(epoch, batches_done)``, the next pass over that epoch
+    skips the batches done.
 
     Args:
         batch_sampler: Yields this rank's indices of each global batch.
@@ -43,18 +44,14 @@ class EpochKeyedBatchSampler:
     def __init__(self, batch_sampler: GlobalBatchSampler) -> None:
         self.batch_sampler = batch_sampler
         self.sampler = batch_sampler.sampler
-        self._resume: tuple[int, int] | None = None
-
-    def resume_from(self, epoch: int, batches_done: int) -> None:
-        """Skip the first ``batches_done`` batches the next time ``epoch`` is iterated."""
-        self._resume = (epoch, batches_done)
+        self.resume: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch = self.sampler.epoch
-        resume, self._resume = self._resume, None
+        resume, self.resume = self.resume, None
         skip = resume[1] if resume is not None and resume[0] == epoch else 0
         for indices in itertools.islice(self.batch_sampler, skip, None):
             yield [(epoch, index) for index in indices]
@@ -96,7 +93,7 @@ class ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Resume after ``state_dict["batches_done"]`` batches of ``state_dict["epoch"]``."""
-        self.batch_sampler.resume_from(state_dict["epoch"], state_dict["batches_done"])  # type: ignore[union-attr]
+        self.batch_sampler.resume = (state_dict["epoch"], state_dict["batches_done"])  # type: ignore[union-attr]
 
 
 class ESMDataModule(pl.LightningDataModule):

@@ -23,9 +23,7 @@ class ESM2MLMModule(ExactMLMModule):
     does not validate the same weights twice).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.last_validation_step: int | None = None
+    last_validation_step: int | None = None
 
     @override
     def forward(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -34,13 +32,12 @@ class ESM2MLMModule(ExactMLMModule):
         Padded: ``input_ids`` and ``attention_mask`` of shape ``[b, s]``. Packed: one
         ``[1, T]`` row of ``input_ids`` with ``cu_seqlens`` (and ``cu_seqlens_padded``).
         """
-        if "cu_seqlens" in batch:
-            return self.model(
-                batch["input_ids"],
-                cu_seqlens=batch["cu_seqlens"],
-                cu_seqlens_padded=batch.get("cu_seqlens_padded"),
-            )
-        return self.model(batch["input_ids"], batch["attention_mask"])
+        return self.model(
+            batch["input_ids"],
+            batch.get("attention_mask"),
+            cu_seqlens=batch.get("cu_seqlens"),
+            cu_seqlens_padded=batch.get("cu_seqlens_padded"),
+        )
 
     @override
     def micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -58,23 +55,14 @@ class ESM2MLMModule(ExactMLMModule):
         """:meth:`ExactMLMModule.training_step`, logging ``lr`` and ``step``."""
         lr = self.optimizers().param_groups[0]["lr"]
         loss = super().training_step(batch, batch_idx)
-        self.log("lr", lr, on_step=True, on_epoch=False, batch_size=1)
-        self._log_step(in_training_step=True)
-        return loss
-
-    def _log_step(self, in_training_step: bool) -> None:
         # Lightning writes a logged "step" as the row's step. Its own counter lags by one in
         # validation during fit, and not in a standalone validate.
-        self.log(
-            "step",
-            float(self.trainer.global_step),
-            on_step=in_training_step,
-            on_epoch=not in_training_step,
-            batch_size=1,
-        )
+        step = float(self.trainer.global_step)
+        self.log_dict({"lr": lr, "step": step}, on_step=True, on_epoch=False, batch_size=1)
+        return loss
 
     @override
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
             self.last_validation_step = self.trainer.global_step
-            self._log_step(in_training_step=False)
+            self.log("step", float(self.trainer.global_step), on_epoch=True, batch_size=1)

@@ -27,11 +27,7 @@ def plot_metrics(metrics_csv: str | os.PathLike[str], png: str | os.PathLike[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns, rows, _ = read_metrics(Path(metrics_csv))
-    series = {
-        name: [(int(row["step"]), float(row[name])) for row in rows if row[name]]
-        for name in columns
-    }
+    _, rows, _ = read_metrics(Path(metrics_csv))
     figure, (loss_axis, ppl_axis) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     curves = [
         (loss_axis, "train_loss", "-", {"label": "train_loss"}),
@@ -39,8 +35,9 @@ def plot_metrics(metrics_csv: str | os.PathLike[str], png: str | os.PathLike[str
         (ppl_axis, "val_ppl", "o-", {"color": "tab:green"}),
     ]
     for axis, name, style, options in curves:
-        if series.get(name):
-            steps, values = zip(*series[name], strict=True)
+        points = [(int(row["step"]), float(row[name])) for row in rows if row.get(name)]
+        if points:
+            steps, values = zip(*points, strict=True)
             axis.plot(steps, values, style, markersize=4, **options)
     loss_axis.set(xlabel="optimizer step", ylabel="masked-token cross-entropy (nats)")
     loss_axis.legend()
