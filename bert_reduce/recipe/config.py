@@ -19,24 +19,6 @@ from omegaconf import MISSING
 from bert_reduce.engine import LossOptions
 from bert_reduce.normalization import Normalization
 
-__all__ = [
-    "CallbacksConfig",
-    "CheckpointConfig",
-    "DataConfig",
-    "HFEsm2ModelConfig",
-    "LossConfig",
-    "ModelConfig",
-    "NormalizationName",
-    "OptimConfig",
-    "OptimizerConfig",
-    "ProgressBarConfig",
-    "SchedulerConfig",
-    "TrainConfig",
-    "TrainerConfig",
-    "ValidationPerplexityConfig",
-    "register_configs",
-]
-
 
 @dataclass
 class ModelConfig:

@@ -22,8 +22,6 @@ from typing_extensions import override
 
 from bert_reduce.recipe.files import write_atomically
 
-__all__ = ["METRICS_FILE", "AppendingCSVLogger", "keep_metrics_up_to", "read_metrics"]
-
 METRICS_FILE = "metrics.csv"
 
 

@@ -27,8 +27,6 @@ from bert_reduce.recipe.data import (
 )
 from bert_reduce.recipe.tokenizer import ESMTokenizer
 
-__all__ = ["ESMDataModule", "EpochKeyedBatchSampler", "ResumableDataLoader"]
-
 
 class EpochKeyedBatchSampler:
     """Wraps a :class:`GlobalBatchSampler` to yield ``(epoch, index)`` keys, and to resume.

@@ -16,8 +16,6 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-__all__ = ["TEMPORARY", "AtomicCheckpointIO", "put_in_place", "temporary_name", "write_atomically"]
-
 TEMPORARY = re.compile(r".+\.tmp-[0-9]+")
 """The names :func:`temporary_name` gives."""
 

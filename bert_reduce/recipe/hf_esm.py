@@ -14,8 +14,6 @@ from torch import Tensor, nn
 from bert_reduce.hf.lm_head import lm_head_inputs
 from bert_reduce.recipe.config import HFEsm2ModelConfig
 
-__all__ = ["HFEsm2Model"]
-
 
 class HFEsm2Model(nn.Module):
     """``transformers.EsmForMaskedLM`` behind the recipe's model interface.

@@ -20,8 +20,6 @@ from bert_reduce.forward_output import (
 )
 from bert_reduce.recipe.config import ModelConfig
 
-__all__ = ["ESM2Model", "RotaryEmbedding"]
-
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embeddings (RoFormer), applied to ``[b, heads, s, head_dim]`` tensors.

@@ -10,8 +10,6 @@ from typing_extensions import override
 
 from bert_reduce.lightning import ExactMLMModule
 
-__all__ = ["ESM2MLMModule"]
-
 
 class ESM2MLMModule(ExactMLMModule):
     """Exact global-batch MLM training of a model called as ``model(input_ids, attention_mask)``.

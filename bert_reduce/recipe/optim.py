@@ -9,8 +9,6 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from bert_reduce.recipe.config import SchedulerConfig
 
-__all__ = ["warmup_cosine_schedule"]
-
 
 def warmup_cosine_schedule(
     optimizer: Optimizer,

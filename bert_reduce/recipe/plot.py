@@ -7,8 +7,6 @@ from pathlib import Path
 
 from bert_reduce.recipe.csv_logger import read_metrics
 
-__all__ = ["plot_metrics"]
-
 
 def plot_metrics(metrics_csv: str | os.PathLike[str], png: str | os.PathLike[str]) -> Path:
     """Plot ``train_loss`` and ``val_loss`` (left) and ``val_ppl`` (right) against the step.

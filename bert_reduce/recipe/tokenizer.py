@@ -10,8 +10,6 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-__all__ = ["AMINO_ACIDS", "ESM_ALPHABET", "ESMTokenizer"]
-
 AMINO_ACIDS: str = "ACDEFGHIKLMNPQRSTVWY"
 """The 20 standard amino acids, the residues of the built-in corpus."""
 
