@@ -13,18 +13,17 @@ set of 2 sequences on 3 ranks leaves rank 0 without any.
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.helpers.recipe_runs import ENV, ROOT
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[2]
 # Two steps, each followed by a validation, of a tiny ESM-2 on short sequences.
 COMMON = "--steps 2 --val-every 1 --global-batch-size 12 --dtype float64 --max-length 32 "
 COMMON += "--hidden-size 16 --num-heads 2"
@@ -34,11 +33,10 @@ FP64_REL, FP32_REL = 1e-9, 2e-5
 
 def torchrun(nproc: int, runs: list[str]) -> list[dict[str, dict]]:
     """Per run: ``{"step": {S: (loss, grad_norm)}, "val": {S: (L, P)}, "reference": L}``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={nproc}", "-m", "tests.helpers.example_runs"]
     result = subprocess.run(
-        command + runs, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        command + runs, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     parsed = []

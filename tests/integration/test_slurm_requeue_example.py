@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers.dist_utils import HANG_GUARD_S, free_port
@@ -59,29 +60,13 @@ echo localhost
 """
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc), whatever session torchrun put it in."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def kill_job(process: subprocess.Popen[str]) -> None:
-    """SIGKILL the job's whole process tree at once, as SLURM ends an allocation."""
+    """SIGKILL the job's whole process tree at once, as SLURM ends an allocation: every
+    process below it, whatever session torchrun put it in."""
+    job = psutil.Process(process.pid)
     stopped: set[int] = set()
     while True:  # freeze the tree first, so that no process starts another in between
-        tree = {process.pid, *descendants(process.pid)} - stopped
+        tree = {job.pid, *(child.pid for child in job.children(recursive=True))} - stopped
         if not tree:
             break
         for pid in tree:

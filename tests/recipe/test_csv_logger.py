@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
@@ -10,15 +9,11 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from bert_reduce.recipe.csv_logger import AppendingCSVLogger, keep_metrics_up_to
+from tests.helpers.recipe_runs import rows
 
 pytestmark = pytest.mark.lightning24  # also run under NeMo's Lightning 2.4 (.ci/run)
 
 OLD = "lr,step,train_loss,val_loss,val_ppl\n0.1,1,3.5,,\n0.1,2,3.4,,\n,2,,3.3,27.1\n0.1,3,3.2,,\n"
-
-
-def read(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as handle:
-        return list(csv.DictReader(handle))
 
 
 def test_keep_metrics_up_to_drops_only_later_rows(tmp_path: Path) -> None:
@@ -43,14 +38,14 @@ def test_logger_appends_and_truncates_at_its_first_write(tmp_path: Path) -> None
     assert path.read_text() == OLD  # a resume that fails before its first row changes nothing
     logger.log_metrics({"train_loss": 3.25, "lr": 0.1, "grad_norm": 1.5}, step=3)
     logger.save()
-    rows = read(path)
-    assert [(r["step"], r["train_loss"]) for r in rows] == [
+    logged = rows(tmp_path)
+    assert [(r["step"], r["train_loss"]) for r in logged] == [
         ("1", "3.5"), ("2", "3.4"), ("2", ""), ("3", "3.25"),
     ]  # fmt: skip
-    assert rows[-1]["grad_norm"] == "1.5" and rows[0]["grad_norm"] == ""  # a new column
+    assert logged[-1]["grad_norm"] == "1.5" and logged[0]["grad_norm"] == ""  # a new column
     logger.log_metrics({"train_loss": 3.0, "lr": 0.1}, step=4)
     logger.save()  # later writes append without truncating again
-    assert [r["step"] for r in read(path)] == ["1", "2", "2", "3", "4"]
+    assert [r["step"] for r in rows(tmp_path)] == ["1", "2", "2", "3", "4"]
 
 
 def test_a_line_cut_by_a_kill_is_dropped_before_appending(tmp_path: Path) -> None:
