@@ -1,7 +1,8 @@
 """BERTMLMLossWithReduction inside NeMo 2's MegatronParallel, on CPU, against one pass.
 
 ``MegatronParallel`` drives Megatron-Core's schedule over micro-batches of the example module
-(``examples/nemo2_esm2_loss.py``), building its loss objects as NeMo's strategy does.
+(``examples/nemo2_esm2_loss.py``), building its loss objects as NeMo's strategy does. NeMo's
+own loss reports (``loss_sum_and_ub_size``) reduce through bert_reduce, mixed with its own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ pytest.importorskip("nemo.lightning.megatron_parallel")
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from nemo.lightning import MegatronStrategy
@@ -24,6 +26,7 @@ from torch import Tensor
 
 import bert_reduce
 from bert_reduce import BERTMLMLossWithReduction
+from bert_reduce.metrics import TokenPerplexity
 from examples.nemo2_esm2_loss import (
     MLMLightningModule,
     mlm_config,
@@ -34,7 +37,7 @@ from examples.nemo2_esm2_loss import (
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.megatron_bert import mlm_batch
 from tests.helpers.megatron_cpu import GradSync, megatron_on_cpu, single_process_megatron
-from tests.helpers.reference import assert_close_by_name, reference_loss
+from tests.helpers.reference import assert_close_by_name, make_mlm_batch, reference_loss
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 16, 33
 EMPTY_ROW = 3
@@ -132,9 +135,34 @@ def _reference(module: MLMLightningModule, batch: dict[str, Tensor]) -> tuple[Te
     return loss.detach(), dict(zip(names, torch.autograd.grad(loss, params), strict=True))
 
 
-def test_megatron_loss_reduction_is_nemos_class() -> None:
+def test_the_loss_is_a_nemo_loss_and_nemos_reports_mix_with_its_own() -> None:
     assert bert_reduce.MegatronLossReduction is nemo_mp.MegatronLossReduction
     assert isinstance(BERTMLMLossWithReduction(), nemo_mp.MegatronLossReduction)
+    logits, labels, mask = make_mlm_batch(6, 8, 11, empty_rows=(3,))
+    ref = reference_loss(logits, labels, mask)
+    reports = []
+    with single_process_megatron():
+        for start in (0, 2, 4):
+            rows = slice(start, start + 2)
+            batch = {"labels": labels[rows], "loss_mask": mask[rows]}
+            if start != 2:  # NeMo's own loss, on per-token losses
+                per_token = F.cross_entropy(
+                    logits[:, rows].permute(1, 2, 0), labels[rows].clamp(min=0), reduction="none"
+                )
+                nemo_loss = nemo_mp.MaskedTokenLossReduction()
+                nemo_loss.setup(batch)
+                _, _, report = nemo_loss(per_token)
+                assert set(report) == {"loss_sum_and_ub_size"}
+            else:
+                loss_fn = BERTMLMLossWithReduction()
+                loss_fn.setup(batch)
+                _, _, report = loss_fn({"token_logits": logits[:, rows]})
+            reports.append(report)
+        reduced = BERTMLMLossWithReduction().reduce(reports)
+    torch.testing.assert_close(reduced, ref.float(), rtol=1e-6, atol=0)
+    metric = TokenPerplexity()
+    metric.update_from_reports(reports)
+    torch.testing.assert_close(metric.compute(), ref.exp(), rtol=1e-6, atol=0)
 
 
 def _step_is_the_global_batch_in_one_pass(micro_batches: list[list[int]], step: str) -> list:
