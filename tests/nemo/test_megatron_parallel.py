@@ -52,11 +52,22 @@ DP_MICRO_BATCHES = {
 
 
 class _RecordingModule(GradSync, MLMLightningModule):
-    """The example module, recording every loss object NeMo asks it for."""
+    """The example module in fp64, recording every loss object NeMo asks it for and, as a
+    MegatronParallel callback, the per-micro-batch reports handed to ``reduce``."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self) -> None:
+        config = mlm_config()
+        # What NeMo's MegatronOptimizerModule installs.
+        config.finalize_model_grads_func = finalize_model_grads
+        super().__init__(config=config, vocab_size=VOCAB, val_drop_last=False)
         self.created_losses: list[BERTMLMLossWithReduction] = []
+        self.reports: list[dict[str, Any]] = []
+        torch.manual_seed(0)
+        self.configure_model()
+        self.to(torch.float64)
+        self.trainer = pl.Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_checkpointing=False
+        )
 
     def training_loss_reduction(self) -> BERTMLMLossWithReduction:
         loss = super().training_loss_reduction()
@@ -70,34 +81,13 @@ class _RecordingModule(GradSync, MLMLightningModule):
         self.created_losses.append(loss)
         return loss
 
+    def on_megatron_reduce_microbatches_end(self, microbatch_outputs: list[Any]) -> None:
+        self.reports = list(microbatch_outputs)
+
 
 def _global_batch() -> dict[str, Tensor]:
     """An MLM batch: [b, s] masked input ids (``text``), labels and loss mask."""
     return mlm_batch(GLOBAL_BATCH, 11, SEQ_LEN, mask_prob=0.25, empty_rows=(EMPTY_ROW,))
-
-
-def _module(val_drop_last: bool = True) -> _RecordingModule:
-    config = mlm_config()
-    # What NeMo's MegatronOptimizerModule installs.
-    config.finalize_model_grads_func = finalize_model_grads
-    module = _RecordingModule(config=config, vocab_size=VOCAB, val_drop_last=val_drop_last)
-    torch.manual_seed(0)
-    module.configure_model()
-    module.to(torch.float64)
-    module.trainer = pl.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False
-    )
-    return module
-
-
-class _ReportRecorder:
-    """A MegatronParallel callback keeping the per-micro-batch reports handed to ``reduce``."""
-
-    def __init__(self) -> None:
-        self.reports: list[dict[str, Any]] = []
-
-    def on_megatron_reduce_microbatches_end(self, microbatch_outputs: list[Any]) -> None:
-        self.reports = list(microbatch_outputs)
 
 
 def _run(
@@ -108,9 +98,8 @@ def _run(
     The loss is passed per call (NeMo's strategy does; a loss given to the constructor would
     become a submodule).
     """
-    recorder = _ReportRecorder()
     parallel = nemo_mp.MegatronParallel(
-        module, cpu=True, callbacks=nemo_mp.CallbackConnector([recorder])
+        module, cpu=True, callbacks=nemo_mp.CallbackConnector([module])
     )
     step_fn = parallel.training_step if step == "train" else parallel.validation_step
     data = iter([{key: value[rows] for key, value in batch.items()} for rows in micro_batches])
@@ -122,7 +111,7 @@ def _run(
             micro_batch_size=max(len(rows) for rows in micro_batches),
             step_i=0,
         )
-    return loss, recorder.reports
+    return loss, module.reports
 
 
 def _reference(module: MLMLightningModule, batch: dict[str, Tensor]) -> tuple[Tensor, dict]:
@@ -171,7 +160,7 @@ def _step_is_the_global_batch_in_one_pass(micro_batches: list[list[int]], step: 
     from megatron.core.utils import get_batch_on_this_cp_rank as megatron_cp_slicer
 
     batch = _global_batch()
-    module = _module(val_drop_last=False)
+    module = _RecordingModule()
     ref_loss, ref_grads = _reference(module, batch)
     loss, reports = _run(module, batch, micro_batches, step)
     torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
