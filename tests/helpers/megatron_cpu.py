@@ -27,8 +27,7 @@ io context and ``nemo_run``. Lines are those of megatron-core 0.15.3 and nemo-to
    no CUDA state) replaces the CUDA one that attention forks even at dropout 0
    (``transformer/dot_product_attention.py:207``, 0.16.1: ``:217``); restored afterwards.
 
-:class:`GradSync` stands in for Megatron DDP's two gradient methods where a test drives the
-schedule without DDP. What only a GPU shows is listed in ``docs/nemo.md``.
+What only a GPU shows is listed in ``docs/nemo.md``.
 """
 
 from __future__ import annotations

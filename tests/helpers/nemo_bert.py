@@ -191,19 +191,14 @@ class TinyBertMLM(pl.LightningModule, io.IOMixin):
             return num_scored_data_step(_plain_data_step)(dataloader_iter)
         return _plain_data_step(dataloader_iter)
 
-    def forward_step(self, batch: Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
+    def forward_step(self, batch: Mapping[str, Tensor], batch_idx: int | None = None) -> Any:
         if self.output == "fused" and self.training:
             count = batch["num_scored"]
             assert type(count) is int and count == int(batch["loss_mask"].sum()), count
         return self(batch)
 
-    @override
-    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int | None = None) -> Any:
-        return self.forward_step(batch)
-
-    @override
-    def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int | None = None) -> Any:
-        return self.forward_step(batch)
+    # NeMo calls forward_step on earlier pipeline stages, training/validation_step on the last.
+    training_step = validation_step = forward_step
 
     def training_loss_reduction(self) -> BERTMLMLossWithReduction:
         return self.loss_reduction_class()
