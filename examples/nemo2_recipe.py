@@ -18,8 +18,8 @@ The recipe sets the two Megatron flags the exact per-token reduction needs:
 ``calculate_per_token_loss=True`` on the model's ``TransformerConfig`` and
 ``average_in_collective=False`` on Megatron's DDP config (gradients are summed over data
 parallel ranks and divided once by the global token count in ``finalize_model_grads``).
-``tests/nemo/test_recipe.py`` checks its configuration around a tiny Megatron BERT, and
-``tests/nemo/test_checkpoint.py`` executes it.
+``tests/nemo/test_checkpoint.py`` checks its configuration around a tiny Megatron BERT and
+executes it.
 """
 
 from __future__ import annotations

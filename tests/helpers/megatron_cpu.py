@@ -27,8 +27,7 @@ io context and ``nemo_run``. Lines are those of megatron-core 0.15.3 and nemo-to
    no CUDA state) replaces the CUDA one that attention forks even at dropout 0
    (``transformer/dot_product_attention.py:207``, 0.16.1: ``:217``); restored afterwards.
 
-:class:`GradSync` stands in for Megatron DDP's two gradient methods where a test drives the
-schedule without DDP. What only a GPU shows is listed in ``docs/nemo.md``.
+What only a GPU shows is listed in ``docs/nemo.md``.
 """
 
 from __future__ import annotations
@@ -83,8 +82,6 @@ def _cpu(device: Any) -> Any:
 
 
 class _CpuTensor(torch.Tensor):
-    """A CPU tensor whose ``.to("cuda", ...)`` stays on the CPU."""
-
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         plain = self.as_subclass(torch.Tensor)
         if args and isinstance(args[0], str | torch.device | int):
@@ -96,8 +93,6 @@ class _CpuTensor(torch.Tensor):
 
 
 class _CpuCuda:
-    """``torch.cuda``, except the few functions the listed lines call."""
-
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
 
@@ -117,8 +112,6 @@ def _on_cpu(factory: Any) -> Any:
 
 
 class _CpuTorch(ModuleType):
-    """``torch``, with CUDA devices mapped to the CPU in the calls the listed lines make."""
-
     cuda = _CpuCuda()
     zeros = _on_cpu(torch.zeros)
     empty = _on_cpu(torch.empty)
@@ -140,7 +133,6 @@ class _CpuTorch(ModuleType):
 def _clip_grad_by_total_norm_fp32(
     parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
 ) -> None:
-    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assertion."""
     attribute = "decoupled_grad" if use_decoupled_grad else "grad"
     grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
     clip_coeff = max_norm / (total_norm + 1.0e-6)

@@ -36,7 +36,6 @@ from bert_reduce.megatron import output_layer_inputs
 from bert_reduce.nemo import (
     ExactValidationDataSampler,
     NeMoValidationPerplexityCallback,
-    RealSampleTracker,
     num_scored_data_step,
 )
 from examples.nemo2_recipe import mlm_pretrain_recipe
@@ -94,9 +93,9 @@ class MLMDataset(Dataset):
         return {key: value[index] for key, value in self.data.items()}
 
 
-def train_dataset(steps: int) -> MLMDataset:
-    """``steps`` global batches, each with an empty micro-batch (``EMPTY_IN_GLOBAL_BATCH``)."""
-    return MLMDataset(steps * GLOBAL_BATCH, seed=0, empty=EMPTY_IN_GLOBAL_BATCH)
+def train_dataset() -> MLMDataset:
+    """:data:`STEPS` global batches, each with an empty micro-batch (``EMPTY_IN_GLOBAL_BATCH``)."""
+    return MLMDataset(STEPS * GLOBAL_BATCH, seed=0, empty=EMPTY_IN_GLOBAL_BATCH)
 
 
 def val_dataset(num_samples: int) -> MLMDataset:
@@ -105,13 +104,12 @@ def val_dataset(num_samples: int) -> MLMDataset:
 
 
 class TinyBertDataModule(pl.LightningDataModule):
-    """``steps`` global batches; ``validation``: none, or :data:`VAL_SAMPLES` samples in a
+    """:func:`train_dataset`; ``validation``: none, or :data:`VAL_SAMPLES` samples in a
     ``"wrapped"`` (NeMo's ``WrappedDataLoader``) or ``"plain"`` loader under
     ``ExactValidationDataSampler``, or (``"nemo_sampler"``) wrapped under NeMo's own sampler."""
 
-    def __init__(self, steps: int, validation: str | None = None) -> None:
+    def __init__(self, validation: str | None = None) -> None:
         super().__init__()
-        self.steps = steps
         self.validation = validation
         # What NeMo's llm.pretrain checks on a data module.
         self.micro_batch_size, self.global_batch_size = MICRO_BATCH, GLOBAL_BATCH
@@ -140,7 +138,7 @@ class TinyBertDataModule(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(train_dataset(self.steps), batch_size=MICRO_BATCH)
+        return DataLoader(train_dataset(), batch_size=MICRO_BATCH)
 
     @override
     def val_dataloader(self) -> DataLoader:
@@ -193,19 +191,14 @@ class TinyBertMLM(pl.LightningModule, io.IOMixin):
             return num_scored_data_step(_plain_data_step)(dataloader_iter)
         return _plain_data_step(dataloader_iter)
 
-    def forward_step(self, batch: Mapping[str, Tensor]) -> Tensor | dict[str, Tensor]:
+    def forward_step(self, batch: Mapping[str, Tensor], batch_idx: int | None = None) -> Any:
         if self.output == "fused" and self.training:
             count = batch["num_scored"]
             assert type(count) is int and count == int(batch["loss_mask"].sum()), count
         return self(batch)
 
-    @override
-    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int | None = None) -> Any:
-        return self.forward_step(batch)
-
-    @override
-    def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int | None = None) -> Any:
-        return self.forward_step(batch)
+    # NeMo calls forward_step on earlier pipeline stages, training/validation_step on the last.
+    training_step = validation_step = forward_step
 
     def training_loss_reduction(self) -> BERTMLMLossWithReduction:
         return self.loss_reduction_class()
@@ -221,7 +214,7 @@ def _plain_data_step(dataloader_iter: Iterator[Any]) -> dict[str, Tensor]:
 
 @functools.cache
 def reference_training(
-    steps: int = STEPS, adam_lr: float | None = None
+    adam_lr: float | None = None,
 ) -> tuple[list[float], dict[str, Tensor], float]:
     """Plain PyTorch, one process: the losses of each step, the final weights and then the
     mean NLL over every masked validation token.
@@ -239,8 +232,8 @@ def reference_training(
             optimizer = torch.optim.AdamW(
                 model.parameters(), lr=adam_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
             )
-        data, losses = train_dataset(steps), []
-        for step in range(steps):
+        data, losses = train_dataset(), []
+        for step in range(STEPS):
             loss = _mean_nll(model, data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH])
             optimizer.zero_grad()
             loss.backward()
@@ -350,7 +343,7 @@ def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, vali
     extra: dict[str, Any] = {}
     try:
         with megatron_on_cpu():
-            trainer.fit(model, TinyBertDataModule(STEPS, validation))
+            trainer.fit(model, TinyBertDataModule(validation))
     except RuntimeError as error:
         if validation is None:
             raise
@@ -358,10 +351,9 @@ def _fit_body(out_dir: str, world_size: int, pp: int, tp: int, output: str, vali
     if validation is not None:
         if "error" not in extra:
             assert perplexity.result is not None
-            tracker = trainer.val_dataloaders.batch_sampler
             extra["val_result"] = perplexity.result._asdict()
-            real = isinstance(tracker, RealSampleTracker)
-            extra["real_on_rank"] = sum(tracker.is_real) if real else None
+            # ExactValidationDataSampler's RealSampleTracker: this rank's real samples.
+            extra["real_on_rank"] = sum(trainer.val_dataloaders.batch_sampler.is_real)
             extra["nemo_step_means"] = saver.step_means
         extra["logged"] = logger.values
         extra["callback_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -403,7 +395,7 @@ def recipe(out_dir: str, devices: int) -> run.Partial:
     """``examples/nemo2_recipe.py``'s recipe around :class:`TinyBertMLM`, as the fits run."""
     return mlm_pretrain_recipe(
         model=run.Config(TinyBertMLM, config=run.Config(tiny_bert_config)),
-        data=run.Config(TinyBertDataModule, steps=STEPS),
+        data=run.Config(TinyBertDataModule),
         devices=devices,
         accelerator="cpu",
         max_steps=STEPS,

@@ -81,10 +81,7 @@ def global_batch(weighted: bool = False, seq_len: int = SEQ_LEN) -> dict[str, to
 def schedule_step(
     rows: list[int], micro_batch_size: int, calculate_per_token_loss: bool = True, **loss_kwargs
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list]:
-    """One step of Megatron's schedule over ``rows`` of the global batch on this rank.
-
-    Returns the final parameter gradients, the logged loss (``reduce``) and the reports.
-    """
+    """:func:`run_schedule` over ``rows`` of the global batch on this rank."""
     batch = global_batch(loss_kwargs.pop("weighted", False))
     micro_batches = [
         {key: value[rows[i : i + micro_batch_size]] for key, value in batch.items()}

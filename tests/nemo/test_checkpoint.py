@@ -1,7 +1,8 @@
-"""NeMo checkpointing with bert_reduce's loss: io.json records it, resume is exact.
+"""``examples/nemo2_recipe.py``: it configures the loss and flags; checkpoints record the loss
+in io.json, and resume is exact.
 
-The recipe of ``examples/nemo2_recipe.py`` runs in-process on 2 gloo processes with NeMo's
-``ModelCheckpoint`` and Adam, then again resumed from step 2 (``AutoResume``).
+The recipe runs in-process on 2 gloo processes with NeMo's ``ModelCheckpoint`` and Adam, then
+again resumed from step 2 (``AutoResume``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 pytest.importorskip("nemo_run")
 
+import fiddle as fdl
 import nemo_run as run
 import torch
 from nemo import lightning as nl
@@ -26,6 +28,15 @@ from tests.helpers.nemo_bert import STEPS, TinyBertMLM, recipe, reference_traini
 from tests.helpers.reference import assert_close_by_name
 
 ADAM_LR = 0.01
+
+
+def test_recipe_configures_the_loss_and_the_megatron_flags() -> None:
+    configured = recipe("unused", devices=2)
+    assert configured.model.config.calculate_per_token_loss is True
+    assert configured.trainer.strategy.ddp.average_in_collective is False
+    loss = fdl.build(configured.model.loss_reduction_class)(validation_step=True)
+    assert isinstance(loss, BERTMLMLossWithReduction)
+    assert loss.validation_step and loss.options.capacity == "all"
 
 
 def _checkpointed_run(out_dir: str, resume_from: str | None) -> None:

@@ -25,22 +25,17 @@ from tests.helpers.megatron_bert import mlm_batch
 from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
 
 
-def nemo_bert_batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    """A collated batch with the keys NeMo's BERT data step reads (``padding_mask`` ...)."""
+def nemo_bert_batch(seed: int = 0) -> dict:
+    """NumScoredCollator's batch of the keys NeMo's bert_data_step reads (``padding_mask`` ...)."""
     batch = mlm_batch(3, seed, seq_len=8, empty_rows=())
     batch["padding_mask"] = batch.pop("attention_mask")
-    zeros = torch.zeros(3, 8, dtype=torch.long)
-    return {**batch, "types": zeros, "is_random": zeros}
-
-
-def with_count(batch: dict[str, torch.Tensor]) -> dict:
-    """The batch as NumScoredCollator makes it."""
+    batch["types"] = batch["is_random"] = torch.zeros(3, 8, dtype=torch.long)
     samples = [{k: v[i] for k, v in batch.items()} for i in range(3)]
     return NumScoredCollator(default_collate)(samples)
 
 
 def test_nemo_bert_data_step_drops_the_count_and_the_wrapper_keeps_it() -> None:
-    batch = with_count(nemo_bert_batch())
+    batch = nemo_bert_batch()
     total = int(batch["loss_mask"].sum())
     with single_process_megatron(), megatron_on_cpu():
         # NeMo's own step: every key it does not know becomes None.
@@ -61,7 +56,7 @@ def test_errors_name_what_is_wrong() -> None:
 
 
 def _context_parallel_body() -> None:
-    batch = with_count(nemo_bert_batch(seed=1))
+    batch = nemo_bert_batch(seed=1)
     total, cp_rank = batch["num_scored"], parallel_state.get_context_parallel_rank()
     with megatron_on_cpu():
         out = num_scored_data_step(bert_data_step)(iter([batch]))

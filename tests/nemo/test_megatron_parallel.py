@@ -1,7 +1,8 @@
 """BERTMLMLossWithReduction inside NeMo 2's MegatronParallel, on CPU, against one pass.
 
 ``MegatronParallel`` drives Megatron-Core's schedule over micro-batches of the example module
-(``examples/nemo2_esm2_loss.py``), building its loss objects as NeMo's strategy does.
+(``examples/nemo2_esm2_loss.py``), building its loss objects as NeMo's strategy does. NeMo's
+own loss reports (``loss_sum_and_ub_size``) reduce through bert_reduce, mixed with its own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ pytest.importorskip("nemo.lightning.megatron_parallel")
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from nemo.lightning import MegatronStrategy
@@ -24,6 +26,7 @@ from torch import Tensor
 
 import bert_reduce
 from bert_reduce import BERTMLMLossWithReduction
+from bert_reduce.metrics import TokenPerplexity
 from examples.nemo2_esm2_loss import (
     MLMLightningModule,
     mlm_config,
@@ -34,7 +37,7 @@ from examples.nemo2_esm2_loss import (
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.megatron_bert import mlm_batch
 from tests.helpers.megatron_cpu import GradSync, megatron_on_cpu, single_process_megatron
-from tests.helpers.reference import assert_close_by_name, reference_loss
+from tests.helpers.reference import assert_close_by_name, make_mlm_batch, reference_loss
 
 GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 16, 33
 EMPTY_ROW = 3
@@ -49,11 +52,22 @@ DP_MICRO_BATCHES = {
 
 
 class _RecordingModule(GradSync, MLMLightningModule):
-    """The example module, recording every loss object NeMo asks it for."""
+    """The example module in fp64, recording every loss object NeMo asks it for and, as a
+    MegatronParallel callback, the per-micro-batch reports handed to ``reduce``."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self) -> None:
+        config = mlm_config()
+        # What NeMo's MegatronOptimizerModule installs.
+        config.finalize_model_grads_func = finalize_model_grads
+        super().__init__(config=config, vocab_size=VOCAB, val_drop_last=False)
         self.created_losses: list[BERTMLMLossWithReduction] = []
+        self.reports: list[dict[str, Any]] = []
+        torch.manual_seed(0)
+        self.configure_model()
+        self.to(torch.float64)
+        self.trainer = pl.Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_checkpointing=False
+        )
 
     def training_loss_reduction(self) -> BERTMLMLossWithReduction:
         loss = super().training_loss_reduction()
@@ -67,34 +81,13 @@ class _RecordingModule(GradSync, MLMLightningModule):
         self.created_losses.append(loss)
         return loss
 
+    def on_megatron_reduce_microbatches_end(self, microbatch_outputs: list[Any]) -> None:
+        self.reports = list(microbatch_outputs)
+
 
 def _global_batch() -> dict[str, Tensor]:
     """An MLM batch: [b, s] masked input ids (``text``), labels and loss mask."""
     return mlm_batch(GLOBAL_BATCH, 11, SEQ_LEN, mask_prob=0.25, empty_rows=(EMPTY_ROW,))
-
-
-def _module(val_drop_last: bool = True) -> _RecordingModule:
-    config = mlm_config()
-    # What NeMo's MegatronOptimizerModule installs.
-    config.finalize_model_grads_func = finalize_model_grads
-    module = _RecordingModule(config=config, vocab_size=VOCAB, val_drop_last=val_drop_last)
-    torch.manual_seed(0)
-    module.configure_model()
-    module.to(torch.float64)
-    module.trainer = pl.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False
-    )
-    return module
-
-
-class _ReportRecorder:
-    """A MegatronParallel callback keeping the per-micro-batch reports handed to ``reduce``."""
-
-    def __init__(self) -> None:
-        self.reports: list[dict[str, Any]] = []
-
-    def on_megatron_reduce_microbatches_end(self, microbatch_outputs: list[Any]) -> None:
-        self.reports = list(microbatch_outputs)
 
 
 def _run(
@@ -105,9 +98,8 @@ def _run(
     The loss is passed per call (NeMo's strategy does; a loss given to the constructor would
     become a submodule).
     """
-    recorder = _ReportRecorder()
     parallel = nemo_mp.MegatronParallel(
-        module, cpu=True, callbacks=nemo_mp.CallbackConnector([recorder])
+        module, cpu=True, callbacks=nemo_mp.CallbackConnector([module])
     )
     step_fn = parallel.training_step if step == "train" else parallel.validation_step
     data = iter([{key: value[rows] for key, value in batch.items()} for rows in micro_batches])
@@ -119,22 +111,37 @@ def _run(
             micro_batch_size=max(len(rows) for rows in micro_batches),
             step_i=0,
         )
-    return loss, recorder.reports
+    return loss, module.reports
 
 
-def _reference(module: MLMLightningModule, batch: dict[str, Tensor]) -> tuple[Tensor, dict]:
-    """F.cross_entropy over the masked tokens of the whole batch, and its gradients."""
-    model = copy.deepcopy(module.module)
-    assert model is not None
-    logits = model(batch["text"])["token_logits"]
-    loss = reference_loss(logits, batch["labels"], batch["loss_mask"])
-    names, params = zip(*model.named_parameters(), strict=True)
-    return loss.detach(), dict(zip(names, torch.autograd.grad(loss, params), strict=True))
-
-
-def test_megatron_loss_reduction_is_nemos_class() -> None:
+def test_the_loss_is_a_nemo_loss_and_nemos_reports_mix_with_its_own() -> None:
     assert bert_reduce.MegatronLossReduction is nemo_mp.MegatronLossReduction
     assert isinstance(BERTMLMLossWithReduction(), nemo_mp.MegatronLossReduction)
+    logits, labels, mask = make_mlm_batch(6, 8, 11, empty_rows=(3,))
+    ref = reference_loss(logits, labels, mask)
+    reports = []
+    with single_process_megatron():
+        for start in (0, 2, 4):
+            rows = slice(start, start + 2)
+            batch = {"labels": labels[rows], "loss_mask": mask[rows]}
+            if start != 2:  # NeMo's own loss, on per-token losses
+                per_token = F.cross_entropy(
+                    logits[:, rows].permute(1, 2, 0), labels[rows].clamp(min=0), reduction="none"
+                )
+                nemo_loss = nemo_mp.MaskedTokenLossReduction()
+                nemo_loss.setup(batch)
+                _, _, report = nemo_loss(per_token)
+                assert set(report) == {"loss_sum_and_ub_size"}
+            else:
+                loss_fn = BERTMLMLossWithReduction()
+                loss_fn.setup(batch)
+                _, _, report = loss_fn({"token_logits": logits[:, rows]})
+            reports.append(report)
+        reduced = BERTMLMLossWithReduction().reduce(reports)
+    torch.testing.assert_close(reduced, ref.float(), rtol=1e-6, atol=0)
+    metric = TokenPerplexity()
+    metric.update_from_reports(reports)
+    torch.testing.assert_close(metric.compute(), ref.exp(), rtol=1e-6, atol=0)
 
 
 def _step_is_the_global_batch_in_one_pass(micro_batches: list[list[int]], step: str) -> list:
@@ -143,10 +150,15 @@ def _step_is_the_global_batch_in_one_pass(micro_batches: list[list[int]], step: 
     from megatron.core.utils import get_batch_on_this_cp_rank as megatron_cp_slicer
 
     batch = _global_batch()
-    module = _module(val_drop_last=False)
-    ref_loss, ref_grads = _reference(module, batch)
+    module = _RecordingModule()
+    # F.cross_entropy over the masked tokens of the whole batch, and its gradients.
+    model = copy.deepcopy(module.module)
+    logits = model(batch["text"])["token_logits"]
+    ref_loss = reference_loss(logits, batch["labels"], batch["loss_mask"])
+    names, params = zip(*model.named_parameters(), strict=True)
+    ref_grads = dict(zip(names, torch.autograd.grad(ref_loss, params), strict=True))
     loss, reports = _run(module, batch, micro_batches, step)
-    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, ref_loss.detach().float(), rtol=1e-6, atol=0)
     # NeMo built one loss per micro-batch and another for reduce, which never saw a batch.
     losses = module.created_losses
     assert len({id(loss) for loss in losses}) == len(micro_batches) + 1
