@@ -77,18 +77,17 @@ def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
-def cross_entropy_mean(model: nn.Module, rows: Sequence[dict[str, Tensor]]) -> Tensor:
-    """Mean ``F.cross_entropy`` of ``model`` over the labelled (``!= -100``) tokens of ``rows``
-    in one pass; 0 if there are none."""
-    batch = stack(rows)
+def cross_entropy_mean(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Mean ``F.cross_entropy`` of ``model`` over the labelled (``!= -100``) tokens of the
+    ``[b, s]`` ``batch`` in one pass; 0 if there are none."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return reference_loss(logits.transpose(0, 1), batch["labels"], batch["labels"] != -100)
 
 
-def reference_step(kind: str, rows: Sequence[dict[str, Tensor]]) -> dict[str, Any]:
-    """Gradient and loss of one process on the whole unsplit batch."""
+def reference_step(kind: str) -> dict[str, Any]:
+    """Gradient and loss of one process on the whole unsplit global batch of 8."""
     model = tiny_model(kind).train()
-    loss = cross_entropy_mean(model, rows)
+    loss = cross_entropy_mean(model, stack(samples(TRAIN_LENGTHS, TRAIN_MASKED)))
     loss.backward()
     return {"grads": grads(model), "loss": loss.item()}
 
@@ -96,7 +95,7 @@ def reference_step(kind: str, rows: Sequence[dict[str, Tensor]]) -> dict[str, An
 def reference_eval(kind: str, rows: Sequence[dict[str, Tensor]]) -> float:
     """Mean cross-entropy over every masked token of the eval set, in one pass."""
     with torch.no_grad():
-        return cross_entropy_mean(tiny_model(kind).eval(), rows).item()
+        return cross_entropy_mean(tiny_model(kind).eval(), stack(rows)).item()
 
 
 def grads(model: nn.Module) -> dict[str, Tensor]:
@@ -279,11 +278,6 @@ def run_jobs(jobs: Sequence[Job], processes: int = 1) -> list[dict[str, Any]]:
         path = os.path.join(tmp, "results.pt")
         run_distributed(_run_all, processes, list(jobs), tmp, path, megatron=False)
         return torch.load(path, weights_only=False)
-
-
-def run_cases(runner_name: str, cases: Sequence[Case], processes: int = 1) -> list[dict[str, Any]]:
-    """:func:`run_jobs` of one runner over several cases."""
-    return run_jobs([(runner_name, case) for case in cases], processes)
 
 
 def relative(value: float, reference: float) -> float:

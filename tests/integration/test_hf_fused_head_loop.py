@@ -24,7 +24,6 @@ from bert_reduce import GlobalBatchLoss
 from bert_reduce.num_scored import count_scored
 from tests.helpers.dist_utils import full_grads, run_distributed, sync_on_last
 from tests.helpers.hf_esm import esm_batch, tiny_esm_config
-from tests.helpers.reference import reference_loss
 
 pytest.importorskip("transformers")
 
@@ -85,10 +84,7 @@ def _body() -> None:
         mb["num_scored"] = count_scored(mb)  # what NumScoredCollator adds, on the host
     for kind in ("esm", "bert"):
         reference = _model(kind)
-        logits = reference(
-            input_ids=whole["input_ids"], attention_mask=whole["attention_mask"]
-        ).logits
-        ref_loss = reference_loss(logits.transpose(0, 1), whole["labels"], whole["labels"] != -100)
+        ref_loss = H.cross_entropy_mean(reference, whole)
         ref_loss.backward()
         ref_grads = full_grads(reference)
         # The fused head under each wrapper; the logits and outputs.loss beside it under FSDP2.
