@@ -11,7 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.lightning import ValidationPerplexityCallback
@@ -88,7 +87,3 @@ def assert_matches_reference(
     torch.testing.assert_close(result.denominator, denominator, rtol=1e-15, atol=0)
     torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(result.perplexity, ref_ppl, rtol=1e-12, atol=0)
-
-
-def loader(dataset: MLMSamples, batch_size: int, **kwargs: Any) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)

@@ -39,7 +39,6 @@ from tests.helpers.perplexity_helpers import (
     MLMSamples,
     TinyMLM,
     assert_matches_reference,
-    loader,
     reference,
 )
 from tests.helpers.sync_guard import count_collectives
@@ -129,7 +128,7 @@ def _validation_perplexity_checks() -> None:
             val_loader = DataLoader(subset, batch_sampler=batches)
         else:
             sampler = UnrepeatedDistributedSampler(subset, world_size, rank, shuffle=False)
-            val_loader = loader(subset, BATCH, sampler=sampler)
+            val_loader = DataLoader(subset, BATCH, sampler=sampler)
         callback = ValidationPerplexityCallback()
         counter = _CountCollectives()
         trainer([callback, counter], use_distributed_sampler=not sharded, **ddp).validate(
@@ -144,9 +143,9 @@ def _validation_perplexity_checks() -> None:
     # Lightning's default DistributedSampler pads the 11 samples to 12 by repeating sample 0:
     # the check refuses it, and without the check its tokens count twice.
     with pytest.raises(ValueError, match=r"repeats 1 of the 11 samples"):
-        trainer([ValidationPerplexityCallback()], **ddp).validate(model, loader(data, BATCH))
+        trainer([ValidationPerplexityCallback()], **ddp).validate(model, DataLoader(data, BATCH))
     stock = ValidationPerplexityCallback(check_sampler=False)
-    trainer([stock], **ddp).validate(model, loader(data, BATCH), verbose=False)
+    trainer([stock], **ddp).validate(model, DataLoader(data, BATCH), verbose=False)
     assert stock.result is not None
     repeated = int(data.loss_mask[0].sum())
     assert repeated > 0 and int(stock.result.denominator) == ref_count + repeated

@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from bert_reduce.lightning import ValidationPerplexityCallback
 from tests.helpers.perplexity_helpers import (
@@ -21,7 +22,6 @@ from tests.helpers.perplexity_helpers import (
     MLMSamples,
     TinyMLM,
     assert_matches_reference,
-    loader,
     reference,
 )
 from tests.helpers.reference import reference_loss
@@ -32,7 +32,7 @@ from tests.helpers.tiny_lightning import quiet_trainer as trainer
 def test_validate_equals_one_pass_reference_and_nemo_mean_of_means_does_not() -> None:
     data, model = MLMSamples(SIZE), TinyMLM()
     callback = ValidationPerplexityCallback()
-    (logged,) = trainer([callback]).validate(model, loader(data, BATCH), verbose=False)
+    (logged,) = trainer([callback]).validate(model, DataLoader(data, BATCH), verbose=False)
 
     assert_matches_reference(callback, model, data)
     ref_loss, ref_ppl, _ = reference(model, data)
@@ -57,7 +57,7 @@ def test_batches_are_summed_without_host_sync_and_nothing_is_kept() -> None:
     data, model = MLMSamples(SIZE), TinyMLM()
     callback = ValidationPerplexityCallback()
     run = trainer([callback])
-    run.validate(model, loader(data, BATCH), verbose=False)
+    run.validate(model, DataLoader(data, BATCH), verbose=False)
     reports = [model._loss(data[i : i + 3], validation=True)[1] for i in range(0, SIZE, 3)]
     callback.on_validation_epoch_start(run, model)
     with forbid_host_syncs():
@@ -84,10 +84,10 @@ class _WrongReport(TinyMLM):
 def test_validation_step_contract_errors_name_what_is_missing() -> None:
     data = MLMSamples(SIZE)
     with pytest.raises(ValueError, match=r"_NoReport.validation_step returned None for batch 0"):
-        trainer([ValidationPerplexityCallback()]).validate(_NoReport(), loader(data, BATCH))
+        trainer([ValidationPerplexityCallback()]).validate(_NoReport(), DataLoader(data, BATCH))
     expected = r"no 'loss_sum_and_microbatch_size' or 'loss_sum_and_ub_size' key; it has \['loss'\]"
     with pytest.raises(KeyError, match=expected):
-        trainer([ValidationPerplexityCallback()]).validate(_WrongReport(), loader(data, BATCH))
+        trainer([ValidationPerplexityCallback()]).validate(_WrongReport(), DataLoader(data, BATCH))
 
 
 class _Interrupted(Exception):
@@ -140,7 +140,7 @@ def test_fit_ignores_sanity_checks_and_a_resumed_run_reports_the_uninterrupted_v
     def run(model: TinyMLM, callback: ValidationPerplexityCallback, **fit: Any) -> _Record:
         record = _Record(callback)
         record.trainer = trainer([callback, record], **options)
-        record.trainer.fit(model, loader(data, BATCH), loader(data, BATCH), **fit)
+        record.trainer.fit(model, DataLoader(data, BATCH), DataLoader(data, BATCH), **fit)
         return record
 
     model, first = TinyMLM(lr=0.1), ValidationPerplexityCallback()
