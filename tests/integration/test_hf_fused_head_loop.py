@@ -1,12 +1,8 @@
 """The fused head in a PyTorch loop: ``lm_head_inputs`` + ``GlobalBatchLoss`` under DDP and FSDP2.
 
-Hugging Face ``EsmForMaskedLM`` and ``BertForMaskedLM`` (fp64) on 2 gloo ranks with uneven
-masked counts (35 and 5) and two micro-batches per rank, each carrying its host count. The
-step's loss and every parameter gradient equal one process back-propagating
-``F.cross_entropy`` over every masked token of the whole global batch (and the logits path).
-Hugging Face's ``outputs.loss`` divided by the accumulation steps is shown off under FSDP2
-(a mean of means). And under FSDP2, ranks given different numbers of micro-batches get a
-clear error from ``begin()`` instead of a silent hang. All in one spawn of 2 processes.
+Hugging Face ``EsmForMaskedLM`` and ``BertForMaskedLM`` (fp64) on 2 gloo ranks, in one spawn: the
+step's loss and every parameter gradient equal one process back-propagating ``F.cross_entropy``
+over every masked token of the whole global batch. Each check's comments say what it covers.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """Lightning on 2 gloo processes: ExactMLMModule under DDP and ModelParallelStrategy (FSDP2), and
-ValidationPerplexityCallback under DDP.
-
-After every step the parameters and logged losses equal those of one process training on the
-whole global batch (tests/helpers/exact_training.py's reference; one process:
-tests/lightning/) whatever the micro-batch size, with micro-batches holding no masked token and
-a rank holding none. DDP: SGD and AdamW, clipping of the exact global gradient, per-token and
-per-sequence; each step reduces each gradient bucket once and all-reduces the sums once; an
-uneven validation set's reports sum to the loss of the whole set; Lightning's own accumulation
-(a mean of means) visibly differs. FSDP2: per-token and per-sequence. Under both, every
-micro-batch's loss gets its own count of scored positions as an int (``NumScoredCollator``).
-
-The callback: with every validation sample on exactly one rank (Lightning's
-UnrepeatedDistributedSampler or bert_reduce's ShardedEvalBatchSampler), the result equals the
-one-pass reference, with no collective while batches run and one sync at the end; Lightning's
-default DistributedSampler repeats a sample, which the callback refuses (and which, unchecked,
-counts tokens twice).
+ValidationPerplexityCallback under DDP, against one process on the whole global batch or
+validation set (tests/helpers/exact_training.py, perplexity_helpers.py; one process:
+tests/lightning/). Each check's comments say what it covers.
 """
 
 from __future__ import annotations

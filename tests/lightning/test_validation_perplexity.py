@@ -1,8 +1,5 @@
-"""ValidationPerplexityCallback against a one-pass reference, in one process.
-
-The validation set has 11 samples, validated in batches of 4: its size divides neither the
-batch size nor the number of ranks, and batches hold different numbers of masked tokens (some
-samples hold none). Real DDP processes: tests/integration/test_lightning_distributed.py.
+"""ValidationPerplexityCallback against a one-pass reference, in one process, on
+perplexity_helpers' uneven validation set. DDP: tests/integration/test_lightning_distributed.py.
 """
 
 from __future__ import annotations
