@@ -155,7 +155,8 @@ def training_arguments(output_dir: str, **overrides: Any):
 
 
 def _trainer(case: Case, output_dir: str, **kwargs: Any):
-    """The case's trainer, keeping what ``training_step`` returns for each micro-batch."""
+    """The case's trainer, keeping the loss ``training_step`` and ``prediction_step`` return for
+    each (micro-)batch."""
     if case.exact:
         kwargs["fused_head"] = case.fused_head
 
@@ -164,6 +165,11 @@ def _trainer(case: Case, output_dir: str, **kwargs: Any):
             loss = super().training_step(model, inputs, num_items_in_batch)
             self.micro_batch_losses = [*getattr(self, "micro_batch_losses", []), loss.item()]
             return loss
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            loss, *rest = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            self.batch_losses = [*getattr(self, "batch_losses", []), loss.item()]
+            return loss, *rest
 
     return Recording(model=tiny_model(case.kind), **kwargs)
 
@@ -226,7 +232,11 @@ def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
         compute_metrics=compute_metrics if case.with_metrics else None,
     )
     metrics = trainer.evaluate()
-    return {"metrics": metrics, "metric_shapes": seen.get("shapes")}
+    return {
+        "metrics": metrics,
+        "metric_shapes": seen.get("shapes"),
+        "batch_losses": trainer.batch_losses,
+    }
 
 
 @contextlib.contextmanager

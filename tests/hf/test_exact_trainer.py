@@ -81,12 +81,15 @@ def test_evaluate_is_the_exact_mean_over_the_eval_set(kind: str) -> None:
     assert 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
 
 
-def test_plain_trainer_evaluate_is_a_mean_of_batch_means() -> None:
+def test_batch_losses_are_batch_means_and_plain_eval_loss_their_mean() -> None:
     rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
     reference = H.reference_eval("bert", rows)
-    (plain,) = H.run_jobs([("trainer_eval", H.Case("bert", exact=False))])
-    # The mean of the 5 batch means, weighted by their number of samples (the last has 1).
+    cases = [H.Case("bert", exact=True), H.Case("bert", exact=False)]
+    exact, plain = H.run_jobs([("trainer_eval", case) for case in cases])
     means = [H.reference_eval("bert", rows[start : start + 3]) for start in range(0, 13, 3)]
+    # Each eval batch's loss, as prediction_step returns it, is the batch's own exact mean.
+    assert exact["batch_losses"] == pytest.approx(means, rel=1e-12)
+    # The plain eval_loss: the mean of the 5 batch means, weighted by their sizes (the last: 1).
     mean_of_means = sum(m * n for m, n in zip(means, [3, 3, 3, 3, 1], strict=True)) / 13
     assert math.isclose(plain["metrics"]["eval_loss"], mean_of_means, rel_tol=1e-12)
     assert H.relative(plain["metrics"]["eval_loss"], reference) > 1e-4
