@@ -49,9 +49,8 @@ def _step_jobs() -> tuple[list[H.Job], list[H.Job]]:
 
 def main() -> None:
     start = time.perf_counter()
-    train = H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED)
     evals = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
-    ref_step = {kind: H.reference_step(kind, train) for kind in ("esm", "bert")}
+    ref_step = {kind: H.reference_step(kind) for kind in ("esm", "bert")}
     ref_eval = {kind: H.reference_eval(kind, evals) for kind in ("esm", "bert")}
     one, two = _step_jobs()
     results = {}

@@ -91,12 +91,8 @@ def initial_model() -> TinyMLM:
     return TinyMLM().double()
 
 
-def sgd() -> OptimizerFactory:
-    return functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
-
-
-def adamw() -> OptimizerFactory:
-    return functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+SGD: OptimizerFactory = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+ADAMW: OptimizerFactory = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
 
 
 def reference_train(
@@ -212,10 +208,10 @@ class Run:
 def lightning_train(
     *,
     micro_batch_size: int,
-    optimizer: OptimizerFactory,
-    clip: float | None,
-    strategy: str | DDPStrategy,
-    devices: int,
+    optimizer: OptimizerFactory = SGD,
+    clip: float | None = None,
+    strategy: str | DDPStrategy = "auto",
+    devices: int = 1,
     stock: bool = False,
     module_cls: type[ExactMLMModule] = ExactMLMModule,
     mode: str = "per_token",
@@ -293,20 +289,17 @@ def existing_group(strategy: str) -> DDPStrategy | ModelParallelStrategy:
     return fsdp2
 
 
-def reference_val_totals(params: ParamDict, val_size: int) -> Tensor:
-    """(sum of masked-token losses, masked-token count) over the validation set, fp64."""
-    model = initial_model()
-    model.load_state_dict(params)
-    dataset = MLMSamples(seed=VAL_SEED)
-    batch = dataset[:val_size]
-    mask = batch["loss_mask"]
-    with torch.no_grad():
-        loss_sum = reference_loss(model(batch)["token_logits"], batch["labels"], mask, "sum")
-    return torch.stack([loss_sum, mask.sum().to(torch.float64)])
-
-
 def assert_params_close(actual: ParamDict, expected: ParamDict) -> None:
     assert_close_by_name(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+def assert_trains_as_reference(
+    run: Run, optimizer: OptimizerFactory = SGD, mode: str = "per_token"
+) -> None:
+    """``run``'s parameters and logged losses are :func:`reference_train`'s (no clipping)."""
+    expected, expected_losses = reference_train(optimizer, clip=None, mode=mode)
+    assert_params_close(run.params, expected)
+    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
 
 
 def max_param_difference(actual: ParamDict, expected: ParamDict) -> float:

@@ -77,18 +77,17 @@ def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
-def cross_entropy_mean(model: nn.Module, rows: Sequence[dict[str, Tensor]]) -> Tensor:
-    """Mean ``F.cross_entropy`` of ``model`` over the labelled (``!= -100``) tokens of ``rows``
-    in one pass; 0 if there are none."""
-    batch = stack(rows)
+def cross_entropy_mean(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Mean ``F.cross_entropy`` of ``model`` over the labelled (``!= -100``) tokens of the
+    ``[b, s]`` ``batch`` in one pass; 0 if there are none."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return reference_loss(logits.transpose(0, 1), batch["labels"], batch["labels"] != -100)
 
 
-def reference_step(kind: str, rows: Sequence[dict[str, Tensor]]) -> dict[str, Any]:
-    """Gradient and loss of one process on the whole unsplit batch."""
+def reference_step(kind: str) -> dict[str, Any]:
+    """Gradient and loss of one process on the whole unsplit global batch of 8."""
     model = tiny_model(kind).train()
-    loss = cross_entropy_mean(model, rows)
+    loss = cross_entropy_mean(model, stack(samples(TRAIN_LENGTHS, TRAIN_MASKED)))
     loss.backward()
     return {"grads": grads(model), "loss": loss.item()}
 
@@ -96,7 +95,7 @@ def reference_step(kind: str, rows: Sequence[dict[str, Tensor]]) -> dict[str, An
 def reference_eval(kind: str, rows: Sequence[dict[str, Tensor]]) -> float:
     """Mean cross-entropy over every masked token of the eval set, in one pass."""
     with torch.no_grad():
-        return cross_entropy_mean(tiny_model(kind).eval(), rows).item()
+        return cross_entropy_mean(tiny_model(kind).eval(), stack(rows)).item()
 
 
 def grads(model: nn.Module) -> dict[str, Tensor]:
@@ -156,7 +155,8 @@ def training_arguments(output_dir: str, **overrides: Any):
 
 
 def _trainer(case: Case, output_dir: str, **kwargs: Any):
-    """The case's trainer, keeping what ``training_step`` returns for each micro-batch."""
+    """The case's trainer, keeping the loss ``training_step`` and ``prediction_step`` return for
+    each (micro-)batch."""
     if case.exact:
         kwargs["fused_head"] = case.fused_head
 
@@ -165,6 +165,11 @@ def _trainer(case: Case, output_dir: str, **kwargs: Any):
             loss = super().training_step(model, inputs, num_items_in_batch)
             self.micro_batch_losses = [*getattr(self, "micro_batch_losses", []), loss.item()]
             return loss
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            loss, *rest = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            self.batch_losses = [*getattr(self, "batch_losses", []), loss.item()]
+            return loss, *rest
 
     return Recording(model=tiny_model(case.kind), **kwargs)
 
@@ -227,7 +232,11 @@ def trainer_eval(case: Case, output_dir: str) -> dict[str, Any]:
         compute_metrics=compute_metrics if case.with_metrics else None,
     )
     metrics = trainer.evaluate()
-    return {"metrics": metrics, "metric_shapes": seen.get("shapes")}
+    return {
+        "metrics": metrics,
+        "metric_shapes": seen.get("shapes"),
+        "batch_losses": trainer.batch_losses,
+    }
 
 
 @contextlib.contextmanager
@@ -279,11 +288,6 @@ def run_jobs(jobs: Sequence[Job], processes: int = 1) -> list[dict[str, Any]]:
         path = os.path.join(tmp, "results.pt")
         run_distributed(_run_all, processes, list(jobs), tmp, path, megatron=False)
         return torch.load(path, weights_only=False)
-
-
-def run_cases(runner_name: str, cases: Sequence[Case], processes: int = 1) -> list[dict[str, Any]]:
-    """:func:`run_jobs` of one runner over several cases."""
-    return run_jobs([(runner_name, case) for case in cases], processes)
 
 
 def relative(value: float, reference: float) -> float:

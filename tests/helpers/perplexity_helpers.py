@@ -11,7 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from bert_reduce import BERTMLMLossWithReduction
 from bert_reduce.lightning import ValidationPerplexityCallback
@@ -64,16 +63,16 @@ class TinyMLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def reference(model: TinyMLM, dataset: MLMSamples) -> tuple[Tensor, Tensor, int]:
-    """``(mean NLL, perplexity, masked tokens)`` of the whole set in one pass, fp64.
+def reference(model: TinyMLM, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, int]:
+    """``(mean NLL, perplexity, masked tokens)`` of ``MLMSamples`` rows in one pass, fp64.
 
     The mean is ``F.cross_entropy`` over every masked token, weighted by a float ``loss_mask``
     (``TokenPerplexity`` against ``torchmetrics``' perplexity: tests/test_metrics.py).
     """
     with torch.no_grad():
-        logits_sbv = model({"input_ids": dataset.input_ids})["token_logits"]
-    loss = reference_loss(logits_sbv, dataset.labels, dataset.loss_mask, "per_token")
-    return loss, loss.exp(), int(dataset.loss_mask.sum())
+        logits_sbv = model(batch)["token_logits"]
+    loss = reference_loss(logits_sbv, batch["labels"], batch["loss_mask"], "per_token")
+    return loss, loss.exp(), int(batch["loss_mask"].sum())
 
 
 def assert_matches_reference(
@@ -81,14 +80,10 @@ def assert_matches_reference(
 ) -> None:
     """The callback's last result is the one-pass reference's: denominator (the sum of the
     weights), loss and perplexity."""
-    ref_loss, ref_ppl, _ = reference(model, data)
+    ref_loss, ref_ppl, _ = reference(model, data[:])
     result = callback.result
     assert result is not None
     denominator = data.loss_mask.sum().to(torch.float64)
     torch.testing.assert_close(result.denominator, denominator, rtol=1e-15, atol=0)
     torch.testing.assert_close(result.loss, ref_loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(result.perplexity, ref_ppl, rtol=1e-12, atol=0)
-
-
-def loader(dataset: MLMSamples, batch_size: int, **kwargs: Any) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)

@@ -26,16 +26,13 @@ EXACT = 1e-9  # relative, fp64
 LOGGED = 1e-6  # Trainer accumulates the logged loss in fp32
 
 
-def _refs(kind: str) -> dict:
-    return H.reference_step(kind, H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED))
-
-
-def _exact_step(tmp_path, model, rows, micro_batch: int, **kwargs) -> tuple:
-    """An ``ExactMLMTrainer`` over ``rows`` (global batch 8) and the gradient of its step."""
+def _exact_step(tmp_path, model, rows, **kwargs) -> tuple:
+    """An ``ExactMLMTrainer`` over ``rows`` (global batch 8, micro-batches of 4) and the gradient
+    of its step."""
     args = H.training_arguments(
         str(tmp_path),
-        per_device_train_batch_size=micro_batch,
-        gradient_accumulation_steps=8 // micro_batch,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
         **kwargs.pop("args", {}),
     )
     trainer = ExactMLMTrainer(model=model, args=args, train_dataset=rows, **kwargs)
@@ -46,8 +43,8 @@ def _exact_step(tmp_path, model, rows, micro_batch: int, **kwargs) -> tuple:
 @pytest.mark.parametrize("accumulation", [1, 2, 4])
 def test_step_gradient_and_logged_loss_are_the_unsplit_batch(kind: str, accumulation: int) -> None:
     # Heavily masked samples first; with accumulation 4 the last micro-batch scores nothing.
-    reference = _refs(kind)
-    (result,) = H.run_cases("trainer_step", [H.Case(kind, exact=True, accumulation=accumulation)])
+    reference = H.reference_step(kind)
+    (result,) = H.run_jobs([("trainer_step", H.Case(kind, exact=True, accumulation=accumulation))])
     assert H.relative_error(result["grads"], reference["grads"]) <= EXACT
     assert H.relative(result["loss"], reference["loss"]) <= LOGGED
     # Each micro-batch's share is finite (an empty one's is 0, not NaN) and they sum to the loss.
@@ -64,8 +61,8 @@ def test_step_gradient_and_logged_loss_are_the_unsplit_batch(kind: str, accumula
     [("esm", 4, 0.3), ("bert", 2, 1.0)],
 )
 def test_plain_trainer_step_is_off(kind: str, accumulation: int, smallest_error: float) -> None:
-    reference = _refs(kind)
-    (plain,) = H.run_cases("trainer_step", [H.Case(kind, exact=False, accumulation=accumulation)])
+    reference = H.reference_step(kind)
+    (plain,) = H.run_jobs([("trainer_step", H.Case(kind, exact=False, accumulation=accumulation))])
     assert H.relative_error(plain["grads"], reference["grads"]) > smallest_error
     if accumulation == 4:  # the empty last micro-batch's mean
         assert math.isnan(plain["micro_batch_losses"][-1])
@@ -75,7 +72,7 @@ def test_plain_trainer_step_is_off(kind: str, accumulation: int, smallest_error:
 def test_evaluate_is_the_exact_mean_over_the_eval_set(kind: str) -> None:
     # 13 samples, eval batch 3: a partial last batch; compute_metrics still gets every logit.
     reference = H.reference_eval(kind, H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1))
-    (result,) = H.run_cases("trainer_eval", [H.Case(kind, exact=True, with_metrics=True)])
+    (result,) = H.run_jobs([("trainer_eval", H.Case(kind, exact=True, with_metrics=True))])
     metrics = result["metrics"]
     assert H.relative(metrics["eval_loss"], reference) <= EXACT
     assert H.relative(metrics["eval_perplexity"], math.exp(reference)) <= EXACT
@@ -84,12 +81,15 @@ def test_evaluate_is_the_exact_mean_over_the_eval_set(kind: str) -> None:
     assert 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
 
 
-def test_plain_trainer_evaluate_is_a_mean_of_batch_means() -> None:
+def test_batch_losses_are_batch_means_and_plain_eval_loss_their_mean() -> None:
     rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
     reference = H.reference_eval("bert", rows)
-    (plain,) = H.run_cases("trainer_eval", [H.Case("bert", exact=False)])
-    # The mean of the 5 batch means, weighted by their number of samples (the last has 1).
+    cases = [H.Case("bert", exact=True), H.Case("bert", exact=False)]
+    exact, plain = H.run_jobs([("trainer_eval", case) for case in cases])
     means = [H.reference_eval("bert", rows[start : start + 3]) for start in range(0, 13, 3)]
+    # Each eval batch's loss, as prediction_step returns it, is the batch's own exact mean.
+    assert exact["batch_losses"] == pytest.approx(means, rel=1e-12)
+    # The plain eval_loss: the mean of the 5 batch means, weighted by their sizes (the last: 1).
     mean_of_means = sum(m * n for m, n in zip(means, [3, 3, 3, 3, 1], strict=True)) / 13
     assert math.isclose(plain["metrics"]["eval_loss"], mean_of_means, rel_tol=1e-12)
     assert H.relative(plain["metrics"]["eval_loss"], reference) > 1e-4
@@ -101,7 +101,7 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", ["esm", "bert"])
 def test_fused_head_is_exact_and_forms_logits_only_for_compute_metrics(kind: str, tmp_path) -> None:
-    reference = _refs(kind)
+    reference = H.reference_step(kind)
     eval_rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
     eval_reference = H.reference_eval(kind, eval_rows)
     model = H.tiny_model(kind)
@@ -111,7 +111,6 @@ def test_fused_head_is_exact_and_forms_logits_only_for_compute_metrics(kind: str
         tmp_path,
         model,
         H.samples(H.TRAIN_LENGTHS, H.TRAIN_MASKED),
-        micro_batch=4,
         args={"per_device_eval_batch_size": 3},
         eval_dataset=eval_rows,
         fused_head=True,
@@ -164,7 +163,6 @@ def test_packed_batches_count_each_sequence(flash_attn_kwargs: bool, tmp_path) -
         tmp_path,
         H.tiny_model("esm"),
         rows,
-        micro_batch=4,
         data_collator=collator,
         normalization="per_sequence",
     )

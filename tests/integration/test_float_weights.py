@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from bert_reduce import (
     BERTMLMLossWithReduction,
@@ -21,7 +22,7 @@ from bert_reduce import (
 )
 from bert_reduce.lightning import ValidationPerplexityCallback
 from bert_reduce.reports import reduce_reports
-from tests.helpers.perplexity_helpers import MLMSamples, TinyMLM, assert_matches_reference, loader
+from tests.helpers.perplexity_helpers import MLMSamples, TinyMLM, assert_matches_reference
 from tests.helpers.reference import make_mlm_batch, reference_loss
 from tests.helpers.tiny_lightning import quiet_trainer as trainer
 
@@ -87,5 +88,5 @@ def test_validation_callback_reports_the_weighted_mean_and_its_exp(kind) -> None
     data.loss_mask = _weighted(data.loss_mask, kind)
     model = TinyMLM(seed=2)
     callback = ValidationPerplexityCallback()
-    trainer([callback]).validate(model, loader(data, 4), verbose=False)
+    trainer([callback]).validate(model, DataLoader(data, 4), verbose=False)
     assert_matches_reference(callback, model, data)

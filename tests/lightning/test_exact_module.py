@@ -13,36 +13,27 @@ from tests.helpers import exact_training as et
 from tests.helpers.tiny_lightning import quiet_trainer
 
 
-def _one_device(optimizer, micro_batch_size: int, mode: str = "per_token", **options) -> tuple:
-    """A one-device run without clipping, and the fp64 reference's parameters and losses."""
-    expected, expected_losses = et.reference_train(optimizer(), clip=None, mode=mode)
-    options.update(optimizer=optimizer(), clip=None, strategy="auto", devices=1, mode=mode)
-    run = et.lightning_train(micro_batch_size=micro_batch_size, **options)
-    return run, expected, expected_losses
-
-
 @pytest.mark.parametrize(
     ("micro_batch_size", "count_scored", "optimizer", "mode"),
     [
-        (8, False, et.sgd, "per_token"),
-        (4, True, et.sgd, "per_token"),  # each micro-batch's loss gets its own count, an int
-        (2, False, et.sgd, "per_token"),
-        (1, True, et.sgd, "per_token"),
-        (2, False, et.adamw, "per_sequence"),
-        (2, False, et.adamw, "constant"),
+        (8, False, et.SGD, "per_token"),
+        (4, True, et.SGD, "per_token"),  # each micro-batch's loss gets its own count, an int
+        (2, False, et.SGD, "per_token"),
+        (1, True, et.SGD, "per_token"),
+        (2, False, et.ADAMW, "per_sequence"),
+        (2, False, et.ADAMW, "constant"),
     ],
 )
 def test_single_device_training_equals_the_global_batch(
     micro_batch_size: int, count_scored: bool, optimizer, mode: str
 ) -> None:
-    run, expected, expected_losses = _one_device(
-        optimizer, micro_batch_size, mode=mode, count_scored=count_scored
+    run = et.lightning_train(
+        micro_batch_size=micro_batch_size, optimizer=optimizer, mode=mode, count_scored=count_scored
     )
     if count_scored:
         et.assert_each_loss_got_its_micro_batch_count()
         assert len(et.CountRecordingLoss.seen) == et.STEPS * et.GLOBAL_BATCH // micro_batch_size
-    et.assert_params_close(run.params, expected)
-    torch.testing.assert_close(run.losses, expected_losses, rtol=1e-12, atol=0)
+    et.assert_trains_as_reference(run, optimizer, mode)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +43,8 @@ def test_single_device_training_equals_the_global_batch(
 def test_lower_precisions_train_close_to_the_fp64_reference(
     precision: str, loss_rtol: float, param_atol: float
 ) -> None:
-    run, expected, expected_losses = _one_device(et.sgd, 2, precision=precision)
+    run = et.lightning_train(micro_batch_size=2, precision=precision)
+    expected, expected_losses = et.reference_train(et.SGD, clip=None)
     torch.testing.assert_close(run.losses, expected_losses, rtol=loss_rtol, atol=0)
     for name, value in expected.items():
         torch.testing.assert_close(run.params[name].double(), value, rtol=0, atol=param_atol)
@@ -115,7 +107,7 @@ def test_scheduler_is_stepped_once_per_optimizer_step() -> None:
     module = ExactMLMModule(
         et.initial_model(),
         micro_batch_size=1,
-        optimizer=et.sgd(),
+        optimizer=et.SGD,
         lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5),
     )
     assert _fit(module, max_steps=3).global_step == 3
@@ -123,6 +115,6 @@ def test_scheduler_is_stepped_once_per_optimizer_step() -> None:
 
 
 def test_a_sampler_built_for_another_rank_is_refused() -> None:
-    module = ExactMLMModule(et.initial_model(), micro_batch_size=1, optimizer=et.sgd())
+    module = ExactMLMModule(et.initial_model(), micro_batch_size=1, optimizer=et.SGD)
     with pytest.raises(ValueError, match=r"is rank 1 of 2, but this process is rank 0 of 1"):
         _fit(module, max_steps=1, num_replicas=2, rank=1)

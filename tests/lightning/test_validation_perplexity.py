@@ -1,8 +1,5 @@
-"""ValidationPerplexityCallback against a one-pass reference, in one process.
-
-The validation set has 11 samples, validated in batches of 4: its size divides neither the
-batch size nor the number of ranks, and batches hold different numbers of masked tokens (some
-samples hold none). Real DDP processes: tests/integration/test_lightning_distributed.py.
+"""ValidationPerplexityCallback against a one-pass reference, in one process, on
+perplexity_helpers' uneven validation set. DDP: tests/integration/test_lightning_distributed.py.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from bert_reduce.lightning import ValidationPerplexityCallback
 from tests.helpers.perplexity_helpers import (
@@ -21,10 +19,8 @@ from tests.helpers.perplexity_helpers import (
     MLMSamples,
     TinyMLM,
     assert_matches_reference,
-    loader,
     reference,
 )
-from tests.helpers.reference import reference_loss
 from tests.helpers.sync_guard import forbid_host_syncs
 from tests.helpers.tiny_lightning import quiet_trainer as trainer
 
@@ -32,24 +28,20 @@ from tests.helpers.tiny_lightning import quiet_trainer as trainer
 def test_validate_equals_one_pass_reference_and_nemo_mean_of_means_does_not() -> None:
     data, model = MLMSamples(SIZE), TinyMLM()
     callback = ValidationPerplexityCallback()
-    (logged,) = trainer([callback]).validate(model, loader(data, BATCH), verbose=False)
+    (logged,) = trainer([callback]).validate(model, DataLoader(data, BATCH), verbose=False)
 
     assert_matches_reference(callback, model, data)
-    ref_loss, ref_ppl, _ = reference(model, data)
+    ref_loss, ref_ppl, _ = reference(model, data[:])
     assert logged["val_loss"] == pytest.approx(float(ref_loss), rel=1e-12)
     assert logged["val_ppl"] == pytest.approx(float(ref_ppl), rel=1e-12)
 
     # The batches hold different numbers of masked tokens, so NeMo 2's val_loss (the mean over
     # steps of each step's mean) is not the mean over the validation set's masked tokens.
-    counts = [int(data.loss_mask[i : i + BATCH].sum()) for i in range(0, SIZE, BATCH)]
+    steps = [reference(model, data[i : i + BATCH]) for i in range(0, SIZE, BATCH)]
+    counts = [count for _, _, count in steps]
     assert len(set(counts)) == len(counts), counts
-    per_step = []
-    for start in range(0, SIZE, BATCH):
-        rows = slice(start, start + BATCH)
-        with torch.no_grad():
-            logits = model({"input_ids": data.input_ids[rows]})["token_logits"]
-        per_step.append(reference_loss(logits, data.labels[rows], data.loss_mask[rows]))
-    assert logged["nemo_val_loss"] == pytest.approx(float(torch.stack(per_step).mean()), rel=1e-12)
+    mean_of_means = float(torch.stack([loss for loss, _, _ in steps]).mean())
+    assert logged["nemo_val_loss"] == pytest.approx(mean_of_means, rel=1e-12)
     assert abs(logged["nemo_val_loss"] - float(ref_loss)) > 1e-3
 
 
@@ -57,7 +49,7 @@ def test_batches_are_summed_without_host_sync_and_nothing_is_kept() -> None:
     data, model = MLMSamples(SIZE), TinyMLM()
     callback = ValidationPerplexityCallback()
     run = trainer([callback])
-    run.validate(model, loader(data, BATCH), verbose=False)
+    run.validate(model, DataLoader(data, BATCH), verbose=False)
     reports = [model._loss(data[i : i + 3], validation=True)[1] for i in range(0, SIZE, 3)]
     callback.on_validation_epoch_start(run, model)
     with forbid_host_syncs():
@@ -84,10 +76,10 @@ class _WrongReport(TinyMLM):
 def test_validation_step_contract_errors_name_what_is_missing() -> None:
     data = MLMSamples(SIZE)
     with pytest.raises(ValueError, match=r"_NoReport.validation_step returned None for batch 0"):
-        trainer([ValidationPerplexityCallback()]).validate(_NoReport(), loader(data, BATCH))
+        trainer([ValidationPerplexityCallback()]).validate(_NoReport(), DataLoader(data, BATCH))
     expected = r"no 'loss_sum_and_microbatch_size' or 'loss_sum_and_ub_size' key; it has \['loss'\]"
     with pytest.raises(KeyError, match=expected):
-        trainer([ValidationPerplexityCallback()]).validate(_WrongReport(), loader(data, BATCH))
+        trainer([ValidationPerplexityCallback()]).validate(_WrongReport(), DataLoader(data, BATCH))
 
 
 class _Interrupted(Exception):
@@ -140,7 +132,7 @@ def test_fit_ignores_sanity_checks_and_a_resumed_run_reports_the_uninterrupted_v
     def run(model: TinyMLM, callback: ValidationPerplexityCallback, **fit: Any) -> _Record:
         record = _Record(callback)
         record.trainer = trainer([callback, record], **options)
-        record.trainer.fit(model, loader(data, BATCH), loader(data, BATCH), **fit)
+        record.trainer.fit(model, DataLoader(data, BATCH), DataLoader(data, BATCH), **fit)
         return record
 
     model, first = TinyMLM(lr=0.1), ValidationPerplexityCallback()
@@ -148,7 +140,7 @@ def test_fit_ignores_sanity_checks_and_a_resumed_run_reports_the_uninterrupted_v
     # Every epoch counts the whole set once, the sanity check's batches never; the last result
     # is the trained model's one-pass reference, and what is logged.
     assert uninterrupted.after_sanity_check == [None]
-    ref_count = reference(model, data)[2]
+    ref_count = reference(model, data[:])[2]
     assert [(epoch, n) for epoch, _, n in uninterrupted.epochs] == [(0, ref_count), (1, ref_count)]
     assert_matches_reference(first, model, data)
     logged = uninterrupted.trainer.callback_metrics["val_ppl"]
