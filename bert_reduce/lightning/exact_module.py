@@ -73,13 +73,13 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
-    sizes = {key: value.shape[:1] for key, value in batch.items() if isinstance(value, Tensor)}
-    if not sizes:
+    tensors = {key: value for key, value in batch.items() if isinstance(value, Tensor)}
+    if not tensors:
         raise ValueError(f"The batch holds no tensor to split; its keys are {sorted(batch)}.")
-    scalars = sorted(key for key, size in sizes.items() if len(size) == 0)
+    scalars = sorted(key for key, value in tensors.items() if value.dim() == 0)
     if scalars:
         raise ValueError(f"Cannot split 0-dim tensors batch{scalars} into micro-batches.")
-    batch_sizes = {key: size[0] for key, size in sizes.items()}
+    batch_sizes = {key: value.size(0) for key, value in tensors.items()}
     batch_size = next(iter(batch_sizes.values()))
     if any(size != batch_size for size in batch_sizes.values()):
         raise ValueError(
@@ -92,9 +92,7 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
             f"micro_batch_size={micro_batch_size}. Each training batch must be this rank's share "
             "of one global batch: build the loader with bert_reduce.lightning.GlobalBatchSampler."
         )
-    chunks = {
-        key: value.split(micro_batch_size) for key, value in batch.items() if key in batch_sizes
-    }
+    chunks = {key: value.split(micro_batch_size) for key, value in tensors.items()}
     count = batch_size // micro_batch_size
     num_scored = batch.get(NUM_SCORED_KEY)
     if isinstance(num_scored, tuple | list):  # host per-sample counts: summed into ints
