@@ -149,9 +149,8 @@ class ExactMLMModule(pl.LightningModule):
         loss_fn: Training loss (a :class:`bert_reduce.MegatronLossReduction`: ``setup(batch)``,
             then ``(numerator, denominator, report)``); ``BERTMLMLossWithReduction()`` by
             default, e.g. ``BERTMLMLossWithReduction(normalization="per_sequence")``.
-        val_loss_fn: Validation loss, same contract; by default per-token
-            (``BERTMLMLossWithReduction(validation_step=True, send_val_output=False)``)
-            whatever the training normalization.
+        val_loss_fn: Validation loss, same contract; by default per-token whatever the training
+            normalization (``BERTMLMLossWithReduction(validation_step=True)``).
         gradient_clip_val: Clip the exact global gradient to this norm (or value); ``None``
             disables clipping.
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
@@ -191,9 +190,7 @@ class ExactMLMModule(pl.LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.loss_fn = BERTMLMLossWithReduction() if loss_fn is None else loss_fn
         self.val_loss_fn = (
-            BERTMLMLossWithReduction(validation_step=True, send_val_output=False)
-            if val_loss_fn is None
-            else val_loss_fn
+            BERTMLMLossWithReduction(validation_step=True) if val_loss_fn is None else val_loss_fn
         )
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
