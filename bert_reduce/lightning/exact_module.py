@@ -118,19 +118,6 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
     ]
 
 
-@contextlib.contextmanager
-def _without_fsdp2_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """Backward passes inside accumulate FSDP2 gradients locally, without a reduce-scatter."""
-    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    for module in sharded:
-        module.set_requires_gradient_sync(False, recurse=False)
-    try:
-        yield
-    finally:
-        for module in sharded:
-            module.set_requires_gradient_sync(True, recurse=False)
-
-
 class ExactMLMModule(pl.LightningModule):
     """Masked-language-model training whose every step is exact for the whole global batch.
 
@@ -275,27 +262,26 @@ class ExactMLMModule(pl.LightningModule):
             return
         fully_shard(self.model, mesh=self.trainer.strategy.device_mesh["data_parallel"])
 
-    def _data_parallel(self) -> tuple[dist.ProcessGroup | None, int]:
-        """The group the loss sums over and the number of ranks gradients are averaged over."""
-        strategy = self.trainer.strategy
-        if isinstance(strategy, ModelParallelStrategy):
-            mesh = strategy.device_mesh["data_parallel"]
-            return mesh.get_group(), mesh.size()
-        model = strategy.model
-        if isinstance(model, DistributedDataParallel):
-            return distributed.loss_reduction_group(), dist.get_world_size(model.process_group)
-        return distributed.loss_reduction_group(), 1
-
-    def _local_gradient_accumulation(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def _local_gradient_accumulation(self, last: bool) -> Iterator[None]:
         # Lightning's manual optimization prepares DDP's reducer in every manual_backward unless
         # DDP is in no_sync, and FSDP2 reduce-scatters in every backward unless told not to:
         # all micro-batches but the last only accumulate locally.
         strategy = self.trainer.strategy
-        if not last and isinstance(strategy, ModelParallelStrategy):
-            return _without_fsdp2_gradient_sync(self.model)
         if not last and isinstance(strategy, DDPStrategy):
-            return strategy.block_backward_sync()
-        return contextlib.nullcontext()
+            with strategy.block_backward_sync():
+                yield
+            return
+        sharded: list[FSDPModule] = []
+        if not last and isinstance(strategy, ModelParallelStrategy):
+            sharded = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
+        for module in sharded:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in sharded:
+                module.set_requires_gradient_sync(True, recurse=False)
 
     @override
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
@@ -321,7 +307,14 @@ class ExactMLMModule(pl.LightningModule):
                 numerator, denominator, _ = self.loss_fn(forward_out)
                 self.manual_backward(numerator)
             totals += make_report(numerator, denominator)
-        group, dp_size = self._data_parallel()
+        # The group the loss sums over and the number of ranks gradients are averaged over.
+        strategy = self.trainer.strategy
+        group, dp_size = distributed.loss_reduction_group(), 1
+        if isinstance(strategy, ModelParallelStrategy):
+            mesh = strategy.device_mesh["data_parallel"]
+            group, dp_size = mesh.get_group(), mesh.size()
+        elif isinstance(strategy.model, DistributedDataParallel):
+            dp_size = dist.get_world_size(strategy.model.process_group)
         distributed.all_reduce_sum_(totals, group)
         global_numerator, global_denominator = totals.unbind()
         # grad = dp_size * sum_local(d numerator) averaged over ranks / global_denominator
