@@ -176,11 +176,7 @@ class ExactMLMTrainer(Trainer):
         self._loss_group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
         # The step's global denominator and each micro-batch's share, as a PyTorch loop has
         # them; DDP's mean over the processes is what the share's world size undoes.
-        self._global_loss = GlobalBatchLoss(
-            self._loss_group,
-            gradient_average_size=self.accelerator.num_processes,
-            **dataclasses.asdict(self.options),
-        )
+        self._global_loss = GlobalBatchLoss(self._loss_group, **dataclasses.asdict(self.options))
 
     def get_batch_samples(
         self, epoch_iterator: Iterator, num_batches: int, device: torch.device
