@@ -191,8 +191,7 @@ class ExactMLMTrainer(Trainer):
         """
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.fused_head and batches:
-            # One host read for the whole step: the fused head then computes exactly the
-            # scored rows of each micro-batch without a sync of its own.
+            # So that the fused head computes exactly each micro-batch's scored rows, no sync.
             ignore_index = self.options.ignore_index
             counts = [torch.count_nonzero(scored_weights(b, ignore_index)) for b in batches]
             for batch, count in zip(batches, torch.stack(counts).tolist(), strict=True):
