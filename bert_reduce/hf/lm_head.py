@@ -52,9 +52,7 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
 
     Runs ``model(**inputs)`` with the prediction head stopped before its decoder, so the
     ``[b, s, v]`` logits are never computed: ``F.linear(hidden_states, output_weight,
-    output_bias)`` equals the model's ``logits``. Pass no ``labels`` (the model would score
-    the hidden states as logits); the loss reads them from the batch. Under FSDP2 the
-    prediction head must be in the root ``fully_shard`` unit.
+    output_bias)`` equals the model's ``logits``.
 
     Args:
         model: A ``transformers`` ``EsmForMaskedLM`` or ``BertForMaskedLM``, optionally inside
