@@ -217,8 +217,7 @@ class ExactMLMTrainer(Trainer):
 
         Returns:
             The 0-dim share :meth:`bert_reduce.GlobalBatchLoss.__call__` returns, or the
-            batch's mean without ``num_items_in_batch``; with ``return_outputs``,
-            ``(loss, outputs)``.
+            batch's mean (see ``num_items_in_batch``); with ``return_outputs``, ``(loss, outputs)``.
         """
         fused = self.fused_head and (model.training or not self._logits_wanted)
         model_inputs = {key: value for key, value in inputs.items() if key not in LOSS_ONLY_KEYS}
