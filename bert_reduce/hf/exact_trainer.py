@@ -176,11 +176,7 @@ class ExactMLMTrainer(Trainer):
         self._loss_group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
         # The step's global denominator and each micro-batch's share, as a PyTorch loop has
         # them; DDP's mean over the processes is what the share's world size undoes.
-        self._global_loss = GlobalBatchLoss(
-            self._loss_group,
-            gradient_average_size=self.accelerator.num_processes,
-            **dataclasses.asdict(self.options),
-        )
+        self._global_loss = GlobalBatchLoss(self._loss_group, **dataclasses.asdict(self.options))
 
     def get_batch_samples(
         self, epoch_iterator: Iterator, num_batches: int, device: torch.device
@@ -195,8 +191,7 @@ class ExactMLMTrainer(Trainer):
         """
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.fused_head and batches:
-            # One host read for the whole step: the fused head then computes exactly the
-            # scored rows of each micro-batch without a sync of its own.
+            # So that the fused head computes exactly each micro-batch's scored rows, no sync.
             ignore_index = self.options.ignore_index
             counts = [torch.count_nonzero(scored_weights(b, ignore_index)) for b in batches]
             for batch, count in zip(batches, torch.stack(counts).tolist(), strict=True):
@@ -222,8 +217,7 @@ class ExactMLMTrainer(Trainer):
 
         Returns:
             The 0-dim share :meth:`bert_reduce.GlobalBatchLoss.__call__` returns, or the
-            batch's mean without ``num_items_in_batch``; with ``return_outputs``,
-            ``(loss, outputs)``.
+            batch's mean (see ``num_items_in_batch``); with ``return_outputs``, ``(loss, outputs)``.
         """
         fused = self.fused_head and (model.training or not self._logits_wanted)
         model_inputs = {key: value for key, value in inputs.items() if key not in LOSS_ONLY_KEYS}

@@ -23,21 +23,6 @@ from bert_reduce.forward_output import (
 __all__ = ["lm_head_inputs"]
 
 
-def _check_output_layer_is_in_the_root_unit(model: nn.Module, decoder: nn.Module) -> None:
-    """FSDP2 frees a unit's gathered parameters after its forward, before the loss reads them."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for name, module in model.named_modules():
-        if module is not model and isinstance(module, FSDPModule):
-            if any(inner is decoder for inner in module.modules()):
-                raise ValueError(
-                    f"lm_head_inputs reads the output layer's weight after the forward of the "
-                    f"fully_shard unit {name!r}, which FSDP2 reshards (frees) right after it. "
-                    "Leave the prediction head in the root unit: fully_shard the transformer "
-                    "layers and then the whole model."
-                )
-
-
 def _prediction_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Tensor], nn.Module]:
     """``(head module, its forward up to the decoder, its decoder)`` of a supported masked LM.
 
@@ -67,9 +52,7 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
 
     Runs ``model(**inputs)`` with the prediction head stopped before its decoder, so the
     ``[b, s, v]`` logits are never computed: ``F.linear(hidden_states, output_weight,
-    output_bias)`` equals the model's ``logits``. Pass no ``labels`` (the model would score
-    the hidden states as logits); the loss reads them from the batch. Under FSDP2 the
-    prediction head must be in the root ``fully_shard`` unit.
+    output_bias)`` equals the model's ``logits``.
 
     Args:
         model: A ``transformers`` ``EsmForMaskedLM`` or ``BertForMaskedLM``, optionally inside
@@ -100,7 +83,18 @@ def lm_head_inputs(model: nn.Module, **inputs: Any) -> dict[str, Any]:
     while isinstance(inner, DistributedDataParallel):
         inner = inner.module
     head, transform, decoder = _prediction_head(inner)
-    _check_output_layer_is_in_the_root_unit(inner, decoder)
+    from torch.distributed.fsdp import FSDPModule
+
+    # FSDP2 frees a unit's gathered parameters after its forward, before the loss reads them.
+    for name, module in inner.named_modules():
+        if module is not inner and isinstance(module, FSDPModule):
+            if any(part is decoder for part in module.modules()):
+                raise ValueError(
+                    f"lm_head_inputs reads the output layer's weight after the forward of the "
+                    f"fully_shard unit {name!r}, which FSDP2 reshards (frees) right after it. "
+                    "Leave the prediction head in the root unit: fully_shard the transformer "
+                    "layers and then the whole model."
+                )
     seen: dict[str, Tensor | None] = {}
 
     def forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:

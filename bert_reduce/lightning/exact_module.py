@@ -73,13 +73,13 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
-    sizes = {key: value.shape[:1] for key, value in batch.items() if isinstance(value, Tensor)}
-    if not sizes:
+    tensors = {key: value for key, value in batch.items() if isinstance(value, Tensor)}
+    if not tensors:
         raise ValueError(f"The batch holds no tensor to split; its keys are {sorted(batch)}.")
-    scalars = sorted(key for key, size in sizes.items() if len(size) == 0)
+    scalars = sorted(key for key, value in tensors.items() if value.dim() == 0)
     if scalars:
         raise ValueError(f"Cannot split 0-dim tensors batch{scalars} into micro-batches.")
-    batch_sizes = {key: size[0] for key, size in sizes.items()}
+    batch_sizes = {key: value.size(0) for key, value in tensors.items()}
     batch_size = next(iter(batch_sizes.values()))
     if any(size != batch_size for size in batch_sizes.values()):
         raise ValueError(
@@ -92,9 +92,7 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
             f"micro_batch_size={micro_batch_size}. Each training batch must be this rank's share "
             "of one global batch: build the loader with bert_reduce.lightning.GlobalBatchSampler."
         )
-    chunks = {
-        key: value.split(micro_batch_size) for key, value in batch.items() if key in batch_sizes
-    }
+    chunks = {key: value.split(micro_batch_size) for key, value in tensors.items()}
     count = batch_size // micro_batch_size
     num_scored = batch.get(NUM_SCORED_KEY)
     if isinstance(num_scored, tuple | list):  # host per-sample counts: summed into ints
@@ -120,19 +118,6 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
     ]
 
 
-@contextlib.contextmanager
-def _without_fsdp2_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """Backward passes inside accumulate FSDP2 gradients locally, without a reduce-scatter."""
-    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    for module in sharded:
-        module.set_requires_gradient_sync(False, recurse=False)
-    try:
-        yield
-    finally:
-        for module in sharded:
-            module.set_requires_gradient_sync(True, recurse=False)
-
-
 class ExactMLMModule(pl.LightningModule):
     """Masked-language-model training whose every step is exact for the whole global batch.
 
@@ -151,9 +136,8 @@ class ExactMLMModule(pl.LightningModule):
         loss_fn: Training loss (a :class:`bert_reduce.MegatronLossReduction`: ``setup(batch)``,
             then ``(numerator, denominator, report)``); ``BERTMLMLossWithReduction()`` by
             default, e.g. ``BERTMLMLossWithReduction(normalization="per_sequence")``.
-        val_loss_fn: Validation loss, same contract; by default per-token
-            (``BERTMLMLossWithReduction(validation_step=True, send_val_output=False)``)
-            whatever the training normalization.
+        val_loss_fn: Validation loss, same contract; by default per-token whatever the training
+            normalization (``BERTMLMLossWithReduction(validation_step=True)``).
         gradient_clip_val: Clip the exact global gradient to this norm (or value); ``None``
             disables clipping.
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
@@ -193,9 +177,7 @@ class ExactMLMModule(pl.LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.loss_fn = BERTMLMLossWithReduction() if loss_fn is None else loss_fn
         self.val_loss_fn = (
-            BERTMLMLossWithReduction(validation_step=True, send_val_output=False)
-            if val_loss_fn is None
-            else val_loss_fn
+            BERTMLMLossWithReduction(validation_step=True) if val_loss_fn is None else val_loss_fn
         )
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
@@ -280,27 +262,26 @@ class ExactMLMModule(pl.LightningModule):
             return
         fully_shard(self.model, mesh=self.trainer.strategy.device_mesh["data_parallel"])
 
-    def _data_parallel(self) -> tuple[dist.ProcessGroup | None, int]:
-        """The group the loss sums over and the number of ranks gradients are averaged over."""
-        strategy = self.trainer.strategy
-        if isinstance(strategy, ModelParallelStrategy):
-            mesh = strategy.device_mesh["data_parallel"]
-            return mesh.get_group(), mesh.size()
-        model = strategy.model
-        if isinstance(model, DistributedDataParallel):
-            return distributed.loss_reduction_group(), dist.get_world_size(model.process_group)
-        return distributed.loss_reduction_group(), 1
-
-    def _local_gradient_accumulation(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def _local_gradient_accumulation(self, last: bool) -> Iterator[None]:
         # Lightning's manual optimization prepares DDP's reducer in every manual_backward unless
         # DDP is in no_sync, and FSDP2 reduce-scatters in every backward unless told not to:
         # all micro-batches but the last only accumulate locally.
         strategy = self.trainer.strategy
-        if not last and isinstance(strategy, ModelParallelStrategy):
-            return _without_fsdp2_gradient_sync(self.model)
         if not last and isinstance(strategy, DDPStrategy):
-            return strategy.block_backward_sync()
-        return contextlib.nullcontext()
+            with strategy.block_backward_sync():
+                yield
+            return
+        sharded: list[FSDPModule] = []
+        if not last and isinstance(strategy, ModelParallelStrategy):
+            sharded = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
+        for module in sharded:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in sharded:
+                module.set_requires_gradient_sync(True, recurse=False)
 
     @override
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
@@ -326,7 +307,14 @@ class ExactMLMModule(pl.LightningModule):
                 numerator, denominator, _ = self.loss_fn(forward_out)
                 self.manual_backward(numerator)
             totals += make_report(numerator, denominator)
-        group, dp_size = self._data_parallel()
+        # The group the loss sums over and the number of ranks gradients are averaged over.
+        strategy = self.trainer.strategy
+        group, dp_size = distributed.loss_reduction_group(), 1
+        if isinstance(strategy, ModelParallelStrategy):
+            mesh = strategy.device_mesh["data_parallel"]
+            group, dp_size = mesh.get_group(), mesh.size()
+        elif isinstance(strategy.model, DistributedDataParallel):
+            dp_size = dist.get_world_size(strategy.model.process_group)
         distributed.all_reduce_sum_(totals, group)
         global_numerator, global_denominator = totals.unbind()
         # grad = dp_size * sum_local(d numerator) averaged over ranks / global_denominator

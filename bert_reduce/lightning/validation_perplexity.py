@@ -129,11 +129,8 @@ class ValidationPerplexityCallback(Callback):
             loss=safe_divide(loss_sum, denominator),
             perplexity=perplexity_from_sums(loss_sum, denominator),
         )
-        for key, value in (
-            (self.loss_key, self.result.loss),
-            (self.ppl_key, self.result.perplexity),
-        ):
-            pl_module.log(key, value, prog_bar=self.prog_bar, on_step=False, on_epoch=True)
+        metrics = {self.loss_key: self.result.loss, self.ppl_key: self.result.perplexity}
+        pl_module.log_dict(metrics, prog_bar=self.prog_bar, on_step=False, on_epoch=True)
 
     def _epoch_totals(self, trainer: pl.Trainer) -> tuple[Tensor, Tensor]:
         """This epoch's ``(loss_sum, denominator)`` summed over ranks: the one sync."""

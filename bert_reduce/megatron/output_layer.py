@@ -58,12 +58,10 @@ def output_layer_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     Args:
         model: A Megatron-Core ``BertModel``-style language model whose forward ends in
-            ``self.output_layer(hidden, weight=...)`` (``BertModel``, BioNeMo's
-            ``MegatronBioBertModel`` and its ESM-2 and Geneformer subclasses), or a wrapper
-            holding one in ``.module``.
+            ``self.output_layer(hidden, weight=...)`` (those ``docs/megatron.md`` lists), or a
+            wrapper holding one in ``.module``.
         *args: The model's positional inputs (``input_ids``, ``attention_mask``, ...).
-        **kwargs: Its keyword inputs; no labels (``lm_labels``): the model would compute a
-            loss from the stopped layer's empty logits. The loss reads the batch's labels.
+        **kwargs: Its keyword inputs, without ``lm_labels`` (the loss reads the batch's labels).
 
     Returns:
         ``{"hidden_states": [s, b, h], "hidden_layout": "sb", "output_weight": [v/tp, h],

@@ -101,9 +101,7 @@ def _the_validation_loader(loaders: Any) -> Any:
     # By hand, not CombinedLoader(...).flattened, which turns an empty list into one "loader".
     if isinstance(loaders, Mapping):
         loaders = list(loaders.values())
-    elif isinstance(loaders, list | tuple):
-        loaders = list(loaders)
-    else:
+    elif not isinstance(loaders, list | tuple):
         loaders = [] if loaders is None else [loaders]
     if len(loaders) != 1 or not hasattr(loaders[0], "dataset"):
         raise ValueError(
