@@ -33,13 +33,6 @@ except ModuleNotFoundError as error:  # pragma: no cover - the hf extra is missi
         "pip install 'bert_reduce[hf]'."
     ) from error
 
-__all__ = [
-    "LOSS_ONLY_KEYS",
-    "TESTED_TRANSFORMERS_VERSIONS",
-    "ExactMLMTrainer",
-    "sample_loss_terms",
-]
-
 TESTED_TRANSFORMERS_VERSIONS = ("5.24.0",)
 """``transformers`` versions the test suite runs :class:`ExactMLMTrainer` with."""
 

@@ -20,8 +20,6 @@ from bert_reduce.forward_output import (
     shadowed_forward,
 )
 
-__all__ = ["lm_head_inputs"]
-
 
 def _prediction_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Tensor], nn.Module]:
     """``(head module, its forward up to the decoder, its decoder)`` of a supported masked LM.

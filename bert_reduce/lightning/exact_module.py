@@ -30,13 +30,6 @@ from bert_reduce.reduction import BERTMLMLossWithReduction, MegatronLossReductio
 from bert_reduce.reports import make_report
 from bert_reduce.sampling import check_sampler_placement
 
-__all__ = [
-    "ExactMLMModule",
-    "LRSchedulerFactory",
-    "OptimizerFactory",
-    "split_micro_batches",
-]
-
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 """Builds the optimizer from the parameters, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)``
 (Hydra: ``_partial_: true``)."""

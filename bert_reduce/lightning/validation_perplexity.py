@@ -21,11 +21,6 @@ from bert_reduce.lightning._lightning_private import (
 from bert_reduce.metrics import TokenPerplexity, perplexity_from_sums
 from bert_reduce.sampling import check_no_repeated_samples
 
-__all__ = [
-    "ValidationPerplexityCallback",
-    "ValidationResult",
-]
-
 
 class ValidationResult(NamedTuple):
     """The reduced totals of one validation epoch, identical on every rank.

@@ -19,8 +19,6 @@ from bert_reduce.forward_output import (
     shadowed_forward,
 )
 
-__all__ = ["output_layer_inputs"]
-
 
 def _language_model(model: nn.Module) -> nn.Module:
     """The model inside its ``.module`` wrappers: owns ``output_layer``, or is an earlier stage."""

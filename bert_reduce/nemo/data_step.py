@@ -11,8 +11,6 @@ from bert_reduce import distributed
 from bert_reduce.context_parallel import get_batch_on_this_cp_rank, get_packed_batch_on_this_cp_rank
 from bert_reduce.num_scored import NUM_SCORED_KEY, count_scored, scored_count
 
-__all__ = ["DataStep", "num_scored_data_step"]
-
 DataStep = Callable[[Iterator[Any]], Mapping[str, Any]]
 """NeMo's data step: takes the data iterator, returns one micro-batch, ready for the model."""
 

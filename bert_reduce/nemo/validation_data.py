@@ -16,8 +16,6 @@ from nemo.lightning.pytorch.plugins import MegatronDataSampler
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-__all__ = ["ExactValidationDataSampler", "PaddedEvalDataset", "RealSampleTracker"]
-
 
 class PaddedEvalDataset(Dataset):
     """``dataset``, then unscored copies of its first sample up to a multiple of ``multiple``.

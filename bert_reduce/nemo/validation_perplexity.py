@@ -17,8 +17,6 @@ from bert_reduce.distributed import all_reduce_sum_
 from bert_reduce.lightning.validation_perplexity import ValidationPerplexityCallback
 from bert_reduce.nemo.validation_data import RealSampleTracker
 
-__all__ = ["NeMoValidationPerplexityCallback"]
-
 
 class NeMoValidationPerplexityCallback(ValidationPerplexityCallback):
     """:class:`~bert_reduce.lightning.ValidationPerplexityCallback` fed by NeMo 2's reports.
