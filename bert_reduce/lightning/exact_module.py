@@ -111,6 +111,19 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_size: int) -> list
     ]
 
 
+@contextlib.contextmanager
+def _without_fsdp2_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside accumulate FSDP2 gradients locally, without a reduce-scatter."""
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in sharded:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.set_requires_gradient_sync(True, recurse=False)
+
+
 class ExactMLMModule(pl.LightningModule):
     """Masked-language-model training whose every step is exact for the whole global batch.
 
@@ -255,26 +268,18 @@ class ExactMLMModule(pl.LightningModule):
             return
         fully_shard(self.model, mesh=self.trainer.strategy.device_mesh["data_parallel"])
 
-    @contextlib.contextmanager
-    def _local_gradient_accumulation(self, last: bool) -> Iterator[None]:
+    def _local_gradient_accumulation(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         # Lightning's manual optimization prepares DDP's reducer in every manual_backward unless
         # DDP is in no_sync, and FSDP2 reduce-scatters in every backward unless told not to:
         # all micro-batches but the last only accumulate locally.
         strategy = self.trainer.strategy
-        if not last and isinstance(strategy, DDPStrategy):
-            with strategy.block_backward_sync():
-                yield
-            return
-        sharded: list[FSDPModule] = []
-        if not last and isinstance(strategy, ModelParallelStrategy):
-            sharded = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
-        for module in sharded:
-            module.set_requires_gradient_sync(False, recurse=False)
-        try:
-            yield
-        finally:
-            for module in sharded:
-                module.set_requires_gradient_sync(True, recurse=False)
+        if last:
+            return contextlib.nullcontext()
+        if isinstance(strategy, ModelParallelStrategy):
+            return _without_fsdp2_gradient_sync(self.model)
+        if isinstance(strategy, DDPStrategy):
+            return strategy.block_backward_sync()
+        return contextlib.nullcontext()
 
     @override
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
