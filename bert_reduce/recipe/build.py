@@ -7,6 +7,8 @@ import os
 import re
 import signal
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +35,6 @@ from bert_reduce.recipe.run_directory import (
     move_aside,
     resume_point,
 )
-
-__all__ = [
-    "TrainingStopped",
-    "build_from_config",
-    "build_module",
-    "build_trainer",
-    "check_launcher",
-    "ignore_warnings_wrong_for_the_recipe",
-    "resolve_precision",
-    "run",
-]
 
 
 class TrainingStopped(SystemExit):
@@ -269,6 +260,22 @@ def _resume_from(point: ResumePoint, trainer: pl.Trainer, checkpoint_dir: Path, 
             )
 
 
+@contextmanager
+def _ending_the_process_group_it_starts() -> Iterator[None]:
+    started_before = torch.distributed.is_initialized()
+    try:
+        yield
+    finally:
+        if torch.distributed.is_initialized() and not started_before:
+            # Lightning ends NCCL groups only (lightning/fabric/utilities/distributed.py,
+            # _init_dist_connection); a gloo group left to the interpreter's shutdown aborts the
+            # process at random once the run is over ("terminate called without an active
+            # exception": a worker thread frees its last collective's tensors after Python is
+            # gone, pytorch/pytorch#179291). Ended here, it and its threads are gone first.
+            torch.distributed.destroy_process_group()
+
+
+@_ending_the_process_group_it_starts()
 def _fit(
     cfg: DictConfig,
     trainer: pl.Trainer,

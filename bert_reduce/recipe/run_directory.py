@@ -27,18 +27,6 @@ import torch
 from bert_reduce.recipe.callbacks import LAST_NAME
 from bert_reduce.recipe.files import TEMPORARY, write_atomically
 
-__all__ = [
-    "AUTO",
-    "DATAMODULE_STATE_KEY",
-    "LOCK_NAME",
-    "RUN_OUTPUTS",
-    "ResumePoint",
-    "RunDirectory",
-    "RunDirectoryError",
-    "move_aside",
-    "resume_point",
-]
-
 AUTO = "auto"
 """``resume=auto``: resume from the run directory's newest intact checkpoint, if any."""
 

@@ -10,12 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
+from bert_reduce.recipe.build import run
+from tests.helpers.dist_utils import run_launched
 from tests.helpers.recipe_runs import (
+    TINY,
     WARNINGS_SHOWN,
     assert_no_warning,
     assert_same_rows,
+    compose_config,
     run_train_py,
     train,
 )
@@ -99,3 +104,16 @@ def test_the_default_run_prints_no_warning(tmp_path: Path) -> None:
         env=WARNINGS_SHOWN,
     )
     assert_no_warning(result)
+
+
+def _run_on_this_rank(run_dir: str) -> None:
+    run(compose_config(*TINY, "trainer.max_steps=1", "trainer.devices=2"), run_dir)
+    # No gloo thread left for the interpreter's shutdown to race (build.py, _fit's decorator).
+    tasks = Path("/proc/self/task")  # Linux names its threads there
+    threads = [(task / "comm").read_text() for task in tasks.iterdir()] if tasks.is_dir() else []
+    assert not torch.distributed.is_initialized()
+    assert not [name for name in threads if "gloo" in name], threads
+
+
+def test_every_rank_ends_the_process_group_it_started(tmp_path: Path) -> None:
+    run_launched(_run_on_this_rank, 2, str(tmp_path))
