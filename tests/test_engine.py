@@ -1,11 +1,7 @@
 """bert_reduce.engine: every integration takes every loss option and gives the same sums.
 
-One batch (a tiny fp64 ``EsmForMaskedLM``'s), each integration on its logits and on its output
-layer's inputs (the fused head), each loss option: the ``(numerator, denominator)`` each
-integration computes equal the mode's definition on ``F.cross_entropy``
-(``tests/helpers/mode_reference.py``), fp64 at 1e-12; Megatron-Core's kernels (fp32) at 1e-6,
-under a real one-rank parallel state. ``ExactMLMModule`` takes a loss instance
-(``BERTMLMLossWithReduction``), whose row this is.
+References and tolerances: docs/guarantees.md. ``ExactMLMModule`` takes a loss instance, so the
+``BERTMLMLossWithReduction`` row covers it.
 """
 
 from __future__ import annotations

@@ -43,10 +43,7 @@ def run_head(
     coef: Tensor,
     **kwargs,
 ) -> tuple[Tensor, ...]:
-    """The entry's losses (or weighted sum) and the gradients of ``sum(coef * losses)``.
-
-    The gradients go through an upstream gradient of ``UPSTREAM`` and are divided by it back.
-    """
+    """The entry's losses (or weighted sum) and the gradients of ``sum(coef * losses)``."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
     bias_leaf = None if bias is None else bias.detach().clone().requires_grad_(True)
     args = (leaves[0], leaves[1], labels)
@@ -64,7 +61,6 @@ def reference(
     entry: str, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
     coef: Tensor, layout: str = "sb",
 ) -> tuple[Tensor, ...]:  # fmt: skip
-    """:func:`linear_reference`, its losses summed with ``coef`` for the weighted sum."""
     losses, *grads = linear_reference(hidden, weight, bias, labels, coef, layout)
     return losses if entry == "token losses" else (losses * coef).sum(), *grads
 

@@ -41,8 +41,6 @@ def test_empty_and_legacy_reports() -> None:
     assert [t.item() for t in sum_reports([])] == [0.0, 0.0]
     legacy = [{"avg": torch.tensor([1.0])}, {"avg": torch.tensor(3.0)}]
     assert reduce_reports(legacy).item() == 2.0
-    empty_step = [{REPORT_KEY: torch.zeros(2, dtype=torch.float64)}]
-    assert reduce_reports(empty_step).item() == 0.0
 
 
 def test_malformed_reports_are_named() -> None:

@@ -26,7 +26,7 @@ LENGTHS, SEQ_LEN = RAGGED_LENGTHS, RAGGED_SEQ_LEN
 def run_steps(
     inputs: tuple[torch.Tensor, ...],
     labels: torch.Tensor,
-    loss_mask: torch.Tensor | None,
+    loss_mask: torch.Tensor,
     sizes: list[int],
     layout: str = "bs",
     **kwargs,
@@ -36,10 +36,8 @@ def run_steps(
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     micro_batches, start = [], 0
     for size in sizes:
-        mb = {"labels": labels[start : start + size]}
-        if loss_mask is not None:
-            mb["loss_mask"] = loss_mask[start : start + size]
-        micro_batches.append((slice(start, start + size), mb))
+        rows = slice(start, start + size)
+        micro_batches.append((rows, {"labels": labels[rows], "loss_mask": loss_mask[rows]}))
         start += size
     loss_fn = GlobalBatchLoss(group=None, layout=layout, **kwargs)
     loss_fn.begin([mb for _, mb in micro_batches])
@@ -138,9 +136,6 @@ def test_errors_name_what_to_do() -> None:
     )
     with pytest.raises(ValueError, match="under context parallelism need"):
         sequences_unknown.begin([{"labels": labels}])
-
-
-# --- Hugging Face packed batches (DataCollatorWithFlattening) --------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)

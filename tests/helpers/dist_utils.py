@@ -181,12 +181,10 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def free_port() -> int:
-    """A TCP port on localhost that is free now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def load_rank_results(out_dir: str | os.PathLike[str], world_size: int) -> list[Any]:
-    """What each rank saved as ``<out_dir>/rank<r>.pt``, by rank."""
     return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(world_size)]

@@ -98,7 +98,6 @@ ADAMW: OptimizerFactory = functools.partial(torch.optim.AdamW, lr=0.05, weight_d
 def reference_train(
     optimizer: OptimizerFactory, clip: float | None, mode: str = "per_token"
 ) -> tuple[ParamDict, list[float]]:
-    """One process, the whole global batch per step, F.cross_entropy over its masked tokens."""
     model = initial_model()
     opt = optimizer(model.parameters())
     dataset = MLMSamples()

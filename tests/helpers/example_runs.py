@@ -38,11 +38,8 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"reference val_loss {loss:.10f}", flush=True)
     dist.destroy_process_group()
-    # Exit as multiprocessing's workers do, without the interpreter's shutdown: DTensor's caches
-    # keep FSDP2's device mesh, and with it the gloo process group, alive past
-    # destroy_process_group(), and a gloo worker thread still dropping its last collective's
-    # tensors as the interpreter shuts down aborts the process ("terminate called without an
-    # active exception"), at random, after every number is printed.
+    # Exit as multiprocessing's workers do, without the interpreter's shutdown: it can abort the
+    # process at random once every number is printed (examples/torch_fsdp2_loop.py says why).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -2,9 +2,7 @@
 
 Shared by ``tests/hf``, ``tests/integration/test_hf_exact_trainer.py`` and
 ``bench/hf_trainer_exactness.py`` (which prints the table of ``docs/hf_trainer.md``). The
-references (:func:`reference_step`, :func:`reference_eval`) use nothing from bert_reduce;
-:func:`run_jobs` runs :func:`trainer_step` and :func:`trainer_eval` here or on ``processes``
-gloo processes (the environment ``accelerate`` reads is set from the initialized group).
+references (:func:`reference_step`, :func:`reference_eval`) use nothing from bert_reduce.
 """
 
 from __future__ import annotations
@@ -99,7 +97,6 @@ def reference_eval(kind: str, rows: Sequence[dict[str, Tensor]]) -> float:
 
 
 def grads(model: nn.Module) -> dict[str, Tensor]:
-    """A copy of every parameter's gradient, by name."""
     return {
         name: param.grad.detach().clone()
         for name, param in model.named_parameters()

@@ -66,14 +66,13 @@ _MODULES_WITH_CUDA_CALLS = {
     "megatron.core.dist_checkpointing.tensor_aware_state_dict": "304",
     "megatron.core.utils": "535 (0.16.1: 631; attention's buffer)",
     "megatron.core.timers": "149,162,286",
-    "nemo.lightning.megatron_parallel": "348,617,1847,1857",
+    "nemo.lightning.megatron_parallel": "142,348,617,1847,1857",
     "nemo.lightning.pytorch.strategies.megatron_strategy": "801,850,881,888",
     "nemo.lightning.pytorch.plugins.data_sampler": "192,212",
 }
 
 
 def _cpu(device: Any) -> Any:
-    """``device`` with CUDA replaced by the CPU."""
     if device is None:
         return None
     if isinstance(device, int) or torch.device(device).type == "cuda":

@@ -15,7 +15,6 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def peak_allocated_bytes(fn: Callable[[], object]) -> int:
-    """The most bytes ``fn()`` holds at once on the CPU beyond what was allocated before it."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted(

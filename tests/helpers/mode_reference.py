@@ -16,7 +16,6 @@ MODES = ("per_token", "per_sequence", "constant")
 
 
 def mode_kwargs(mode: str, constant_per_sequence: int = 10) -> dict[str, int]:
-    """The options a mode needs: ``constant_per_sequence`` for ``constant``, none otherwise."""
     return {"constant_per_sequence": constant_per_sequence} if mode == "constant" else {}
 
 

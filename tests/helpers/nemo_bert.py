@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo import lightning as nl
 from nemo.lightning import io
 from nemo.lightning.data import WrappedDataLoader
+from nemo.lightning.megatron_parallel import default_data_step
 from nemo.lightning.pytorch.optim import MegatronOptimizerModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -99,7 +100,6 @@ def train_dataset() -> MLMDataset:
 
 
 def val_dataset(num_samples: int) -> MLMDataset:
-    """Validation samples; sample 1 has no masked token."""
     return MLMDataset(num_samples, seed=1, empty=(1,))
 
 
@@ -129,7 +129,6 @@ class TinyBertDataModule(pl.LightningDataModule):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume the Megatron sampler after the consumed samples."""
         consumed = state_dict["consumed_samples"]
         self.data_sampler.init_consumed_samples = consumed
         self.data_sampler.prev_consumed_samples = consumed
@@ -188,8 +187,8 @@ class TinyBertMLM(pl.LightningModule, io.IOMixin):
 
     def data_step(self, dataloader_iter: Iterator[Any]) -> dict[str, Tensor]:
         if self.output == "fused":
-            return num_scored_data_step(_plain_data_step)(dataloader_iter)
-        return _plain_data_step(dataloader_iter)
+            return num_scored_data_step(default_data_step)(dataloader_iter)
+        return default_data_step(dataloader_iter)
 
     def forward_step(self, batch: Mapping[str, Tensor], batch_idx: int | None = None) -> Any:
         if self.output == "fused" and self.training:
@@ -205,11 +204,6 @@ class TinyBertMLM(pl.LightningModule, io.IOMixin):
 
     def validation_loss_reduction(self) -> BERTMLMLossWithReduction:
         return self.loss_reduction_class(validation_step=True)
-
-
-def _plain_data_step(dataloader_iter: Iterator[Any]) -> dict[str, Tensor]:
-    batch = next(dataloader_iter)
-    return batch[0] if isinstance(batch, tuple) else batch
 
 
 @functools.cache

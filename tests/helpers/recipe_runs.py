@@ -1,4 +1,4 @@
-"""Compose ``conf/`` as ``train.py`` does; run ``python train.py`` as a user does, read its rows."""
+"""Compose ``conf/`` as ``train.py`` does; run it as a user does, read its rows and checkpoints."""
 
 from __future__ import annotations
 
@@ -147,6 +147,14 @@ def assert_same_rows(run_dir: Path, reference: Path, steps: list[int]) -> None:
         assert losses[step] == pytest.approx(expected[step], rel=1e-5), (run_dir, step)
     last = max(validations(reference))
     assert validations(run_dir)[last] == pytest.approx(validations(reference)[last], rel=1e-5)
+
+
+def checkpoint_names(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
+
+
+def step_of(path: Path) -> int:
+    return torch.load(path, weights_only=True, mmap=True)["global_step"]
 
 
 def recipe_checkpoint(path: Path, global_batch_size: int = 16, step: int = 7) -> Path:

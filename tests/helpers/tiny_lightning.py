@@ -74,7 +74,6 @@ class RecordingLogger(Logger):
             self.values.setdefault(name, []).append(float(value))
 
     def count(self, metric: str) -> int:
-        """How many rows hold ``metric``."""
         return sum(metric in names for names, _ in self.rows)
 
 

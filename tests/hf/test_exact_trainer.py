@@ -27,8 +27,6 @@ LOGGED = 1e-6  # Trainer accumulates the logged loss in fp32
 
 
 def _exact_step(tmp_path, model, rows, **kwargs) -> tuple:
-    """An ``ExactMLMTrainer`` over ``rows`` (global batch 8, micro-batches of 4) and the gradient
-    of its step."""
     args = H.training_arguments(
         str(tmp_path),
         per_device_train_batch_size=4,
@@ -95,18 +93,15 @@ def test_batch_losses_are_batch_means_and_plain_eval_loss_their_mean() -> None:
     assert H.relative(plain["metrics"]["eval_loss"], reference) > 1e-4
 
 
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
-    return model.lm_head.decoder if hasattr(model, "lm_head") else model.cls.predictions.decoder
-
-
 @pytest.mark.parametrize("kind", ["esm", "bert"])
 def test_fused_head_is_exact_and_forms_logits_only_for_compute_metrics(kind: str, tmp_path) -> None:
     reference = H.reference_step(kind)
     eval_rows = H.samples(H.EVAL_LENGTHS, H.EVAL_MASKED, seed=1)
     eval_reference = H.reference_eval(kind, eval_rows)
     model = H.tiny_model(kind)
+    decoder = model.lm_head.decoder if kind == "esm" else model.cls.predictions.decoder
     decoder_calls = []
-    _decoder(model).register_forward_pre_hook(lambda m, a: decoder_calls.append(model.training))
+    decoder.register_forward_pre_hook(lambda m, a: decoder_calls.append(model.training))
     trainer, grads = _exact_step(
         tmp_path,
         model,

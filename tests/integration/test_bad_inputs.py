@@ -1,14 +1,9 @@
 """Bad inputs, each with a test of what it gets: a clear error, or a correct result.
 
-Every probe below runs once per session; its test checks the outcome, and
-``docs/errors.md`` is the table of all outcomes, generated from these same runs:
-
-    python -m tests.integration.test_bad_inputs   # rewrites docs/errors.md
-
-``test_errors_doc_is_up_to_date`` fails when the table and the probes disagree. Recipe probes
-call :func:`bert_reduce.recipe.build.run` in this process with a config composed from
-``conf/`` (what ``train.py`` does, minus the process start); the fault tests that need real
-processes and signals are in ``tests/recipe/test_fault_tolerance.py``.
+Their outcomes are the table of ``docs/errors.md`` (see ``tests/README.md``). Recipe probes call
+:func:`bert_reduce.recipe.build.run` in this process with a config composed from ``conf/`` (what
+``train.py`` does, minus the process start); the fault tests that need real processes and
+signals are in ``tests/recipe/test_fault_tolerance.py``.
 """
 
 from __future__ import annotations
@@ -181,25 +176,23 @@ def latin1_fasta(tmp: Path) -> str:
 
 
 def narrow_labels(tmp: Path) -> str:
-    logits, labels = LOGITS, LABELS
-    mask = torch.ones_like(labels, dtype=torch.bool)
-    reference = F.cross_entropy(logits.permute(1, 2, 0), labels, reduction="sum")
+    mask = torch.ones_like(LABELS, dtype=torch.bool)
+    reference = F.cross_entropy(LOGITS.permute(1, 2, 0), LABELS, reduction="sum")
     for dtype in (torch.int16, torch.uint8):
         got, count, _ = BERTMLMLossWithReduction().forward(
-            {"labels": labels.to(dtype), "loss_mask": mask}, {"token_logits": logits}
+            {"labels": LABELS.to(dtype), "loss_mask": mask}, {"token_logits": LOGITS}
         )
         torch.testing.assert_close(got, reference, rtol=1e-12, atol=0)
-        assert int(count) == labels.numel()
+        assert int(count) == LABELS.numel()
     return "accepted: the same loss as int64 labels (read as int64)"
 
 
 def negative_weight(check_labels: bool) -> Callable[[Path], str]:
     def probe(tmp: Path) -> str:
-        logits, labels = LOGITS, LABELS
-        weights = torch.ones(labels.shape, dtype=torch.float64)
+        weights = torch.ones(LABELS.shape, dtype=torch.float64)
         weights[0, 1] = -1.0
         loss_sum, _, _ = BERTMLMLossWithReduction(check_labels=check_labels).forward(
-            {"labels": labels, "loss_mask": weights}, {"token_logits": logits}
+            {"labels": LABELS, "loss_mask": weights}, {"token_logits": LOGITS}
         )
         assert math.isnan(loss_sum)
         return "a NaN loss, as an out-of-vocabulary label (no host sync to check the sign)"
@@ -236,12 +229,11 @@ def head_without_weight() -> None:
 
 
 def bare_logits(tmp: Path) -> str:
-    logits, labels = LOGITS, LABELS
-    mask = labels % 2 == 0
+    mask = LABELS % 2 == 0
     loss_fn = BERTMLMLossWithReduction()
-    loss_fn.setup({"labels": labels, "loss_mask": mask})
-    loss_sum, count, _ = loss_fn(logits)
-    expected = cross_entropy_loss_sum(logits, labels, mask)
+    loss_fn.setup({"labels": LABELS, "loss_mask": mask})
+    loss_sum, count, _ = loss_fn(LOGITS)
+    expected = cross_entropy_loss_sum(LOGITS, LABELS, mask)
     assert torch.equal(loss_sum, expected[0]) and torch.equal(count, expected[1])
     return "scored as the logits, in the loss's `layout` (`[s, b, v]` here): the same loss"
 

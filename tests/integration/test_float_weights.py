@@ -1,10 +1,4 @@
-"""Weighted loss masks give the same loss on every path, and ``val_ppl = exp(val_loss)``.
-
-A float (or integer) ``loss_mask`` weights each token's loss, and every path of the library
-divides by the same denominator, the sum of the weights
-(:func:`bert_reduce.functional.token_denominator`). The reference is the weighted mean of
-``F.cross_entropy`` over the whole, unsplit batch, in fp64.
-"""
+"""Weighted loss masks give the same loss on every path, and ``val_ppl = exp(val_loss)``."""
 
 from __future__ import annotations
 

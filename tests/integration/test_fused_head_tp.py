@@ -2,19 +2,17 @@
 2 gloo ranks with Megatron's TP.
 
 * ``linear_cross_entropy_token_losses``, ``linear_cross_entropy_weighted_sum`` and the loss class
-  on hidden states: each rank holds half of the vocabulary (rows of the output weight and bias);
-  the losses (or their weighted sum) and gradients must equal F.linear + F.cross_entropy on the
-  whole vocabulary, with ONE collective in the forward. With sequence parallelism each rank
-  holds a sequence shard of the hidden states too.
+  on hidden states, each rank holding half of the vocabulary (and, with sequence parallelism, a
+  sequence shard of the hidden states): the losses (or their weighted sum) and gradients must
+  equal F.linear + F.cross_entropy on the whole vocabulary, with ONE collective in the forward.
 * ``output_layer_inputs`` on a real Megatron-Core ``BertModel`` (tied embeddings, the output
   layer's weight a vocab shard): the fused head's loss and every parameter gradient equal those
   of the same model at TP = 1 back-propagating ``F.cross_entropy`` over its logits (this rank's
   shard of each gradient; fp64), and the TP = 2 logits path.
 * ``output_layer_inputs`` with sequence parallelism (Megatron's ``BertModel`` needs Transformer
-  Engine's or Apex's LayerNorm for it, so the last stage is written out: the ``[s, b, h]`` hidden
-  states scattered into ``[s/tp, b, h]`` shards, then Megatron's own ``ColumnParallelLinear``):
-  loss and gradients equal ``F.linear`` + ``F.cross_entropy`` at TP = 1 and the logits path (the
-  shards are all-gathered, their gradient reduce-scattered).
+  Engine's or Apex's LayerNorm for it, so the last stage is written out,
+  :class:`SequenceParallelLastStage`): loss and gradients equal ``F.linear`` + ``F.cross_entropy``
+  at TP = 1 and the logits path (the shards are all-gathered, their gradient reduce-scattered).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from bert_reduce import BERTMLMLossWithReduction, linear_cross_entropy_token_los
 from bert_reduce.linear_cross_entropy import linear_cross_entropy_weighted_sum
 from bert_reduce.megatron import output_layer_inputs
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.megatron_bert import HIDDEN, SEQ_LEN, VOCAB, mlm_batch, tiny_bert
+from tests.helpers.megatron_bert import CONFIG, HIDDEN, SEQ_LEN, VOCAB, mlm_batch, tiny_bert
 from tests.helpers.megatron_cpu import megatron_on_cpu, single_process_megatron
 from tests.helpers.reference import linear_reference, make_head_batch, reference_loss
 from tests.helpers.sync_guard import count_collectives, forbid_host_syncs
@@ -160,12 +158,9 @@ class SequenceParallelLastStage(nn.Module):
 
         super().__init__()
         config = TransformerConfig(
-            num_layers=1,
-            hidden_size=HIDDEN,
-            num_attention_heads=2,
+            **CONFIG,
             tensor_model_parallel_size=2,
             sequence_parallel=True,
-            use_cpu_initialization=True,
             params_dtype=torch.float64,
         )
         self.output_layer = ColumnParallelLinear(

@@ -1,9 +1,4 @@
-"""The fused head in a PyTorch loop: ``lm_head_inputs`` + ``GlobalBatchLoss`` under DDP and FSDP2.
-
-Hugging Face ``EsmForMaskedLM`` and ``BertForMaskedLM`` (fp64) on 2 gloo ranks, in one spawn: the
-step's loss and every parameter gradient equal one process back-propagating ``F.cross_entropy``
-over every masked token of the whole global batch. Each check's comments say what it covers.
-"""
+"""The fused head in a PyTorch loop: ``lm_head_inputs`` + ``GlobalBatchLoss`` on DDP and FSDP2."""
 
 from __future__ import annotations
 

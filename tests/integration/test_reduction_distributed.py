@@ -4,14 +4,11 @@ One spawn of 4 processes goes through the layouts: plain ``torch.distributed`` (
 Megatron-Core's parallel state at DP = 4, DP = 2 x TP = 2, TP = 4, DP = 2 x CP = 2 and
 TP = 2 x CP = 2, rebuilt for each. Every rank builds the same global batch, takes its share
 (rows for DP, load-balanced sequence chunks for CP, a vocab slice for TP), runs the loss per
-micro-batch as Megatron would, and checks the reduced loss and its own slice of
-d(loss)/d(logits) against ``F.cross_entropy`` on the whole, unsplit batch; forward and backward
-of every micro-batch run no host sync and no collective but, under TP, the cross-entropy's one
-all-reduce; ``reduce`` one all-reduce (none at TP = 4, where DP x CP is one rank); the token
-count sums over ``loss_reduction_group()``, DP x CP and never TP. Megatron's own cross-entropy
-kernels run at TP = 1, 2 and 4; ``cross_entropy_loss_sum`` on vocab shards through a group
-passed in (no Megatron) and Megatron's TP group; ``TokenPerplexity`` in every layout without CP;
-a packed batch in every mode at DP = 2 x CP = 2.
+micro-batch as Megatron would, counting its collectives and host syncs, and checks the reduced
+loss and its own slice of d(loss)/d(logits) against ``F.cross_entropy`` on the whole, unsplit
+batch. Megatron's own cross-entropy kernels run at TP = 1, 2 and 4; ``cross_entropy_loss_sum`` on
+vocab shards through a group passed in (no Megatron) and Megatron's TP group; ``TokenPerplexity``
+in every layout without CP; a packed batch in every mode at DP = 2 x CP = 2.
 """
 
 from __future__ import annotations
@@ -93,7 +90,7 @@ def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
     ref_loss, ref_grad = reference_loss_and_grad(logits, labels, mask)
 
     reports, local_tokens = [], torch.zeros((), dtype=torch.int64)
-    grads, leaves = [], []
+    grads = []
     for rows in MICRO_BATCHES[dp_size][dp_rank]:
         full_batch = {"labels": labels[rows], "loss_mask": mask[rows]}
         batch = get_batch_on_this_cp_rank(full_batch)
@@ -115,9 +112,7 @@ def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
                 loss_sum.backward()
         # Under TP, the cross-entropy's one all-reduce over the vocabulary shards.
         assert dict(calls) == ({} if tp_size == 1 else {"all_reduce": 1}), dict(calls)
-        if not validation_step:
-            grads.append(leaf.grad)
-        leaves.append(rows)
+        grads.append(leaf.grad)  # None in validation
         local_tokens += num_tokens
         reports.append(report)
 
@@ -136,7 +131,7 @@ def _check_against_single_process(validation_step: bool, **loss_kwargs) -> None:
     with count_collectives() as calls:  # no group: no reduction, not the default group's
         assert torch.equal(all_reduce_sum_(local_tokens.clone(), None), local_tokens)
     assert not calls
-    for rows, grad in zip(leaves, grads, strict=True):
+    for rows, grad in zip(MICRO_BATCHES[dp_size][dp_rank], grads, strict=True):
         expected = _local_view(ref_grad, rows, (tp_rank, tp_size), (cp_rank, cp_size))
         torch.testing.assert_close(grad / global_tokens, expected, rtol=1e-12, atol=1e-15)
 

@@ -1,13 +1,12 @@
 """examples/slurm_requeue.sh on one machine: 2 nodes' worth of torchrun, SIGKILL, requeue.
 
-The script runs as SLURM runs it, with stand-ins for the two SLURM commands it calls: ``srun``
-starts its command once per node (``SLURM_NNODES`` copies, as ``--ntasks-per-node=1`` does),
-``scontrol show hostnames`` names this machine. The two ``torchrun`` agents meet through the
-c10d rendezvous on localhost and start one CPU process each (ranks 0 and 1 of a 2-node DDP
-run over gloo). Once 7 of 20 steps are logged, every process of the job is killed with
-``SIGKILL`` (a preemption without grace period, a lost allocation); the same script is then
-run again, as a requeued job is, and ``metrics.csv`` must equal an uninterrupted 2-process run
-(the default dropout, so every rank's generators must be restored): every step once.
+The script runs as SLURM runs it, with stand-ins for ``srun`` and ``scontrol`` (:data:`SRUN`,
+:data:`SCONTROL`). The two ``torchrun`` agents meet through the c10d rendezvous on localhost and
+start one CPU process each (ranks 0 and 1 of a 2-node DDP run over gloo). Once 7 of 20 steps are
+logged, every process of the job is killed with ``SIGKILL`` (a preemption without grace period,
+a lost allocation); the same script is then run again, as a requeued job is, and ``metrics.csv``
+must equal an uninterrupted 2-process run (the default dropout, so every rank's generators must
+be restored): every step once.
 """
 
 from __future__ import annotations

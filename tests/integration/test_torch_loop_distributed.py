@@ -1,10 +1,4 @@
-"""GlobalBatchLoss in real gloo processes under DDP and FSDP2 (``fully_shard``), vs one process.
-
-Every rank builds the same global batch and the same fp64 model, takes its rows, runs a
-plain PyTorch training step (micro-batches, ``no_sync`` / ``set_requires_gradient_sync``)
-and checks the step's loss and every parameter's gradient against one process
-back-propagating the whole global batch (``F.cross_entropy`` on every scored token).
-"""
+"""GlobalBatchLoss in real gloo processes under DDP and FSDP2 (``fully_shard``), vs one process."""
 
 from __future__ import annotations
 

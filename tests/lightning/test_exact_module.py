@@ -95,7 +95,6 @@ def test_module_needs_an_optimizer() -> None:
 
 
 def _fit(module: ExactMLMModule, max_steps: int, **sampler_options) -> pl.Trainer:
-    """A quiet CPU fit of ``module`` on global batches of 8 in micro-batches of 1."""
     dataset = et.MLMSamples()
     sampler = GlobalBatchSampler(len(dataset), 8, 1, **sampler_options)
     trainer = quiet_trainer(max_steps=max_steps, use_distributed_sampler=False)

@@ -87,8 +87,6 @@ class _Interrupted(Exception):
 
 
 class _StopMidValidation(TinyMLM):
-    """Saves a checkpoint inside the second validation step of epoch 0, then stops."""
-
     def __init__(self, path: str) -> None:
         super().__init__(lr=0.1)
         self.path = path

@@ -43,8 +43,7 @@ def _checkpointed_run(out_dir: str, resume_from: str | None) -> None:
     configured = recipe(out_dir, devices=2)
     configured.trainer.enable_checkpointing = True
     configured.trainer.enable_progress_bar = False
-    # NeMo saves asynchronously by default: on gloo its background save and the checkpoint
-    # callback's broadcasts deadlock; a synchronous save is what is checked here.
+    # Synchronous: NeMo's default asynchronous save deadlocks on gloo (docs/nemo.md).
     configured.trainer.strategy.ckpt_async_save = False
     configured.log.ckpt = run.Config(
         nl.ModelCheckpoint,
@@ -54,8 +53,7 @@ def _checkpointed_run(out_dir: str, resume_from: str | None) -> None:
         save_top_k=-1,  # keep every step's: the end's holds no optimizer state
         save_last=False,
     )
-    # Adam: Megatron's optimizer state of SGD cannot be reloaded (no init_state_fn for SGD in
-    # megatron/core/optimizer/__init__.py), Adam's can.
+    # Adam: Megatron cannot reload SGD's optimizer state (docs/nemo.md).
     configured.optim.config.optimizer = "adam"
     configured.optim.config.lr = ADAM_LR
     configured.model.loss_reduction_class = run.Partial(BERTMLMLossWithReduction, capacity=0.5)

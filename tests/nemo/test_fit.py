@@ -1,8 +1,6 @@
 """Real NeMo 2 fits (``tests.helpers.nemo_bert.fit``) equal one-process PyTorch on whole batches.
 
-Every parameter and every logged loss equal ``reference_training``, and the fits that validate
-log ``F.cross_entropy`` over every masked validation token in one pass. One fit per set of
-processes: NeMo's groups do not survive a second fit in the same process.
+One fit per set of processes: NeMo's groups do not survive a second fit in the same process.
 """
 
 from __future__ import annotations

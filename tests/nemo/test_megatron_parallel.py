@@ -31,7 +31,6 @@ from examples.nemo2_esm2_loss import (
     MLMLightningModule,
     mlm_config,
     mlm_data_step,
-    mlm_ddp_config,
     nemo_trainer,
 )
 from tests.helpers.dist_utils import run_distributed
@@ -86,7 +85,6 @@ class _RecordingModule(GradSync, MLMLightningModule):
 
 
 def _global_batch() -> dict[str, Tensor]:
-    """An MLM batch: [b, s] masked input ids (``text``), labels and loss mask."""
     return mlm_batch(GLOBAL_BATCH, 11, SEQ_LEN, mask_prob=0.25, empty_rows=(EMPTY_ROW,))
 
 
@@ -195,7 +193,6 @@ def test_a_step_is_the_global_batch_in_one_pass(step: str) -> None:
 
 def test_example_builds_the_megatron_flags() -> None:
     assert mlm_config().calculate_per_token_loss
-    assert not mlm_ddp_config().average_in_collective
     trainer = nemo_trainer(context_parallel_size=2, accelerator="cpu")
     assert isinstance(trainer.strategy, MegatronStrategy)
     assert trainer.strategy.context_parallel_size == 2

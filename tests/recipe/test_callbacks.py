@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from bert_reduce.recipe.callbacks import RunCheckpoint, StopOnSignal
-from tests.helpers.checkpoints import checkpoint_names, step_of
+from tests.helpers.recipe_runs import checkpoint_names, step_of
 from tests.helpers.tiny_lightning import TinyModule, tiny_loader, tiny_trainer
 
 pytestmark = pytest.mark.lightning24  # also run under NeMo's Lightning 2.4 (.ci/run)
@@ -124,8 +124,6 @@ def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
 
 
 class SignalAtStepEnd(Callback):
-    """Sends ``signals`` to this process at the end of training step ``step``."""
-
     def __init__(self, step: int, *signals: int) -> None:
         self.step = step
         self.signals = signals

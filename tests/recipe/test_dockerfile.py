@@ -1,5 +1,3 @@
-"""The Dockerfile: its base image, the files it copies, its default command."""
-
 from __future__ import annotations
 
 import re

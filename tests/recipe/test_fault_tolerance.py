@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 
 from bert_reduce.recipe.run_directory import RunDirectory, RunDirectoryError
-from tests.helpers.checkpoints import checkpoint_names, step_of
 from tests.helpers.dist_utils import HANG_GUARD_S
 from tests.helpers.recipe_runs import (
     CHECKPOINTED,
+    checkpoint_names,
     rows,
     run_train_py,
     start_train_py,
+    step_of,
     training_steps,
     wait_until,
 )
@@ -171,15 +172,10 @@ def test_sigkill_then_the_same_command_finishes_the_run_once(
 # fault left: (fault, checkpoints in place after it, last.ckpt's step, the last row's step,
 # where the next run resumes). A step's checkpoints are in place only once its rows are.
 CHAIN = [
-    # The checkpoints of step 10 written, not yet in place, its row not yet logged.
     ("kill-after-checkpoint-write@10", checkpoints_up_to(5), 5, 9, "last.ckpt"),
-    # Step 10's row logged, its checkpoints not yet in place.
     ("kill-after-train-row@10", checkpoints_up_to(5), 5, 10, "last.ckpt"),
-    # Step 10's periodic checkpoint in place, not yet last.ckpt.
     ("kill-mid-commit@10", checkpoints_up_to(10), 5, 10, "step000010.ckpt"),
-    # The disk fills while step 15's checkpoint is written: nothing in place changes.
     ("enospc@15", checkpoints_up_to(10), 5, 14, "step000010.ckpt"),
-    # Step 20's checkpoints in place.
     ("kill-after-commit@20", checkpoints_up_to(20), 20, 20, "last.ckpt"),
     # keep_last=1 deletes the older ones only once step 25's last.ckpt is in place.
     ("kill-mid-commit@25", checkpoints_up_to(25), 20, 25, "step000025.ckpt"),

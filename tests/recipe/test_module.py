@@ -25,7 +25,6 @@ def samples(count: int = 6) -> list[dict[str, torch.Tensor]]:
 
 
 def gradients(model: ESM2Model, batch: dict, mode: str) -> tuple[torch.Tensor, dict]:
-    """The loss of ``mode`` and the gradient of every parameter, after one backward."""
     model.zero_grad(set_to_none=True)
     module = ESM2MLMModule(model, micro_batch_size=len(batch["labels"]))
     forward_out = module(batch)

@@ -1,5 +1,3 @@
-"""The learning-rate schedule: linear warm-up, then cosine decay."""
-
 from __future__ import annotations
 
 import math

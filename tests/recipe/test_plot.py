@@ -1,5 +1,3 @@
-"""The curves plot from Lightning's metrics.csv."""
-
 from __future__ import annotations
 
 from pathlib import Path

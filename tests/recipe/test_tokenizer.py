@@ -1,5 +1,3 @@
-"""The ESM-2 tokenizer: its alphabet and encoding."""
-
 from __future__ import annotations
 
 import pytest
