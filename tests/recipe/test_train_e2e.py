@@ -2,7 +2,8 @@
 
 The same global batches give the same rows whatever the micro-batch size, packing, number of
 DDP processes and resume point (docs/recipe.md, "The end-to-end guarantee"); no run prints a
-warning.
+warning; every rank of a run (here ``build.run`` itself, on 2 launched processes) ends the
+process group it started.
 """
 
 from __future__ import annotations
